@@ -1,0 +1,141 @@
+"""The ``executor`` command: list backends, show versions, run the main job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._main_job import add_run_arguments, run_main_job
+from ._registry import Registry, default_registry
+from ._version import __version__
+
+__all__ = ["build_parser", "main"]
+
+
+def _versions(registry: Registry) -> dict[str, str]:
+    versions = {"executor-core": __version__}
+    for _name, (dist, version) in sorted(registry.plugins.items()):
+        if dist:
+            versions[dist] = version
+    return versions
+
+
+def _backends_payload(registry: Registry) -> dict[str, Any]:
+    conflicts = registry.conflicts()
+    return {
+        "backends": [
+            {
+                "name": spec.name,
+                "aliases": list(spec.aliases),
+                "plugin": spec.plugin,
+                "distribution": spec.distribution,
+                "version": spec.version,
+                "executor": spec.executor,
+                "description": spec.description,
+                "capabilities": {
+                    "pipeline_parallel": spec.capabilities.pipeline_parallel,
+                    "multi_node": spec.capabilities.multi_node,
+                    "devices": list(spec.capabilities.devices),
+                },
+                "requires": list(spec.requires),
+                "conflict": spec.name in conflicts,
+            }
+            for spec in registry.backends()
+        ],
+        "broken": [
+            {
+                "plugin": b.name,
+                "distribution": b.distribution,
+                "version": b.version,
+                "error": b.error,
+            }
+            for b in registry.broken
+        ],
+        "conflicts": {
+            name: [f"{s.plugin} ({s.distribution})" for s in specs]
+            for name, specs in conflicts.items()
+        },
+    }
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    registry = default_registry()
+    payload = _backends_payload(registry)
+    if args.json:
+        print(json.dumps(payload, indent=2))
+        return 0
+    rows = [["NAME", "ALIASES", "DISTRIBUTION", "VERSION", "CAPABILITIES", "DESCRIPTION"]]
+    for b in payload["backends"]:
+        spec = registry.get(b["name"]) if not b["conflict"] else None
+        caps = spec.capabilities.describe() if spec else "CONFLICT"
+        rows.append(
+            [
+                b["name"],
+                ",".join(b["aliases"]) or "-",
+                b["distribution"] or b["plugin"],
+                b["version"] or "-",
+                caps,
+                b["description"],
+            ]
+        )
+    if len(rows) > 1:
+        print(_table(rows))
+    else:
+        print("No backends installed. Install one: pip install executor-plugin-uniproc")
+    for name, claimants in payload["conflicts"].items():
+        print(f"\nconflict: backend name {name!r} is claimed by {', '.join(claimants)}")
+    if payload["broken"]:
+        print("\nPlugins that failed to load:")
+        for b in payload["broken"]:
+            print(f"  {b['plugin']} ({b['distribution'] or '?'} {b['version']}): {b['error']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``executor`` command."""
+    parser = argparse.ArgumentParser(
+        prog="executor", description="Executor SDK: run a model's workers on any backend."
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="show the core's and each plugin's version"
+    )
+    sub = parser.add_subparsers(dest="command")
+    backends = sub.add_parser("backends", help="list the installed backends (like 'pip list')")
+    backends.add_argument("--json", action="store_true", help="machine-readable output")
+    backends.set_defaults(func=_cmd_backends)
+    run = sub.add_parser("run", help="run the main job: the reference model on a backend")
+    add_run_arguments(run)
+    run.set_defaults(func=run_main_job)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``executor`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        for dist, version in _versions(default_registry()).items():
+            print(f"{dist} {version}")
+        return 0
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

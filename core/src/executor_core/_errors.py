@@ -1,0 +1,172 @@
+"""The exception hierarchy: every error the SDK raises is an :class:`ExecutorError`."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+
+__all__ = [
+    "BackendConflictError",
+    "BackendLoadError",
+    "ConfigError",
+    "ExecutorClosedError",
+    "ExecutorError",
+    "ExecutorFailedError",
+    "RPCTimeoutError",
+    "SleepStateError",
+    "UnknownBackendError",
+    "WorkerDiedError",
+    "WorkerError",
+    "describe_exception",
+]
+
+
+def describe_exception(exc: BaseException) -> tuple[str, str]:
+    """``(type name, formatted traceback)`` of ``exc``; builtins are named without module."""
+    cls = type(exc)
+    name = (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+    return name, "".join(traceback.format_exception(exc))
+
+
+class ExecutorError(Exception):
+    """Base class of every error raised by the executor SDK."""
+
+
+class ConfigError(ExecutorError, ValueError):
+    """An :class:`~executor_core.ExecutorConfig` field holds a value that is not allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid ExecutorConfig.{field}={value!r}: {allowed}")
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str]]:
+        return (type(self), (self.field, self.value, self.allowed))
+
+
+class UnknownBackendError(ExecutorError, LookupError):
+    """No installed plugin provides the requested backend name."""
+
+
+class BackendConflictError(ExecutorError, LookupError):
+    """Two plugins claim the same backend name; the SDK refuses to pick one silently."""
+
+
+class BackendLoadError(ExecutorError, ImportError):
+    """A backend's executor class could not be imported or is not an Executor."""
+
+
+class WorkerError(ExecutorError):
+    """A worker method raised. Carries the rank and the worker-side traceback text.
+
+    When the original exception could be pickled in the worker and unpickled here, it is
+    chained as ``__cause__`` (and available as :attr:`original`).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        method: str,
+        exc_type: str,
+        message: str,
+        remote_traceback: str,
+        original: BaseException | None = None,
+    ) -> None:
+        self.rank = rank
+        self.method = method
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.original = original
+        super().__init__(rank, method, exc_type, message, remote_traceback)
+        if original is not None:
+            self.__cause__ = original
+
+    @classmethod
+    def from_exception(cls, rank: int, method: str, exc: BaseException) -> WorkerError:
+        """Wrap ``exc``, raised in-process by ``method`` on ``rank`` (no pickling involved)."""
+        exc_type, text = describe_exception(exc)
+        return cls(rank, method, exc_type, str(exc), text, exc)
+
+    def __str__(self) -> str:
+        return (
+            f"worker rank {self.rank} raised {self.exc_type} in {self.method!r}: {self.message}\n"
+            f"--- worker traceback (rank {self.rank}) ---\n{self.remote_traceback.rstrip()}"
+        )
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[WorkerError], tuple[int, str, str, str, str, BaseException | None]]:
+        return (
+            type(self),
+            (
+                self.rank,
+                self.method,
+                self.exc_type,
+                self.message,
+                self.remote_traceback,
+                self.original,
+            ),
+        )
+
+
+class SleepStateError(ExecutorError, ValueError):
+    """``sleep``/``wake_up`` was asked for something the executor's sleep state does not allow."""
+
+
+class ExecutorFailedError(ExecutorError):
+    """The executor has failed (a worker died, a channel broke) and cannot run calls."""
+
+
+class WorkerDiedError(ExecutorFailedError):
+    """A worker process or actor is gone. Names the rank and how it ended."""
+
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int | None = None,
+        signal: int | None = None,
+        detail: str = "",
+    ) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.signal = signal
+        self.detail = detail
+        how: list[str] = []
+        if signal is not None:
+            how.append(f"killed by signal {signal}")
+        if exitcode is not None:
+            how.append(f"exit code {exitcode}")
+        if detail:
+            how.append(detail)
+        suffix = f" ({', '.join(how)})" if how else ""
+        super().__init__(f"worker rank {rank} died{suffix}")
+
+    def __reduce__(self) -> tuple[type[WorkerDiedError], tuple[int, int | None, int | None, str]]:
+        return (type(self), (self.rank, self.exitcode, self.signal, self.detail))
+
+
+class ExecutorClosedError(ExecutorError):
+    """A call was made after :meth:`Executor.shutdown`."""
+
+
+class RPCTimeoutError(ExecutorError, TimeoutError):
+    """A collective call did not complete within its timeout.
+
+    Names the method and the ranks that had not answered.
+    """
+
+    def __init__(self, method: str, ranks: Sequence[int], timeout: float) -> None:
+        self.method = method
+        self.ranks = tuple(ranks)
+        self.timeout = timeout
+        super().__init__(
+            f"collective_rpc {method!r} timed out after {timeout:g} s; "
+            f"ranks that did not answer: {list(self.ranks)}"
+        )
+
+    def __reduce__(self) -> tuple[type[RPCTimeoutError], tuple[str, tuple[int, ...], float]]:
+        return (type(self), (self.method, self.ranks, self.timeout))

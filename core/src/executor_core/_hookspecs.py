@@ -1,0 +1,79 @@
+"""The pluggy hook specifications. Each is documented in docs/hooks.md (a test checks it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from ._config import ExecutorConfig
+    from ._registry import BackendSpec
+    from ._worker import WorkerBase, WorkerContext
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+
+#: The one pluggy project name: spec marker, impl marker and plugin manager all use it.
+PROJECT_NAME = "executor"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+#: Decorate a plugin module's functions with this to implement a hook.
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --- driver side -------------------------------------------------------------------------
+
+
+@hookspec
+def executor_register_backends() -> Sequence[BackendSpec]:
+    """Declare the backends this plugin provides.
+
+    Return a sequence of :class:`~executor_core.BackendSpec`. The executor class is named by
+    a ``"package.module:Class"`` string so that nothing heavy is imported until the backend
+    is chosen. Called once per registry, in the driver and in worker processes alike.
+    """
+    raise NotImplementedError  # pragma: no cover - specs are never called
+
+
+@hookspec(firstresult=True)
+def executor_select_backend(config: ExecutorConfig, available: Sequence[str]) -> str | None:
+    """Choose the backend name for ``backend="auto"``; return ``None`` to let others decide.
+
+    ``available`` lists the names of the backends that are installed and loaded. The first
+    non-``None`` answer wins; the core's built-in rule runs last.
+    """
+    raise NotImplementedError  # pragma: no cover
+
+
+# --- worker side: called inside each worker process -----------------------------------------
+
+
+@hookspec
+def executor_worker_process_started(context: WorkerContext) -> None:
+    """A worker process (or actor) is about to build its worker.
+
+    Runs before the user's worker is constructed and before ``init_device``: a device plugin
+    sets up its device or environment here (``context.device`` names the device type).
+    """
+
+
+@hookspec
+def executor_worker_ready(worker: WorkerBase, context: WorkerContext) -> None:
+    """The worker has run ``init_device`` and ``load_model`` and is ready for calls."""
+
+
+@hookspec
+def executor_worker_rpc_finished(
+    context: WorkerContext, method: str, duration_s: float, error: BaseException | None
+) -> None:
+    """A call on the worker finished (``error`` is ``None`` when it returned normally).
+
+    Observer plugins (tracing, metrics) see every RPC here without touching the backend.
+    Keep it cheap: it runs on the worker's hot path.
+    """
+
+
+@hookspec
+def executor_worker_stopping(worker: WorkerBase | None, context: WorkerContext) -> None:
+    """The worker is shutting down (``worker`` is ``None`` if it was never built)."""

@@ -1,0 +1,131 @@
+"""WorkerWrapper: hosts the user's worker inside a worker process (or in-process)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._qualname import resolve_qualname
+from ._wire import RemoteFailure, loads_method, method_name
+from ._worker import WorkerBase, WorkerContext
+
+if TYPE_CHECKING:
+    import pluggy
+
+__all__ = ["WorkerWrapper"]
+
+
+class WorkerWrapper:
+    """Builds the user's worker lazily, in the process that hosts it, and runs methods on it.
+
+    Backends create one wrapper per rank, in the worker process, call :meth:`init_worker`
+    once, then :meth:`run_method` (raises) or :meth:`execute` (returns a failure record)
+    for each call, and :meth:`shutdown` at the end. Worker-side plugin hooks are called here,
+    so every backend gets them for free.
+    """
+
+    def __init__(
+        self,
+        worker_cls: type | str,
+        worker_kwargs: Mapping[str, Any],
+        context: WorkerContext,
+        *,
+        env: Mapping[str, str] | None = None,
+        hooks: pluggy.HookRelay | None = None,
+    ) -> None:
+        self.worker_cls = worker_cls
+        self.worker_kwargs = dict(worker_kwargs)
+        self.context = context
+        self.env = dict(env or {})
+        self._hooks = hooks
+        self.worker: WorkerBase | None = None
+
+    @property
+    def hooks(self) -> pluggy.HookRelay:
+        """The worker-side hook relay (a registry is loaded in this process if none was given)."""
+        if self._hooks is None:
+            from ._registry import Registry  # deferred: only needed in a fresh worker process
+
+            self._hooks = Registry.from_entry_points().hook
+        return self._hooks
+
+    def init_worker(self) -> None:
+        """Apply env, call the start hook, build the worker, init its device, load the model."""
+        os.environ.update(self.env)
+        self.hooks.executor_worker_process_started(context=self.context)
+        cls = self.worker_cls
+        if isinstance(cls, str):
+            cls = resolve_qualname(cls)
+        if not (isinstance(cls, type) and issubclass(cls, WorkerBase)):
+            raise TypeError(f"worker_cls {self.worker_cls!r} is not a WorkerBase subclass")
+        self.worker = cls(context=self.context, **self.worker_kwargs)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.hooks.executor_worker_ready(worker=self.worker, context=self.context)
+
+    def _resolve(self, method: str | bytes | Callable[..., Any]) -> Callable[..., Any]:
+        worker = self.worker
+        if worker is None:
+            raise RuntimeError(f"worker rank {self.context.rank} was not initialised")
+        loaded = loads_method(method)
+        if isinstance(loaded, str):
+            func = getattr(worker, loaded, None)
+            if func is None or not callable(func):
+                raise AttributeError(
+                    f"{type(worker).__name__} has no method {loaded!r} "
+                    f"(collective_rpc takes a worker method name or a callable(worker, ...))"
+                )
+            bound: Callable[..., Any] = func
+            return bound
+        fn = loaded
+
+        def call_with_worker(*args: Any, **kwargs: Any) -> Any:
+            return fn(worker, *args, **kwargs)
+
+        return call_with_worker
+
+    def run_method(
+        self,
+        method: str | bytes | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Run ``method`` (a name, a callable taking the worker, or a cloudpickled callable)."""
+        start = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            return self._resolve(method)(*args, **(kwargs or {}))
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.hooks.executor_worker_rpc_finished(
+                context=self.context,
+                method=method_name(method),
+                duration_s=time.perf_counter() - start,
+                error=error,
+            )
+
+    def execute(
+        self,
+        method: str | bytes | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[bool, Any]:
+        """Like :meth:`run_method`, but returns ``(True, result)`` or ``(False, RemoteFailure)``.
+
+        For backends that ship results across a process boundary.
+        """
+        try:
+            return True, self.run_method(method, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - every worker error is shipped to the driver
+            return False, RemoteFailure.capture(self.context.rank, method_name(method), exc)
+
+    def shutdown(self) -> None:
+        """Call the stopping hook and the worker's ``shutdown`` (once)."""
+        worker, self.worker = self.worker, None
+        self.hooks.executor_worker_stopping(worker=worker, context=self.context)
+        if worker is not None:
+            worker.shutdown()

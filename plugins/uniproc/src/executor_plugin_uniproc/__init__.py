@@ -1,0 +1,27 @@
+"""executor-plugin-uniproc: the in-process backend (``uni``).
+
+This module is the plugin the registry imports: it only declares the backend. The executor
+itself lives in :mod:`executor_plugin_uniproc._executor` and is imported when chosen.
+"""
+
+from __future__ import annotations
+
+from executor_core import BackendSpec, Capabilities, hookimpl
+
+__all__ = ["__version__", "executor_register_backends"]
+
+__version__ = "0.1.0"  # keep equal to pyproject.toml
+
+
+@hookimpl
+def executor_register_backends() -> list[BackendSpec]:
+    """Declare the ``uni`` backend."""
+    return [
+        BackendSpec(
+            name="uni",
+            aliases=("uniproc",),
+            executor="executor_plugin_uniproc._executor:UniProcExecutor",
+            description="One worker in the driver's own process; calls are direct method calls.",
+            capabilities=Capabilities(devices=("cpu", "cuda")),
+        ),
+    ]

@@ -1,0 +1,1 @@
+"""Plugins broken on purpose, to test that one bad plugin never hides the others."""
