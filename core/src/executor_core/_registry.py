@@ -233,9 +233,10 @@ class Registry:
         found: list[BackendSpec] = []
         hook = self.plugin_manager.hook.executor_register_backends
         # Each plugin's impl is called on its own so that one raising does not hide the others.
-        for impl in reversed(hook.get_hookimpls()):
+        already_broken = {b.name for b in self._broken}
+        for impl in hook.get_hookimpls():  # registration order
             info = self._plugins.get(impl.plugin_name)
-            if info is None:
+            if info is None or info.name in already_broken:
                 continue
             try:
                 declared: Any = impl.function()

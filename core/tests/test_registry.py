@@ -1,0 +1,277 @@
+"""The registry with plugins registered in code (entry points: tests/test_discovery.py)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from executor_core import (
+    BackendConflictError,
+    BackendLoadError,
+    BackendSpec,
+    Capabilities,
+    Executor,
+    ExecutorConfig,
+    Registry,
+    UnknownBackendError,
+    WorkerBase,
+    hookimpl,
+)
+
+
+class _Worker(WorkerBase):
+    pass
+
+
+def _config(**overrides: Any) -> ExecutorConfig:
+    return ExecutorConfig(worker_cls=_Worker, **overrides)
+
+
+def _plugin(*specs: BackendSpec) -> object:
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[BackendSpec]:
+            return list(specs)
+
+    return Plugin()
+
+
+def _spec(name: str, *aliases: str, executor: str = "some_module:SomeExecutor") -> BackendSpec:
+    return BackendSpec(name=name, aliases=aliases, executor=executor, description=f"{name} test")
+
+
+@pytest.fixture
+def lazy_backend_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A backend module on sys.path that is not imported yet."""
+    name = f"lazy_backend_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            from executor_core import Executor
+
+            class LazyExecutor(Executor):
+                def _init_executor(self): pass
+                def collective_rpc(self, method, timeout=None, args=(), kwargs=None,
+                                   non_block=False, unique_reply_rank=None):
+                    return []
+
+            NOT_AN_EXECUTOR = object()
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_get_by_name_and_alias_fills_plugin_info() -> None:
+    registry = Registry()
+    assert registry.register_plugin(
+        _plugin(_spec("alpha", "a")), "alpha-plugin", distribution="alpha-dist", version="1.2"
+    )
+    spec = registry.get("a")
+    assert spec.name == "alpha"
+    assert (spec.plugin, spec.distribution, spec.version) == ("alpha-plugin", "alpha-dist", "1.2")
+    assert registry.names() == ["alpha"]
+
+
+def test_executor_class_is_imported_only_when_chosen(lazy_backend_module: str) -> None:
+    registry = Registry()
+    registry.register_plugin(
+        _plugin(_spec("lazy", executor=f"{lazy_backend_module}:LazyExecutor")), "p"
+    )
+    assert registry.get("lazy").name == "lazy"
+    assert lazy_backend_module not in sys.modules
+    cls = registry.executor_class("lazy")
+    assert cls.__name__ == "LazyExecutor"
+    assert issubclass(cls, Executor)
+    assert lazy_backend_module in sys.modules
+
+
+def test_executor_class_errors(lazy_backend_module: str) -> None:
+    registry = Registry()
+    registry.register_plugin(
+        _plugin(
+            _spec("missing-module", executor="no_such_module_xyz:Executor"),
+            _spec("not-executor", executor=f"{lazy_backend_module}:NOT_AN_EXECUTOR"),
+            BackendSpec(name="needs-dist", executor="x:Y", requires=("no-such-distribution-xyz",)),
+        ),
+        "p",
+    )
+    with pytest.raises(BackendLoadError, match="failed to import 'no_such_module_xyz:Executor'"):
+        registry.executor_class("missing-module")
+    with pytest.raises(BackendLoadError, match="is not an Executor subclass"):
+        registry.executor_class("not-executor")
+    with pytest.raises(BackendLoadError, match="pip install no-such-distribution-xyz"):
+        registry.executor_class("needs-dist")
+
+
+def test_conflicts_are_reported_not_resolved() -> None:
+    registry = Registry()
+    registry.register_plugin(_plugin(_spec("dup")), "first", distribution="first-dist")
+    registry.register_plugin(_plugin(_spec("other", "dup")), "second", distribution="second-dist")
+    assert set(registry.conflicts()) == {"dup"}
+    with pytest.raises(BackendConflictError) as info:
+        registry.get("dup")
+    message = str(info.value)
+    assert "first-dist" in message
+    assert "second-dist" in message
+    assert "EXECUTOR_PLUGINS" in message
+    assert registry.get("other").plugin == "second"  # the non-conflicting name still works
+
+
+def test_unknown_backend_lists_available_broken_and_install_hint() -> None:
+    registry = Registry()
+    registry.register_plugin(_plugin(_spec("alpha", "a")), "alpha")
+
+    class BadHook:
+        @staticmethod
+        @hookimpl
+        def executor_select_backend(config: Any, nonsense: Any) -> None:
+            return None
+
+    assert registry.register_plugin(BadHook(), "bad", distribution="bad-dist") is False
+    with pytest.raises(UnknownBackendError) as info:
+        registry.get("ray")
+    message = str(info.value)
+    assert "unknown executor backend 'ray'" in message
+    assert "Available backends: a, alpha." in message
+    assert "pip install executor-plugin-ray" in message
+    assert "bad (bad-dist)" in message
+    assert "nonsense" in message
+
+
+def test_broken_plugins_do_not_hide_others() -> None:
+    registry = Registry()
+
+    class Raises:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[BackendSpec]:
+            raise RuntimeError("cannot declare")
+
+    class WrongType:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[object]:
+            return ["not a spec"]
+
+    class UnknownHook:
+        @staticmethod
+        @hookimpl
+        def executor_no_such_hook() -> None:
+            return None
+
+    registry.register_plugin(Raises(), "raises")
+    registry.register_plugin(_plugin(_spec("good")), "good")
+    registry.register_plugin(WrongType(), "wrong-type")
+    assert registry.register_plugin(UnknownHook(), "unknown-hook") is False
+    assert registry.names() == ["good"]
+    broken = {b.name: b.error for b in registry.broken}
+    assert set(broken) == {"raises", "wrong-type", "unknown-hook"}
+    assert "cannot declare" in broken["raises"]
+    assert "BackendSpec" in broken["wrong-type"]
+    assert "executor_no_such_hook" in broken["unknown-hook"]
+    # A rejected plugin is fully unregistered: later registrations still validate.
+    assert registry.register_plugin(_plugin(_spec("late")), "late")
+    assert registry.names() == ["good", "late"]
+
+
+def test_duplicate_plugin_name_is_recorded() -> None:
+    registry = Registry()
+    assert registry.register_plugin(_plugin(_spec("one")), "same")
+    assert not registry.register_plugin(_plugin(_spec("two")), "same")
+    assert "already registered" in registry.broken[0].error
+
+
+@pytest.mark.parametrize(
+    ("available", "overrides", "expected"),
+    [
+        (["uni", "mp", "ray"], {}, "uni"),
+        (["uni", "mp", "ray"], {"tensor_parallel_size": 2}, "mp"),
+        (["uni", "mp", "ray"], {"tensor_parallel_size": 2, "num_nodes": 2}, "ray"),
+        (["mp"], {}, "mp"),
+    ],
+)
+def test_builtin_auto_selection(
+    available: list[str], overrides: dict[str, Any], expected: str
+) -> None:
+    registry = Registry()
+    registry.register_plugin(_plugin(*(_spec(name) for name in available)), "all")
+    assert registry.resolve_name(_config(backend="auto", **overrides)) == expected
+
+
+def test_auto_without_a_suitable_backend_explains() -> None:
+    registry = Registry()
+    registry.register_plugin(_plugin(_spec("uni")), "uni")
+    with pytest.raises(UnknownBackendError, match="executor-plugin-multiproc"):
+        registry.resolve_name(_config(tensor_parallel_size=2))
+    with pytest.raises(UnknownBackendError, match="num_nodes=2"):
+        registry.resolve_name(_config(num_nodes=2))
+
+
+def test_plugin_selection_hook_runs_before_builtin_rule() -> None:
+    registry = Registry()
+
+    class Chooser:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[BackendSpec]:
+            return [_spec("tpu"), _spec("uni")]
+
+        @staticmethod
+        @hookimpl
+        def executor_select_backend(config: ExecutorConfig, available: Sequence[str]) -> str | None:
+            return "tpu" if config.device == "tpu" else None
+
+    registry.register_plugin(Chooser(), "chooser")
+    assert registry.resolve_name(_config(device="tpu")) == "tpu"
+    assert registry.resolve_name(_config(device="cpu")) == "uni"
+
+
+def test_get_class_bypasses_discovery(lazy_backend_module: str) -> None:
+    empty = Registry()
+    by_qualname = Executor.get_class(
+        _config(backend=f"{lazy_backend_module}:LazyExecutor"), registry=empty
+    )
+    assert by_qualname.__name__ == "LazyExecutor"
+    assert Executor.get_class(_config(backend=by_qualname), registry=empty) is by_qualname
+    with pytest.raises(BackendLoadError, match="cannot import"):
+        Executor.get_class(_config(backend="nowhere_xyz:Thing"), registry=empty)
+    with pytest.raises(BackendLoadError, match="not an Executor subclass"):
+        Executor.get_class(
+            _config(backend=f"{lazy_backend_module}:NOT_AN_EXECUTOR"), registry=empty
+        )
+
+
+def test_backend_spec_validation() -> None:
+    with pytest.raises(ValueError, match="executor"):
+        BackendSpec(name="x", executor="not a qualname")
+    spec = BackendSpec(
+        name="x",
+        executor="m:C",
+        aliases="single",
+        capabilities=Capabilities(pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")),
+    )
+    assert spec.aliases == ("single",)
+    assert spec.capabilities.describe() == "pp, multi-node, cpu/cuda"
+
+
+def test_broken_plugin_recorded_once_across_recollection() -> None:
+    registry = Registry()
+
+    class Raises:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[BackendSpec]:
+            raise RuntimeError("cannot declare")
+
+    registry.register_plugin(Raises(), "raises")
+    assert len(registry.broken) == 1
+    registry.register_plugin(_plugin(_spec("x")), "x")  # forces a new collection
+    assert [b.name for b in registry.broken] == ["raises"]

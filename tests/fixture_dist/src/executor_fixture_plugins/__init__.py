@@ -1,0 +1,2 @@
+"""Test fixture plugins: three broken on purpose (one bad plugin must never hide the others)
+and one observer that records the worker-side hooks when asked to."""

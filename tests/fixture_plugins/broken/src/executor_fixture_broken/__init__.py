@@ -1,1 +1,0 @@
-"""Plugins broken on purpose, to test that one bad plugin never hides the others."""
