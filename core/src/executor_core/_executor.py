@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Executor", "FailureCallback", "chain_future", "create_executor"]
 
-logger = logging.getLogger("executor_core")
+
+def _log_exception(message: str, *args: object) -> None:
+    # logging is imported on this error path only: it costs ~20 ms at import time here.
+    import logging
+
+    logging.getLogger("executor_core").exception(message, *args)
+
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -75,8 +80,8 @@ class _Cleanups:
         for callback in reversed(callbacks):
             try:
                 callback()
-            except Exception as exc:
-                logger.exception("executor cleanup %r failed", callback)
+            except Exception as exc:  # noqa: BLE001 - run every releaser (each is logged), then report
+                _log_exception("executor cleanup %r failed", callback)
                 errors.append(exc)
         if errors:
             raise ExecutorError(f"{len(errors)} cleanup step(s) failed") from errors[0]
@@ -385,8 +390,8 @@ def _first(results: Sequence[Any]) -> Any:
 def _run_callback(callback: FailureCallback, error: ExecutorFailedError) -> None:
     try:
         callback(error)
-    except Exception:
-        logger.exception("executor failure callback %r raised", callback)
+    except Exception:  # noqa: BLE001 - one bad callback must not stop the others; logged
+        _log_exception("executor failure callback %r raised", callback)
 
 
 def _check_executor_class(obj: object, origin: str) -> type[Executor]:
