@@ -118,3 +118,10 @@ def test_cli_without_plugins_explains_how_to_install() -> None:
     result = _cli("backends", env={"EXECUTOR_PLUGINS": ""})
     assert result.returncode == 0
     assert "pip install executor-plugin-uniproc" in result.stdout
+
+
+def test_cli_names_in_tree_backends_that_are_not_installed() -> None:
+    result = _cli("backends", env={"EXECUTOR_PLUGINS": "uniproc"})
+    assert result.returncode == 0, result.stderr
+    assert "mp: pip install executor-plugin-multiproc" in result.stdout
+    assert "ray: pip install executor-plugin-ray" in result.stdout

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._main_job import add_run_arguments, run_main_job
-from ._registry import Registry, default_registry
+from ._registry import IN_TREE_BACKENDS, Registry, default_registry
 from ._version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -100,7 +100,17 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     if payload["broken"]:
         print("\nPlugins that failed to load:")
         for b in payload["broken"]:
-            print(f"  {b['plugin']} ({b['distribution'] or '?'} {b['version']}): {b['error']}")
+            error = b["error"].replace("\n", "\n      ")
+            print(f"  {b['plugin']} ({b['distribution'] or '?'} {b['version']}): {error}")
+    known = {n for b in payload["backends"] for n in (b["name"], *b["aliases"])}
+    not_installed: dict[str, str] = {}
+    for name, dist in IN_TREE_BACKENDS.items():
+        if name not in known:
+            not_installed.setdefault(dist, name)
+    if not_installed:
+        print("\nAlso available:")
+        for dist, name in sorted(not_installed.items()):
+            print(f"  {name}: pip install {dist}")
     return 0
 
 
