@@ -190,6 +190,27 @@ class ExecutorConformanceTests:
             future.result(timeout=30)
         assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
 
+    def test_concurrent_callers_get_their_own_results(self, executor: Executor) -> None:
+        ws = executor.world_size
+        errors: list[BaseException] = []
+
+        def caller(thread_index: int) -> None:
+            try:
+                for call in range(15):
+                    token = f"t{thread_index}-c{call}"
+                    result = executor.collective_rpc("echo", args=(token,), timeout=60)
+                    assert result == [(r, (token,), {}) for r in range(ws)]
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a caller thread hung"
+        assert not errors, errors[0]
+
     # --- errors ------------------------------------------------------------------------------
 
     def test_worker_exception_carries_rank_and_traceback(self, executor: Executor) -> None:
