@@ -1,50 +1,228 @@
-"""``executor run``: the main job. For now a small demo that drives a worker on any backend."""
+"""``executor run``: the main job. Greedy decoding with the reference model on any backend.
+
+Imports no torch at module level: ``executor --help`` and ``executor backends`` stay fast,
+and torch (``executor-core[torch]``) is needed only when the job runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TextIO
 
-from ._worker import WorkerBase, WorkerContext
+if TYPE_CHECKING:
+    from ._executor import Executor
+    from .reference import GenerationResult
 
-__all__ = ["DemoWorker", "add_run_arguments", "run_main_job"]
+__all__ = ["add_run_arguments", "run_main_job"]
+
+_MODEL_SIZE_NAMES = ("tiny", "small", "medium", "large")  # keys of reference.MODEL_SIZES
 
 
-class DemoWorker(WorkerBase):
-    """Sums a shard of a range per rank: enough to show every rank doing its part."""
-
-    def __init__(self, *, context: WorkerContext, scale: int = 1) -> None:
-        super().__init__(context=context)
-        self.scale = scale
-
-    def execute_model(self, batch: Any) -> Any:
-        n = int(batch)
-        shard = range(self.rank, n, self.world_size)
-        return {"rank": self.rank, "partial_sum": self.scale * sum(shard)}
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {value}")
+    return value
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``executor run``."""
-    parser.add_argument("--backend", default="uni", help="backend name, alias or 'auto'")
-    parser.add_argument("--steps", type=int, default=10, help="execute_model calls to make")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        help="backend name or alias ('uni', 'mp', 'ray', 'external_launcher' under torchrun), "
+        "or 'auto' (default: uni for one worker, else mp)",
+    )
+    parser.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel stages")
+    parser.add_argument("--requests", type=_positive, default=16, help="prompts to complete")
+    parser.add_argument("--prompt-len", type=_positive, default=16, help="tokens per prompt")
+    parser.add_argument(
+        "--max-new-tokens", type=_positive, default=32, help="tokens to generate per prompt"
+    )
+    parser.add_argument("--batch-size", type=_positive, default=8, help="prompts per batch")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    parser.add_argument(
+        "--model-size",
+        choices=_MODEL_SIZE_NAMES,
+        default="small",
+        help="reference model size (default: small, seconds on 2 CPU cores)",
+    )
+    parser.add_argument(
+        "--async-overlap",
+        action="store_true",
+        help="keep max_concurrent_batches batches in flight (2 at pp=1, pp otherwise) instead "
+        "of one step at a time",
+    )
+    parser.add_argument("--device", default="cpu", help="device type: cpu (gloo) or cuda (nccl)")
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        default=1,
+        help="torch intra-op threads per worker on the CPU (default 1: the reference sizes' "
+        "operations are too small to split)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="directory for the reference checkpoint, kept and reused "
+        "(default: a temporary one, removed at the end)",
+    )
+    parser.add_argument(
+        "--output-json", default=None, help="also write the summary and tokens to this file"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+@contextlib.contextmanager
+def _checkpoint_dir(path: str | None) -> Iterator[str]:
+    if path is not None:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="executor-run-") as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    try:
+        from tqdm import tqdm  # deferred: only the interactive job needs it
+    except ImportError:  # tqdm comes with executor-core[torch]; run without a bar otherwise
+        yield None
+        return
+    with tqdm(total=total, unit="tok", desc="generating", leave=False) as bar:
+        yield bar.update
+
+
+def _backend_name(executor: Executor) -> str:
+    try:
+        return executor.registry.resolve_name(executor.config)
+    except Exception:  # noqa: BLE001 - a class or qualname backend has no registered name
+        return type(executor).__name__
+
+
+def _summary(
+    args: argparse.Namespace,
+    executor: Executor,
+    result: GenerationResult,
+    startup_s: float,
+    num_parameters: int,
+) -> dict[str, Any]:
+    return {
+        "backend": _backend_name(executor),
+        "executor": type(executor).__name__,
+        "tp": args.tp,
+        "pp": args.pp,
+        "world_size": executor.world_size,
+        "device": args.device,
+        "model_size": args.model_size,
+        "parameters": num_parameters,
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "concurrent_batches": result.max_concurrent_batches,
+        "startup_s": startup_s,
+        "generated_tokens": result.generated_tokens,
+        "wall_s": result.wall_time_s,
+        "tokens_per_s": result.tokens_per_s,
+        "steps": len(result.steps),
+        "step_latency_p50_ms": result.latency_percentile(50) * 1e3,
+        "step_latency_p99_ms": result.latency_percentile(99) * 1e3,
+        "executor_share": result.executor_share,
+        "model_share": result.model_share,
+    }
+
+
+def _print_summary(s: dict[str, Any], out: TextIO) -> None:
+    other = max(0.0, 1.0 - s["executor_share"] - s["model_share"])
+    lines = [
+        f"executor run: backend={s['backend']} ({s['executor']}) tp={s['tp']} pp={s['pp']} "
+        f"world_size={s['world_size']} device={s['device']}",
+        f"model: reference {s['model_size']} ({s['parameters'] / 1e6:.1f}M parameters); "
+        f"{s['requests']} requests x {s['max_new_tokens']} new tokens, batch {s['batch_size']}, "
+        f"{s['concurrent_batches']} batch(es) in flight",
+        f"startup: {s['startup_s']:.2f} s until the workers were ready",
+        f"generated {s['generated_tokens']} tokens in {s['wall_s']:.2f} s: "
+        f"{s['tokens_per_s']:.1f} tokens/s",
+        f"step latency: p50 {s['step_latency_p50_ms']:.2f} ms, p99 {s['step_latency_p99_ms']:.2f} "
+        f"ms over {s['steps']} steps",
+        f"time split: executor {s['executor_share']:.1%}, model {s['model_share']:.1%}, "
+        f"driver and waiting {other:.1%}",
+    ]
+    print("\n".join(lines), file=out)
 
 
 def run_main_job(args: argparse.Namespace) -> int:
-    """Run the demo and print a summary."""
-    from ._config import ExecutorConfig
-    from ._executor import create_executor
-
-    config = ExecutorConfig(backend=args.backend, worker_cls=DemoWorker)
-    start = time.perf_counter()
-    with create_executor(config) as executor:
-        ready = time.perf_counter()
-        for step in range(args.steps):
-            executor.execute_model(1000 + step)
-        done = time.perf_counter()
+    """Run greedy generation with the reference model and print a summary."""
+    try:
+        import torch  # noqa: F401 - fail early, with the fix, when the extra is missing
+    except ImportError:
         print(
-            f"backend={type(executor).__name__} world_size={executor.world_size} "
-            f"steps={args.steps} ready_in={ready - start:.3f}s "
-            f"step_mean={(done - ready) / max(args.steps, 1) * 1e6:.1f}us"
+            "executor run: needs torch; install it with pip install 'executor-core[torch]'",
+            file=sys.stderr,
         )
+        return 1
+    from ._config import ExecutorConfig
+    from ._errors import ExecutorError
+    from ._executor import create_executor
+    from .reference import MODEL_SIZES, ensure_checkpoint, generate, make_prompts
+
+    import attrs
+
+    model = attrs.evolve(MODEL_SIZES[args.model_size], seed=args.seed)
+    # Under torchrun every process runs this job; only rank 0 talks.
+    is_main = os.environ.get("RANK", "0") == "0" or args.backend != "external_launcher"
+    try:
+        model.check_parallel(args.tp, args.pp)
+        with _checkpoint_dir(args.checkpoint_dir) as directory:
+            checkpoint = ensure_checkpoint(model, directory)
+            config = ExecutorConfig(
+                backend=args.backend,
+                worker_cls="executor_core.reference:ReferenceWorker",
+                worker_kwargs={
+                    "checkpoint": str(checkpoint),
+                    "kv_slots": args.batch_size * max(args.pp, 2),
+                    "seed": args.seed,
+                    "cpu_threads": args.threads,
+                },
+                tensor_parallel_size=args.tp,
+                pipeline_parallel_size=args.pp,
+                device=args.device,
+                async_scheduling=args.async_overlap,
+            )
+            prompts = make_prompts(args.requests, args.prompt_len, model.vocab_size, args.seed)
+            started = time.perf_counter()
+            with create_executor(config) as executor:
+                startup = time.perf_counter() - started
+                concurrency = executor.max_concurrent_batches if args.async_overlap else 1
+                total = args.requests * args.max_new_tokens
+                with _progress(total, is_main and not args.no_progress) as on_step:
+                    result = generate(
+                        executor,
+                        prompts,
+                        max_new_tokens=args.max_new_tokens,
+                        batch_size=args.batch_size,
+                        max_concurrent_batches=concurrency,
+                        on_step=on_step,
+                    )
+                summary = _summary(args, executor, result, startup, model.num_parameters)
+    except (ExecutorError, ValueError) as exc:
+        print(f"executor run: error: {exc}", file=sys.stderr)
+        return 1
+    if is_main:
+        _print_summary(summary, sys.stdout)
+        if args.output_json:
+            with open(args.output_json, "w", encoding="utf-8") as fh:
+                json.dump({"summary": summary, "tokens": result.tokens}, fh)
     return 0

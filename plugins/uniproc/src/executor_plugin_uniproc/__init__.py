@@ -15,7 +15,7 @@ __version__ = "0.1.0"  # keep equal to pyproject.toml
 
 @hookimpl
 def executor_register_backends() -> list[BackendSpec]:
-    """Declare the ``uni`` backend."""
+    """Declare the ``uni`` and ``external_launcher`` backends."""
     return [
         BackendSpec(
             name="uni",
@@ -23,5 +23,13 @@ def executor_register_backends() -> list[BackendSpec]:
             executor="executor_plugin_uniproc._executor:UniProcExecutor",
             description="One worker in the driver's own process; calls are direct method calls.",
             capabilities=Capabilities(devices=("cpu", "cuda")),
+        ),
+        BackendSpec(
+            name="external_launcher",
+            executor="executor_plugin_uniproc._external_launcher:ExternalLauncherExecutor",
+            description="This process's own rank, in processes started by torchrun (SPMD).",
+            capabilities=Capabilities(
+                pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")
+            ),
         ),
     ]

@@ -1,0 +1,291 @@
+"""The driver side: batches prompts and runs greedy decoding through an executor, keeping
+``max_concurrent_batches`` batches in flight."""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ._worker import StepInput, StepOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._executor import Executor
+
+__all__ = ["GenerationResult", "StepRecord", "generate", "make_prompts"]
+
+
+def make_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``num`` random prompts of ``length`` token ids below ``vocab_size`` (reproducible)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+@attrs.frozen(kw_only=True)
+class StepRecord:
+    """Timing of one execute_model call, as the driver saw it."""
+
+    batch_id: int
+    prefill: bool
+    #: Sequences in the batch (tokens produced by the step).
+    tokens: int
+    #: ``perf_counter`` when the driver submitted the step and when its result arrived.
+    submitted_at: float
+    done_at: float
+    #: Seconds the output rank spent inside execute_model.
+    model_time_s: float
+    #: Seconds the step spent in the executor: getting to the worker after the worker was
+    #: free for it, and getting back (same-host clocks).
+    executor_time_s: float
+
+    @property
+    def latency_s(self) -> float:
+        """Submit to result."""
+        return self.done_at - self.submitted_at
+
+
+@attrs.frozen(kw_only=True)
+class GenerationResult:
+    """Generated tokens (and logits, if asked) per prompt, and the timing of every step."""
+
+    #: The new tokens of each prompt, in prompt order.
+    tokens: list[list[int]]
+    #: Per prompt, the logits ``[max_new_tokens, vocab]`` of each generated position.
+    logits: list[torch.Tensor] | None
+    steps: list[StepRecord]
+    wall_time_s: float
+    max_concurrent_batches: int
+
+    @property
+    def generated_tokens(self) -> int:
+        """Total tokens generated."""
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def latency_percentile(self, q: float) -> float:
+        """The ``q``-th percentile (0..100) of step latency, in seconds (nearest rank)."""
+        latencies = sorted(s.latency_s for s in self.steps)
+        if not latencies:
+            return 0.0
+        index = min(len(latencies) - 1, max(0, round(q / 100 * len(latencies) + 0.5) - 1))
+        return latencies[index]
+
+    @property
+    def executor_share(self) -> float:
+        """Share of the wall time steps spent in the executor (transport, not the model)."""
+        if self.wall_time_s <= 0:
+            return 0.0
+        return sum(s.executor_time_s for s in self.steps) / self.wall_time_s
+
+    @property
+    def model_share(self) -> float:
+        """Share of the wall time the output rank spent in the model."""
+        if self.wall_time_s <= 0:
+            return 0.0
+        return min(1.0, sum(s.model_time_s for s in self.steps) / self.wall_time_s)
+
+
+@attrs.define
+class _Batch:
+    batch_id: int
+    prompt_ids: list[int]  # indices into the prompt list
+    prompts: list[list[int]]
+    slots: list[int] = attrs.Factory(list)
+    generated: list[list[int]] = attrs.Factory(list)
+    logits: list[torch.Tensor] = attrs.Factory(list)
+    position: int = 0
+
+    def next_step(self, return_logits: bool) -> StepInput:
+        # The prompts on the first step (prefill), then each sequence's latest token.
+        tokens = [[seq[-1]] for seq in self.generated] if self.generated[0] else self.prompts
+        return StepInput(
+            batch_id=self.batch_id,
+            slots=self.slots,
+            token_ids=tokens,
+            start_pos=self.position,
+            return_logits=return_logits,
+        )
+
+
+def _make_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[_Batch]:
+    """Group prompts of equal length (sequences of a batch advance in lockstep)."""
+    by_length: dict[int, list[int]] = collections.defaultdict(list)
+    for index, prompt in enumerate(prompts):
+        by_length[len(prompt)].append(index)
+    batches: list[_Batch] = []
+    for length in sorted(by_length):
+        indices = by_length[length]
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            batches.append(
+                _Batch(
+                    batch_id=len(batches),
+                    prompt_ids=chunk,
+                    prompts=[list(prompts[i]) for i in chunk],
+                    generated=[[] for _ in chunk],
+                )
+            )
+    return batches
+
+
+def generate(
+    executor: Executor,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    max_concurrent_batches: int | None = None,
+    return_logits: bool = False,
+    on_step: Callable[[int], None] | None = None,
+    timeout: float | None = None,
+) -> GenerationResult:
+    """Greedy-decode ``max_new_tokens`` tokens for each prompt on ``executor``'s
+    :class:`~executor_core.reference.ReferenceWorker` ranks.
+
+    Prompts are batched ``batch_size`` at a time (prompts of equal length share a batch).
+    With ``max_concurrent_batches`` > 1 (default: the executor's) that many batches are in
+    flight at once: steps are submitted with ``non_block=True`` and each result is turned
+    into the batch's next step while the others run (async overlap; needed to keep every
+    pipeline stage busy). ``on_step(tokens)`` is called after each step with the tokens it
+    produced (for a progress bar). ``timeout`` bounds each step.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, not {batch_size}")
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    concurrency = max_concurrent_batches or executor.max_concurrent_batches
+    if concurrency < 1:
+        raise ValueError(f"max_concurrent_batches must be >= 1, not {concurrency}")
+    info: dict[str, Any] = executor.collective_rpc(
+        "describe", unique_reply_rank=executor.output_rank, timeout=timeout
+    )[0]
+    longest = max(len(p) for p in prompts) + max_new_tokens - 1
+    if longest > info["max_seq_len"]:
+        raise ValueError(
+            f"a prompt of {max(len(p) for p in prompts)} tokens plus {max_new_tokens} new tokens "
+            f"exceeds the model's max_seq_len={info['max_seq_len']}"
+        )
+    batches = _make_batches(prompts, batch_size)
+    concurrency = min(concurrency, len(batches))
+    needed = concurrency * min(batch_size, max(len(b.prompts) for b in batches))
+    if needed > info["kv_slots"]:
+        raise ValueError(
+            f"{concurrency} batches of up to {batch_size} sequences need {needed} KV-cache slots "
+            f"but the workers have kv_slots={info['kv_slots']}; lower batch_size or raise kv_slots"
+        )
+    free_slots = list(range(info["kv_slots"]))
+    pending = collections.deque(batches)
+    in_flight: collections.deque[tuple[_Batch, StepInput, float, Future[Any] | None]] = (
+        collections.deque()
+    )
+    records: list[StepRecord] = []
+    arrivals: dict[int, float] = {}
+    last_worker_end = 0.0
+
+    def submit(batch: _Batch) -> None:
+        step = batch.next_step(return_logits)
+        submitted = time.perf_counter()
+        if concurrency == 1:
+            in_flight.append((batch, step, submitted, None))
+            return
+        future: Future[Any] = executor.execute_model(step, non_block=True)
+        key = id(future)
+        future.add_done_callback(lambda _f: arrivals.__setitem__(key, time.perf_counter()))
+        in_flight.append((batch, step, submitted, future))
+
+    def start_next() -> None:
+        batch = pending.popleft()
+        batch.slots = [free_slots.pop() for _ in batch.prompts]
+        submit(batch)
+
+    begin = time.perf_counter()
+    while pending and len(in_flight) < concurrency:
+        start_next()
+    while in_flight:
+        batch, step, submitted, future = in_flight.popleft()
+        if future is None:
+            output = executor.collective_rpc(
+                "execute_model",
+                args=(step,),
+                unique_reply_rank=executor.output_rank,
+                timeout=timeout,
+            )[0]
+            done = time.perf_counter()
+        else:
+            output = future.result(timeout)
+            done = arrivals.pop(id(future), time.perf_counter())
+        if not isinstance(output, StepOutput):
+            raise TypeError(
+                f"the output rank returned {type(output).__name__}, not a StepOutput; "
+                "is the worker a ReferenceWorker?"
+            )
+        # Transport: from when the worker could have started (submitted, or done with the
+        # previous step) to when it did, plus the way back.
+        ready = max(submitted, last_worker_end)
+        executor_time = max(0.0, output.started_at - ready) + max(0.0, done - output.finished_at)
+        last_worker_end = output.finished_at
+        records.append(
+            StepRecord(
+                batch_id=batch.batch_id,
+                prefill=step.start_pos == 0,
+                tokens=len(output.next_tokens),
+                submitted_at=submitted,
+                done_at=done,
+                model_time_s=output.model_time_s,
+                executor_time_s=executor_time,
+            )
+        )
+        batch.position = step.start_pos + len(step.token_ids[0])
+        for seq, token in zip(batch.generated, output.next_tokens, strict=True):
+            seq.append(token)
+        if return_logits:
+            if output.logits is None:
+                raise RuntimeError("return_logits was set but the step returned no logits")
+            batch.logits.append(output.logits)
+        if on_step is not None:
+            on_step(len(output.next_tokens))
+        if len(batch.generated[0]) < max_new_tokens:
+            submit(batch)
+        else:
+            free_slots.extend(batch.slots)
+            if pending:
+                start_next()
+    wall = time.perf_counter() - begin
+
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[torch.Tensor] | None = [] if return_logits else None
+    per_prompt_logits: dict[int, torch.Tensor] = {}
+    if return_logits:
+        import torch  # deferred: the driver needs torch only to stack logits
+
+        for batch in batches:
+            stacked = torch.stack(batch.logits, dim=1)  # [batch, steps, vocab]
+            for row, index in enumerate(batch.prompt_ids):
+                per_prompt_logits[index] = stacked[row]
+    for batch in batches:
+        for row, index in enumerate(batch.prompt_ids):
+            tokens[index] = batch.generated[row]
+    if logits is not None:
+        logits.extend(per_prompt_logits[i] for i in range(len(prompts)))
+    return GenerationResult(
+        tokens=tokens,
+        logits=logits,
+        steps=records,
+        wall_time_s=wall,
+        max_concurrent_batches=concurrency,
+    )

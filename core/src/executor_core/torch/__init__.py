@@ -1,0 +1,26 @@
+"""Worker-side torch support: distributed set-up, memory measurement and weight offloading.
+
+Importing this subpackage imports torch (the core's optional extra, ``executor-core[torch]``);
+``import executor_core`` does not. A worker calls :func:`init_distributed` from its
+``init_device`` and :meth:`ParallelState.destroy` from its ``shutdown``.
+"""
+
+from ._distributed import (
+    ParallelState,
+    init_distributed,
+    seed_everything,
+    select_device,
+)
+from ._memory import device_memory_bytes, host_memory_bytes, trim_host_memory
+from ._offload import TensorOffloader
+
+__all__ = [
+    "ParallelState",
+    "TensorOffloader",
+    "device_memory_bytes",
+    "host_memory_bytes",
+    "init_distributed",
+    "seed_everything",
+    "select_device",
+    "trim_host_memory",
+]

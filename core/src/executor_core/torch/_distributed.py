@@ -1,0 +1,299 @@
+"""torch.distributed set-up for one worker: process group, device, TP/PP sub-groups, seed."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._worker import WorkerContext
+
+__all__ = ["ParallelState", "init_distributed", "seed_everything", "select_device"]
+
+#: The collective backend for each device type; other device types ask torch.
+_DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def select_device(context: WorkerContext) -> torch.device:
+    """This worker's device: the CPU, or the GPU of its local rank (made current)."""
+    if context.device == "cpu":
+        return torch.device("cpu")
+    if context.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "device='cuda' but this torch build sees no GPU "
+                f"(torch {torch.__version__}); use device='cpu' or install a CUDA build"
+            )
+        count = torch.cuda.device_count()
+        # One visible GPU: the backend (e.g. Ray) already narrowed CUDA_VISIBLE_DEVICES.
+        index = 0 if count == 1 else context.local_rank
+        if index >= count:
+            raise RuntimeError(
+                f"local rank {context.local_rank} has no GPU: only {count} visible on this node; "
+                "start at most one worker per GPU"
+            )
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(context.device, context.local_rank)
+
+
+def _dist_backend(device: torch.device) -> str:
+    known = _DIST_BACKENDS.get(device.type)
+    if known is not None:
+        return known
+    return str(dist.get_default_backend_for_device(device))
+
+
+def _available_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's (if loaded) and torch's generators, on every device."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class ParallelState:
+    """A worker's distributed state: its device and its tensor- and pipeline-parallel groups.
+
+    With one rank in a group the matching collectives are no-ops, so the same model code runs
+    unchanged from one process to many. Build it with :func:`init_distributed`.
+    """
+
+    def __init__(
+        self,
+        context: WorkerContext,
+        device: torch.device,
+        *,
+        backend: str,
+        tp_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None,
+        owns_process_group: bool,
+        created_groups: Sequence[dist.ProcessGroup] = (),
+    ) -> None:
+        self.context = context
+        self.device = device
+        #: The torch.distributed backend ("gloo", "nccl"), or "" when no group was needed.
+        self.backend = backend
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+        self._owns_process_group = owns_process_group
+        self._created_groups = list(created_groups)
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    # --- where this rank sits -------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.context.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        """Rank inside the tensor-parallel group."""
+        return self.context.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks per tensor-parallel group."""
+        return self.context.tensor_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        """Pipeline stage."""
+        return self.context.pp_rank
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages."""
+        return self.context.pipeline_parallel_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the first pipeline stage (it embeds the tokens)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (it computes the logits)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def output_rank(self) -> int:
+        """The first TP rank of the last stage: the rank whose output the executor returns."""
+        return self.world_size - self.tp_size
+
+    # --- collectives ----------------------------------------------------------------------
+
+    def tp_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over the tensor-parallel group and return it."""
+        if self.tp_size > 1:
+            dist.all_reduce(tensor, group=self.tp_group)
+        return tensor
+
+    def tp_all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every TP rank's ``tensor`` along ``dim``, in TP-rank order."""
+        if self.tp_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(parts, tensor, group=self.tp_group)
+        return torch.cat(parts, dim=dim)
+
+    def send_to_next_stage(self, tensor: torch.Tensor) -> None:
+        """Send ``tensor`` to the same TP rank of the next stage without waiting for it.
+
+        The send completes in the background; :meth:`wait_for_sends` (called before the next
+        send and at teardown) waits for earlier sends and releases their buffers.
+        """
+        if self.is_last_stage:
+            raise RuntimeError("the last pipeline stage has no next stage to send to")
+        self.wait_for_sends()
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=self.rank + self.tp_size)
+        if work is not None:
+            self._pending_sends.append((work, tensor))
+
+    def recv_from_prev_stage(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Receive the tensor the same TP rank of the previous stage sent (blocking)."""
+        if self.is_first_stage:
+            raise RuntimeError("the first pipeline stage has no previous stage to receive from")
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        dist.recv(buffer, src=self.rank - self.tp_size)
+        return buffer
+
+    def wait_for_sends(self) -> None:
+        """Wait for every send still in flight."""
+        pending, self._pending_sends = self._pending_sends, []
+        for work, _buffer in pending:
+            work.wait()
+
+    def broadcast_from(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s (no-op with one rank)."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src)
+        return tensor
+
+    # --- teardown -------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Release the groups this state created (and the process group, if it made it)."""
+        if not dist.is_initialized():
+            self._created_groups.clear()
+            return
+        try:
+            self.wait_for_sends()
+        finally:
+            groups, self._created_groups = self._created_groups, []
+            if self._owns_process_group:
+                dist.destroy_process_group()  # also destroys every sub-group
+            else:
+                for group in groups:
+                    dist.destroy_process_group(group)
+            self.tp_group = self.pp_group = None
+
+
+def init_distributed(
+    context: WorkerContext,
+    *,
+    seed: int | None = None,
+    timeout_s: float = 300.0,
+    cpu_threads: int | None = None,
+) -> ParallelState:
+    """Set up torch.distributed for the worker described by ``context``.
+
+    Picks the device (CPU, or the GPU of ``context.local_rank``), joins the process group at
+    ``context.distributed_init_method`` (``tcp://host:port`` from the executor, or ``env://``
+    under torchrun) with gloo on CPU and nccl on CUDA, and creates the tensor-parallel groups
+    (the ranks of one stage) and pipeline-parallel groups (one TP rank across stages). A
+    world of one rank needs no process group and gets none. If this process already joined a
+    process group of the same size (e.g. the user's script did), it is reused and kept.
+
+    On CPU, with several workers on this node, torch's intra-op threads are limited to
+    ``cpu_threads`` (default: the available CPUs divided among the node's workers) so that
+    the workers do not oversubscribe the cores. ``timeout_s`` bounds the rendezvous and
+    every collective. ``seed`` (if given) seeds every generator, the same on every rank.
+    """
+    device = select_device(context)
+    if device.type == "cpu" and (cpu_threads is not None or context.local_world_size > 1):
+        threads = cpu_threads or max(1, _available_cpus() // max(1, context.local_world_size))
+        torch.set_num_threads(threads)
+    if seed is not None:
+        seed_everything(seed)
+
+    tp, pp = context.tensor_parallel_size, context.pipeline_parallel_size
+    if context.world_size == 1 and not dist.is_initialized():
+        return ParallelState(
+            context, device, backend="", tp_group=None, pp_group=None, owns_process_group=False
+        )
+
+    backend = _dist_backend(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        if dist.get_world_size() != context.world_size or dist.get_rank() != context.rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but this worker is rank {context.rank} of "
+                f"{context.world_size}; destroy the existing process group first"
+            )
+        owns = False
+        backend = str(dist.get_backend())
+    else:
+        init_method = context.distributed_init_method
+        if init_method == "env://":
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+            if missing:
+                raise RuntimeError(
+                    f"distributed_init_method is env:// but {', '.join(missing)} is not set; "
+                    "start the processes with torchrun (which sets them) or set them yourself"
+                )
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=context.rank,
+            world_size=context.world_size,
+            timeout=timeout,
+        )
+        owns = True
+
+    # Every rank creates every group, in the same order, as torch requires.
+    created: list[dist.ProcessGroup] = []
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    if tp > 1:
+        for stage in range(pp):
+            group = dist.new_group([stage * tp + t for t in range(tp)], timeout=timeout)
+            created.append(group)
+            if stage == context.pp_rank:
+                tp_group = group
+    if pp > 1:
+        for tp_rank in range(tp):
+            group = dist.new_group([s * tp + tp_rank for s in range(pp)], timeout=timeout)
+            created.append(group)
+            if tp_rank == context.tp_rank:
+                pp_group = group
+    return ParallelState(
+        context,
+        device,
+        backend=backend,
+        tp_group=tp_group,
+        pp_group=pp_group,
+        owns_process_group=owns,
+        created_groups=created,
+    )

@@ -1,0 +1,132 @@
+"""ExternalLauncherExecutor: one rank per process, the processes started by torchrun (SPMD)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from executor_core import (
+    ExecutorError,
+    RPCTimeoutError,
+    WorkerContext,
+    WorkerError,
+    WorkerWrapper,
+    method_name,
+)
+
+from ._executor import UniProcExecutor, _env_restorer
+from ._serial import SerialRunner
+
+__all__ = ["TORCHRUN_ENV", "ExternalLauncherExecutor"]
+
+#: Variables torchrun sets in each process it starts; the backend reads its rank from them.
+TORCHRUN_ENV: tuple[str, ...] = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _int_env(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ExecutorError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class ExternalLauncherExecutor(UniProcExecutor):
+    """Runs this process's own rank, for processes started by an external launcher.
+
+    Start the same script on every rank with ``torchrun --nproc-per-node N script.py``; each
+    process creates this executor with the same config (``world_size`` = N x nodes). The rank
+    comes from torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, and torch.distributed meets
+    through ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). Every process drives its own worker
+    in the same order (SPMD), so the collectives between workers line up.
+
+    ``collective_rpc`` runs the method on this process's worker only and returns a one-item
+    list with its result, whatever ``unique_reply_rank`` says: a worker whose output every
+    process needs must share it itself (the reference worker broadcasts its step output from
+    the output rank). Calls, timeouts and ``non_block`` behave as in the ``uni`` backend.
+    """
+
+    supports_pp = True
+
+    def _init_executor(self) -> None:
+        config = self.config
+        missing = [name for name in TORCHRUN_ENV if not os.environ.get(name)]
+        if missing:
+            raise ExecutorError(
+                "the 'external_launcher' backend runs inside processes started by torchrun, but "
+                f"{', '.join(missing)} is not set; start the script with "
+                f"'torchrun --nproc-per-node {config.world_size} script.py', or use backend='mp'"
+            )
+        world_size = _int_env("WORLD_SIZE")
+        rank = _int_env("RANK")
+        if world_size != config.world_size:
+            raise ExecutorError(
+                f"torchrun started {world_size} processes (WORLD_SIZE) but the config's "
+                f"world_size is {config.world_size} (tp={config.tensor_parallel_size} x "
+                f"pp={config.pipeline_parallel_size}); make them equal"
+            )
+        if not 0 <= rank < world_size:
+            raise ExecutorError(f"RANK={rank} is outside 0..{world_size - 1}")
+        local_rank = _int_env("LOCAL_RANK")
+        local_world_size = (
+            _int_env("LOCAL_WORLD_SIZE") if os.environ.get("LOCAL_WORLD_SIZE") else world_size
+        )
+        self.add_cleanup(_env_restorer({key: os.environ.get(key) for key in config.env}))
+        context = WorkerContext(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            distributed_init_method="env://",
+            device=config.device,
+            local_world_size=local_world_size,
+            node_id=socket.gethostname(),
+            backend="external_launcher",
+        )
+        self._wrapper = WorkerWrapper(
+            config.worker_cls,
+            config.worker_kwargs,
+            context,
+            env=config.env,
+            hooks=self.registry.hook,
+        )
+        self._runner = SerialRunner(f"executor-external-launcher-rank{rank}")
+        self.add_cleanup(self._runner.close)
+        try:
+            self._wrapper.init_worker()
+        except Exception as exc:
+            raise WorkerError.from_exception(rank, "init_worker", exc) from exc
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._wrapper.context.rank
+
+    def _call(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> list[Any]:
+        try:
+            return [self._wrapper.run_method(method, args, kwargs)]
+        except Exception as exc:
+            raise WorkerError.from_exception(self.rank, method_name(method), exc) from exc
+
+    def collective_rpc(  # type: ignore[override]  # one implementation for both overloads
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any] | Future[list[Any]]:
+        self.check_reply_rank(unique_reply_rank)
+        try:
+            return super().collective_rpc(
+                method, timeout, args, kwargs, non_block=non_block, unique_reply_rank=None
+            )
+        except RPCTimeoutError as exc:  # name this process's rank, not the uni backend's 0
+            raise RPCTimeoutError(exc.method, [self.rank], exc.timeout) from None
