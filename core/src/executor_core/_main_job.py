@@ -96,7 +96,8 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | Non
         yield None
         return
     try:
-        from tqdm import tqdm  # deferred: only the interactive job needs it
+        # deferred: only the interactive job needs it; tqdm ships no type information
+        from tqdm import tqdm  # type: ignore[import-untyped]
     except ImportError:  # tqdm comes with executor-core[torch]; run without a bar otherwise
         yield None
         return
@@ -173,12 +174,12 @@ def run_main_job(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    import attrs
+
     from ._config import ExecutorConfig
     from ._errors import ExecutorError
     from ._executor import create_executor
     from .reference import MODEL_SIZES, ensure_checkpoint, generate, make_prompts
-
-    import attrs
 
     model = attrs.evolve(MODEL_SIZES[args.model_size], seed=args.seed)
     # Under torchrun every process runs this job; only rank 0 talks.
