@@ -1,0 +1,498 @@
+"""MultiprocExecutor: one worker process per rank on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from executor_core import (
+    Executor,
+    ExecutorClosedError,
+    ExecutorError,
+    RemoteFailure,
+    RPCTimeoutError,
+    WorkerContext,
+    WorkerDiedError,
+    WorkerError,
+    dumps_method,
+    method_name,
+    tcp_init_method,
+)
+
+from ._calls import CallTable, PendingCall, resolve
+from ._codec import KIND_CALL, KIND_READY, KIND_STOP, decode_body, encode, read_header, stamp_seq
+from ._group import WorkerGroup
+from ._options import MultiprocOptions
+from ._process import PARENT_DIED_EXIT, InheritedFd, SegmentLayout, WorkerSpec, worker_main
+from ._ring import MAX_SLEEP_S, Ring, RingAbortedError
+from ._shm import SharedSegment
+
+__all__ = ["MultiprocExecutor"]
+
+#: Idle wait of the non-blocking pump thread between checks of its executor.
+_PUMP_IDLE_S = 1.0
+
+Reply = tuple[int, int, int, bool, Any]  # kind, seq, rank, ok, value
+
+
+def _decode_reply(view: memoryview) -> Reply:
+    header = read_header(view)
+    try:
+        body = decode_body(view)
+    except Exception as exc:  # noqa: BLE001 - becomes this call's error, the executor goes on
+        error = WorkerError(
+            header.rank,
+            "<reply>",
+            type(exc).__name__,
+            f"the driver could not unpickle the reply of rank {header.rank}: {exc}",
+            "",
+            exc,
+        )
+        return header.kind, header.seq, header.rank, False, error
+    if not header.ok and isinstance(body, RemoteFailure):
+        body = body.to_error()
+    return header.kind, header.seq, header.rank, header.ok, body
+
+
+def _default_env(config_env: dict[str, str], rank: int, workers: int) -> dict[str, str]:
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(workers),
+        "LOCAL_WORLD_SIZE": str(workers),
+    }
+    if "OMP_NUM_THREADS" not in config_env and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        env["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // workers))
+    env.update(config_env)
+    return env
+
+
+def _fd_closer(fd: int) -> Callable[[], None]:
+    def close() -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    return close
+
+
+class MultiprocExecutor(Executor):
+    """Runs one worker process per rank on this machine (backend ``"mp"``).
+
+    Each call is written once into a shared-memory ring that every worker reads; each worker
+    answers through its own shared-memory reply ring. Waits spin briefly, then sleep on a
+    futex, so idle workers use no CPU. A monitor thread turns a worker's death into
+    :class:`WorkerDiedError` for every pending and later call. See the distribution's README
+    for the ``backend_options`` keys.
+    """
+
+    supports_pp = True
+
+    # --- start-up ----------------------------------------------------------------------
+
+    def _init_executor(self) -> None:
+        config = self.config
+        if config.num_nodes != 1:
+            raise ExecutorError(
+                f"the 'mp' backend runs on one machine, but num_nodes={config.num_nodes}; "
+                "use backend='ray' for several nodes"
+            )
+        options = MultiprocOptions.from_backend_options(config.backend_options)
+        self._options = options
+        workers = config.world_size
+        self._table = CallTable()
+        self._send_lock = threading.Lock()
+        self._next_seq = 1  # 0 is the ready handshake
+        self._cv = threading.Condition()
+        self._leading = False
+        self._waiters = 0
+        self._abort_error: ExecutorError | None = None
+        self._closing = False
+        self._pump_thread: threading.Thread | None = None
+        self._group: WorkerGroup | None = None
+
+        layout = SegmentLayout.build(
+            workers, options.slots, options.slot_bytes, options.reply_slots, options.reply_bytes
+        )
+        segment = SharedSegment.create(layout.nbytes)
+        self.add_cleanup(segment.close)
+        self._segment = segment
+        spin = options.spin_s
+        self._calls_ring = Ring(
+            segment.buf, segment.address, layout.broadcast, reader=None, spin_s=spin
+        )
+        self._reply_rings = [
+            Ring(segment.buf, segment.address, ring, reader=0, spin_s=spin)
+            for ring in layout.replies
+        ]
+
+        # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
+        death_r, death_w = os.pipe()
+        self.add_cleanup(_fd_closer(death_w))
+        ctx = multiprocessing.get_context(options.start_method)
+        init_method = tcp_init_method(config.distributed_host)
+        node = socket.gethostname()
+        parent_pid = os.getpid() if options.start_method != "forkserver" else None
+        processes = []
+        for rank in range(workers):
+            context = WorkerContext(
+                rank=rank,
+                local_rank=rank,
+                world_size=workers,
+                tensor_parallel_size=config.tensor_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
+                distributed_init_method=init_method,
+                device=config.device,
+                local_world_size=workers,
+                node_id=node,
+                backend="mp",
+            )
+            spec = WorkerSpec(
+                context=context,
+                worker_cls=config.worker_cls,
+                worker_kwargs=config.worker_kwargs,
+                env=_default_env(config.env, rank, workers),
+                config_env=config.env,
+                segment=InheritedFd(segment.fd),
+                layout=layout,
+                death_pipe=InheritedFd(death_r),
+                parent_pid=parent_pid,
+                spin_s=spin,
+                close_fds=(death_w,) if options.start_method == "fork" else (),
+            )
+            processes.append(
+                ctx.Process(  # type: ignore[attr-defined]  # every context has Process
+                    target=worker_main, args=(spec,), name=f"executor-mp-worker-{rank}", daemon=True
+                )
+            )
+        group = WorkerGroup(processes, _death_handler(weakref.ref(self)))
+        self._group = group
+        self.add_cleanup(group.kill_now)
+        try:
+            group.start()
+        finally:
+            os.close(death_r)  # the children hold their copies
+        self._wait_until_ready(group, options.startup_timeout)
+        group.armed = True
+        # A worker may have died between its handshake and arming the monitor.
+        for rank in range(workers):
+            code = group.exit_code(rank)
+            if code is not None:
+                raise _died(rank, code, "right after start-up")
+
+    def _wait_until_ready(self, group: WorkerGroup, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        while pending:
+            for rank in sorted(pending):
+                ring = self._reply_rings[rank]
+                while ring.poll():
+                    reply = ring.read(_decode_reply)
+                    if reply is None or reply[0] != KIND_READY:
+                        continue
+                    if not reply[3]:
+                        raise reply[4]
+                    pending.discard(rank)
+            for rank in sorted(pending):
+                code = group.exit_code(rank)
+                if code is not None and not self._reply_rings[rank].poll():
+                    raise _died(rank, code, "during start-up; its stderr has the details")
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise ExecutorError(
+                    f"worker rank(s) {sorted(pending)} did not finish init_device/load_model "
+                    f"within startup_timeout={timeout:g} s (backend_options)"
+                )
+            self._reply_rings[min(pending)].wait_readable(min(deadline, now + 0.05))
+
+    # --- failure -----------------------------------------------------------------------
+
+    def _check_abort(self) -> None:
+        if self._abort_error is not None:
+            raise RingAbortedError(str(self._abort_error))
+
+    def _abort(self, error: ExecutorError) -> None:
+        """Fail every call in flight with ``error`` and wake every waiter."""
+        if self._abort_error is None:
+            self._abort_error = error
+        self._resolve_all(self._table.take_all(), error)
+        self._calls_ring.wake_all()
+        for ring in self._reply_rings:
+            ring.wake_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _on_worker_death(self, rank: int, exitcode: int) -> None:
+        """Monitor thread: a worker ended while the executor was running."""
+        error = _died(rank, exitcode, "")
+        self._abort(error)
+        self.fail(error)
+        if self._group is not None:
+            self._group.terminate(self._options.shutdown_grace_s)
+
+    # --- calls -------------------------------------------------------------------------
+
+    def collective_rpc(  # type: ignore[override]  # one implementation for both overloads
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any] | Future[list[Any]]:
+        self.check_open()
+        self.check_reply_rank(unique_reply_rank)
+        timeout = self.resolve_timeout(timeout)
+        name = method_name(method)
+        reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
+        frame = encode(KIND_CALL, True, reply_rank, 0, (dumps_method(method), args, kwargs or {}))
+        expected = (
+            tuple(range(self.world_size)) if unique_reply_rank is None else (unique_reply_rank,)
+        )
+        with self._send_lock:
+            self.check_open()
+            call = PendingCall(self._next_seq, name, expected, non_block, timeout)
+            self._next_seq += 1
+            stamp_seq(frame, call.seq)
+            self._table.add(call)
+            try:
+                sent = self._calls_ring.write(frame, call.deadline, self._while_sending)
+            except RingAbortedError:
+                self._table.remove(call)
+                raise self._abort_error or ExecutorClosedError("executor closed") from None
+            except BaseException:
+                self._resolve_ready(self._table.remove(call))
+                raise
+            if not sent:
+                self._resolve_ready(self._table.remove(call))
+                raise RPCTimeoutError(name, list(range(self.world_size)), timeout or 0.0)
+        if non_block:
+            self._ensure_pump()
+            return call.future
+        return self._await(call, timeout or 0.0)
+
+    def _while_sending(self) -> None:
+        """Called while the writer waits for a free slot: drain replies if nobody is, so a
+        worker blocked on a full reply ring can go on and free its slot."""
+        self._check_abort()
+        if not self._try_lead():
+            return
+        try:
+            self._drain()
+        finally:
+            self._release_lead()
+
+    def _try_lead(self) -> bool:
+        """Become the thread that reads replies, if no other thread is."""
+        with self._cv:
+            if self._leading:
+                return False
+            self._leading = True
+            return True
+
+    def _release_lead(self) -> None:
+        with self._cv:
+            self._leading = False
+            self._cv.notify_all()
+
+    def _await(self, call: PendingCall, timeout: float) -> list[Any]:
+        future = call.future
+        deadline = call.deadline
+        try:
+            while not future.done():
+                with self._cv:
+                    while self._leading and not future.done():
+                        if deadline is not None and time.monotonic() >= deadline:
+                            break
+                        self._waiters += 1
+                        try:
+                            self._cv.wait(_nap(deadline))
+                        finally:
+                            self._waiters -= 1
+                    lead = not self._leading and not future.done()
+                    if lead:
+                        self._leading = True
+                if lead:
+                    try:
+                        self._pump(future.done, deadline)
+                    finally:
+                        self._release_lead()
+                if not future.done() and deadline is not None and time.monotonic() >= deadline:
+                    self._resolve_ready(self._table.remove(call))
+                    if not future.done():
+                        raise RPCTimeoutError(call.method, call.missing(), timeout)
+        except BaseException:
+            if not future.done():
+                self._resolve_ready(self._table.remove(call))
+            raise
+        return future.result()
+
+    def _drain(self) -> bool:
+        """Dispatch every reply already waiting, without blocking. True if there was one."""
+        got = False
+        for ring in self._reply_rings:
+            while ring.poll():
+                self._dispatch(ring.read(_decode_reply))
+                got = True
+        return got
+
+    def _pump(self, until: Callable[[], bool], deadline: float | None) -> None:
+        """As the leader: read replies and dispatch them until ``until()`` or ``deadline``."""
+        rings = self._reply_rings
+        try:
+            while not until():
+                self._check_abort()
+                if self._drain():
+                    continue
+                rank = self._table.next_wanted_rank()
+                if rank is None:
+                    return
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return
+                step = now + MAX_SLEEP_S
+                reply = rings[rank].read(
+                    _decode_reply,
+                    step if deadline is None else min(step, deadline),
+                    self._check_abort,
+                )
+                if reply is not None:
+                    self._dispatch(reply)
+        except RingAbortedError:
+            return
+
+    def _dispatch(self, reply: Reply | None) -> None:
+        if reply is None:
+            return
+        _kind, seq, rank, ok, value = reply
+        self._resolve_ready(self._table.on_reply(seq, rank, ok, value))
+
+    def _resolve_ready(self, calls: list[PendingCall]) -> None:
+        for call in calls:
+            resolve(call.future, *call.outcome())
+        if calls and self._waiters:
+            with self._cv:
+                self._cv.notify_all()
+
+    @staticmethod
+    def _resolve_all(calls: list[PendingCall], error: ExecutorError) -> None:
+        for call in calls:
+            resolve(call.future, False, error)
+
+    # --- non-blocking calls: a pump thread reads replies when no caller is waiting ------
+
+    def _ensure_pump(self) -> None:
+        with self._cv:
+            if self._pump_thread is None:
+                thread = threading.Thread(
+                    target=_pump_loop,
+                    args=(weakref.ref(self),),
+                    name="executor-mp-replies",
+                    daemon=True,
+                )
+                self._pump_thread = thread
+                thread.start()
+            self._cv.notify_all()
+
+    def _pump_step(self) -> bool:
+        """One bounded round of the pump thread. False when it should exit."""
+        table = self._table
+        with self._cv:
+            if self._closing or self._abort_error is not None:
+                return False
+            if table.non_blocking == 0 or self._leading:
+                self._waiters += 1
+                try:
+                    self._cv.wait(_PUMP_IDLE_S)
+                finally:
+                    self._waiters -= 1
+                return True
+            self._leading = True
+        try:
+            self._pump(
+                lambda: table.non_blocking == 0 or self._waiters > 0,
+                time.monotonic() + MAX_SLEEP_S,
+            )
+        finally:
+            self._release_lead()
+        now = time.monotonic()
+        for call in table.expired(now):
+            if call.non_block:
+                self._resolve_ready(table.remove(call))
+                resolve(
+                    call.future,
+                    False,
+                    RPCTimeoutError(call.method, call.missing(), call.timeout or 0.0),
+                )
+        return True
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    def _shutdown_workers(self) -> None:
+        group = getattr(self, "_group", None)
+        if group is None or self._closing:
+            return
+        self._closing = True
+        group.closing = True
+        options = self._options
+        if not group.armed:  # start-up failed: nothing to wait for
+            group.kill_now()
+        elif self._abort_error is None and self._send_lock.acquire(
+            timeout=options.shutdown_grace_s
+        ):
+            try:
+                stop = encode(KIND_STOP, True, -1, 0, None)
+                deadline = time.monotonic() + options.shutdown_grace_s
+                self._calls_ring.write(stop, deadline, self._check_abort)
+            except RingAbortedError:
+                pass
+            finally:
+                self._send_lock.release()
+        group.stop(options.shutdown_grace_s, options.shutdown_grace_s)
+        self._abort(ExecutorClosedError("the executor was shut down while this call was running"))
+        pump = self._pump_thread
+        if pump is not None and pump is not threading.current_thread():
+            pump.join(_PUMP_IDLE_S + 1.0)
+
+
+def _nap(deadline: float | None) -> float:
+    if deadline is None:
+        return MAX_SLEEP_S
+    return max(0.0, min(MAX_SLEEP_S, deadline - time.monotonic()))
+
+
+def _died(rank: int, exitcode: int, when: str) -> WorkerDiedError:
+    detail = when
+    if exitcode == PARENT_DIED_EXIT:
+        detail = ", ".join(filter(None, [when, "it saw its driver die"]))
+    if exitcode < 0:
+        return WorkerDiedError(rank, signal=-exitcode, detail=detail)
+    return WorkerDiedError(rank, exitcode=exitcode, detail=detail)
+
+
+def _death_handler(ref: weakref.ref[MultiprocExecutor]) -> Callable[[int, int], None]:
+    def on_death(rank: int, exitcode: int) -> None:
+        executor = ref()
+        if executor is not None:
+            executor._on_worker_death(rank, exitcode)
+
+    return on_death
+
+
+def _pump_loop(ref: weakref.ref[MultiprocExecutor]) -> None:
+    while True:
+        executor = ref()
+        if executor is None or not executor._pump_step():
+            return
+        del executor  # hold no reference between rounds: the executor may be collected

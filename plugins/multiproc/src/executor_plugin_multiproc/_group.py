@@ -1,0 +1,139 @@
+"""The worker processes of one executor: start, watch, stop.
+
+A monitor thread starts the processes and then watches their sentinels. Starting them from
+that thread matters: PR_SET_PDEATHSIG fires when the *thread* that created a child exits,
+and the monitor lives exactly as long as the workers do, whichever thread created the
+executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait as wait_for_ready
+from multiprocessing.process import BaseProcess
+
+__all__ = ["WorkerGroup"]
+
+logger = logging.getLogger("executor_plugin_multiproc")
+
+#: Called from the monitor thread with (rank, exit code) when a worker ends unasked.
+DeathCallback = Callable[[int, int], None]
+
+
+class WorkerGroup:
+    """Worker processes indexed by rank, and the thread that watches them."""
+
+    def __init__(self, processes: Sequence[BaseProcess], on_death: DeathCallback) -> None:
+        self._processes = list(processes)
+        self._on_death = on_death
+        self._lock = threading.RLock()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        #: Deaths are reported only once the executor is ready and until it starts closing.
+        self.armed = False
+        self.closing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="executor-mp-monitor", daemon=True)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._processes]
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start every process (from the monitor thread) and return once they are started."""
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"worker processes were not started within {timeout:g} s")
+        if self._start_error is not None:
+            raise self._start_error
+
+    def exit_code(self, rank: int) -> int | None:
+        """The exit code of ``rank`` if it has ended (negative: killed by that signal)."""
+        with self._lock:
+            process = self._processes[rank]
+            if process.pid is None:
+                return None
+            return process.exitcode
+
+    def _run(self) -> None:
+        try:
+            for process in self._processes:
+                process.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that called start()
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        watched = {p.sentinel: rank for rank, p in enumerate(self._processes)}
+        wake: list[int] = [self._wake_r]
+        while watched:
+            ready = [fd for fd in wait_for_ready([*watched, *wake]) if isinstance(fd, int)]
+            if self._wake_r in ready:
+                wake = []  # it stays readable; from now on only sentinels matter
+            for sentinel in ready:
+                rank = watched.pop(sentinel, None)
+                if rank is None:
+                    continue
+                code = self.exit_code(rank)
+                if self.armed and not self.closing:
+                    try:
+                        self._on_death(rank, code if code is not None else -1)
+                    except Exception:
+                        logger.exception("handling the death of worker rank %d failed", rank)
+
+    def wake_monitor(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _alive(self) -> list[BaseProcess]:
+        return [p for p in self._processes if p.pid is not None and p.exitcode is None]
+
+    def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = self._alive()
+            remaining = deadline - time.monotonic()
+            if not alive or remaining <= 0:
+                return not alive
+            wait_for_ready([p.sentinel for p in alive], remaining)
+
+    def terminate(self, grace_s: float) -> None:
+        """SIGTERM the live workers, then SIGKILL those still alive after ``grace_s``."""
+        with self._lock:
+            for process in self._alive():
+                process.terminate()
+            if not self._wait_exit(grace_s):
+                for process in self._alive():
+                    logger.warning("worker %s ignored SIGTERM; sending SIGKILL", process.name)
+                    process.kill()
+                self._wait_exit(5.0)
+
+    def stop(self, grace_s: float, term_grace_s: float) -> None:
+        """Wait ``grace_s`` for the workers to exit by themselves, then SIGTERM, then SIGKILL
+        after ``term_grace_s``; reap them and join the monitor. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self.closing = True
+            if self._started.is_set() and not self._wait_exit(grace_s):
+                self.terminate(term_grace_s)
+            self._closed = True
+        self.wake_monitor()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(10.0)
+        for process in self._processes:
+            if process.pid is not None and process.exitcode is not None:
+                process.close()  # releases the sentinel descriptor
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def kill_now(self) -> None:
+        """Cleanup path (finalizer, failed start): no wait for a stop message."""
+        self.stop(0.0, 1.0)

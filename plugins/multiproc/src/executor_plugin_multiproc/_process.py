@@ -1,0 +1,207 @@
+"""What runs inside a worker process, and what the driver hands it at start."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+from multiprocessing import reduction
+from typing import Any
+
+import attrs
+
+from executor_core import RemoteFailure, WorkerContext, WorkerWrapper
+
+from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, Frame, decode_body, encode, read_header
+from ._ring import Ring, RingLayout
+from ._shm import SharedSegment
+
+__all__ = ["PARENT_DIED_EXIT", "InheritedFd", "SegmentLayout", "WorkerSpec", "worker_main"]
+
+#: Exit status of a worker that left because its driver died.
+PARENT_DIED_EXIT = 70
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+class InheritedFd:
+    """A file descriptor handed to a worker process when it starts.
+
+    With spawn and forkserver the descriptor is duplicated into the child by
+    multiprocessing's own machinery (``reduction.DupFd``, valid only while a process is
+    being started); with fork the child simply inherits it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
+
+
+@attrs.frozen
+class SegmentLayout:
+    """The broadcast ring and one reply ring per worker, back to back in one segment."""
+
+    broadcast: RingLayout
+    replies: tuple[RingLayout, ...]
+
+    @property
+    def nbytes(self) -> int:
+        last = self.replies[-1]
+        return last.offset + last.nbytes
+
+    @classmethod
+    def build(
+        cls, workers: int, slots: int, slot_bytes: int, reply_slots: int, reply_slot_bytes: int
+    ) -> SegmentLayout:
+        broadcast = RingLayout(0, workers, slots, slot_bytes)
+        replies = []
+        offset = broadcast.nbytes
+        for _ in range(workers):
+            ring = RingLayout(offset, 1, reply_slots, reply_slot_bytes)
+            replies.append(ring)
+            offset += ring.nbytes
+        return cls(broadcast, tuple(replies))
+
+
+@attrs.frozen(kw_only=True)
+class WorkerSpec:
+    """Everything one worker process needs, pickled to it at start."""
+
+    context: WorkerContext
+    worker_cls: type | str
+    worker_kwargs: dict[str, Any]
+    #: Environment applied first thing in the process (config env + backend defaults).
+    env: dict[str, str]
+    #: The config's env, applied again by the WorkerWrapper (after the start hook).
+    config_env: dict[str, str]
+    segment: InheritedFd
+    layout: SegmentLayout
+    death_pipe: InheritedFd
+    #: PID of the driver, or None where the process's parent is not the driver (forkserver).
+    parent_pid: int | None
+    spin_s: float
+    #: Descriptors a forked child inherited and must close (the death pipe's write end).
+    close_fds: tuple[int, ...] = ()
+
+
+def set_parent_death_signal(parent_pid: int | None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
+    if parent_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the driver died before the request took effect
+        os._exit(PARENT_DIED_EXIT)
+
+
+def _set_thread_name(name: str) -> None:
+    """Name the process for ps/top (Linux only; best effort)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def watch_death_pipe(fd: int) -> threading.Thread:
+    """Exit the process when the driver's end of the death pipe closes (the driver is gone).
+
+    A daemon thread blocked in ``read``: costs nothing while the driver lives, and works
+    where PR_SET_PDEATHSIG does not (other OSes, a forkserver parent).
+    """
+
+    def run() -> None:
+        while True:
+            try:
+                if not os.read(fd, 64):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os._exit(PARENT_DIED_EXIT)
+
+    thread = threading.Thread(target=run, name="executor-mp-death-pipe", daemon=True)
+    thread.start()
+    return thread
+
+
+def _decode_call(view: memoryview) -> tuple[int, int, int, Any]:
+    header = read_header(view)
+    if header.kind == KIND_STOP:
+        return header.kind, header.seq, header.rank, None
+    try:
+        body = decode_body(view)
+    except Exception as exc:  # noqa: BLE001 - reported to the driver as this call's failure
+        return header.kind, header.seq, header.rank, RemoteFailure.capture(-1, "<decode>", exc)
+    return header.kind, header.seq, header.rank, body
+
+
+def _reply_frame(rank: int, seq: int, method: str, ok: bool, value: Any) -> Frame:
+    try:
+        return encode(KIND_REPLY, ok, rank, seq, value)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result becomes the call's error
+        failure = RemoteFailure.capture(rank, method, exc)
+        return encode(KIND_REPLY, False, rank, seq, failure)
+
+
+def serve(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None:
+    """Run calls from the broadcast ring until the stop message."""
+    while True:
+        item = calls.read(_decode_call)
+        assert item is not None  # no deadline: read returns a message
+        kind, seq, reply_rank, body = item
+        if kind == KIND_STOP:
+            return
+        if isinstance(body, RemoteFailure):
+            failure = attrs.evolve(body, rank=rank)
+            replies.write(_reply_frame(rank, seq, "<decode>", False, failure))
+            continue
+        method, args, kwargs = body
+        ok, value = wrapper.execute(method, args, kwargs)
+        if ok and reply_rank >= 0 and reply_rank != rank:
+            continue  # only the chosen rank answers, unless this one failed
+        name = method if isinstance(method, str) else "<callable>"
+        replies.write(_reply_frame(rank, seq, name, ok, value))
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker process."""
+    # Ctrl-C reaches the whole process group; the driver decides what happens to workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_parent_death_signal(spec.parent_pid)
+    _set_thread_name(f"mp-worker-{spec.context.rank}")
+    for fd in spec.close_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os.environ.update(spec.env)
+    watch_death_pipe(spec.death_pipe.fd)
+    rank = spec.context.rank
+    segment = SharedSegment.attach(spec.segment.fd, spec.layout.nbytes)
+    calls = Ring(
+        segment.buf, segment.address, spec.layout.broadcast, reader=rank, spin_s=spec.spin_s
+    )
+    replies = Ring(
+        segment.buf, segment.address, spec.layout.replies[rank], reader=None, spin_s=spec.spin_s
+    )
+    wrapper = WorkerWrapper(spec.worker_cls, spec.worker_kwargs, spec.context, env=spec.config_env)
+    try:
+        wrapper.init_worker()
+    except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
+        failure = RemoteFailure.capture(rank, "init_worker", exc)
+        replies.write(encode(KIND_READY, False, rank, 0, failure))
+        wrapper.shutdown()
+        sys.exit(1)
+    replies.write(encode(KIND_READY, True, rank, 0, os.getpid()))
+    try:
+        serve(wrapper, calls, replies, rank)
+    finally:
+        wrapper.shutdown()
