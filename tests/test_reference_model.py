@@ -1,0 +1,189 @@
+"""The reference model on one rank: checkpoint, shards, KV cache, the generation loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from executor_core import ConfigError, Executor, ExecutorConfig, WorkerError, create_executor
+from executor_core.reference import (
+    MODEL_SIZES,
+    ModelConfig,
+    Split,
+    StepInput,
+    checkpoint_layout,
+    create_checkpoint,
+    ensure_checkpoint,
+    generate,
+    load_shard,
+    make_prompts,
+    read_config,
+    stage_layers,
+    stage_tensor_names,
+)
+
+TINY = MODEL_SIZES["tiny"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_checkpoint(TINY, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def uni(checkpoint: Path) -> Iterator[Executor]:
+    config = ExecutorConfig(
+        backend="uni",
+        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": 16, "cpu_threads": 1},
+        rpc_timeout=60,
+    )
+    with create_executor(config) as executor:
+        yield executor
+
+
+def test_checkpoint_is_a_function_of_the_config(tmp_path: Path, checkpoint: Path) -> None:
+    again = create_checkpoint(TINY, tmp_path / "again.safetensors")
+    first, second = load_file(str(checkpoint)), load_file(str(again))
+    assert first.keys() == second.keys() == checkpoint_layout(TINY).keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    other = load_file(str(create_checkpoint(attrs.evolve(TINY, seed=1), tmp_path / "o")))
+    assert not torch.equal(first["embed.weight"], other["embed.weight"])
+    assert read_config(again) == TINY
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_ensure_checkpoint_reuses_an_existing_file(checkpoint: Path) -> None:
+    mtime = checkpoint.stat().st_mtime_ns
+    assert ensure_checkpoint(TINY, checkpoint.parent) == checkpoint
+    assert checkpoint.stat().st_mtime_ns == mtime
+
+
+def test_read_config_rejects_a_foreign_file(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "foreign.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path))
+    with pytest.raises(ValueError, match="not a reference-model checkpoint"):
+        read_config(path)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_shards_tile_each_tensor_exactly(checkpoint: Path, tp: int) -> None:
+    full = load_file(str(checkpoint))
+    names = list(full)
+    shards = [load_shard(checkpoint, TINY, names, tp_rank=r, tp_size=tp) for r in range(tp)]
+    for name, (shape, split) in checkpoint_layout(TINY).items():
+        parts = [s[name] for s in shards]
+        if split is Split.REPLICATED:
+            assert all(torch.equal(p, full[name]) for p in parts)
+            continue
+        dim = 0 if split is Split.ROWS else 1
+        assert all(p.shape[dim] == shape[dim] // tp for p in parts), name
+        assert torch.equal(torch.cat(parts, dim=dim), full[name]), name
+
+
+def test_pipeline_stages_partition_the_layers_and_tensors() -> None:
+    for layers, pp in [(4, 2), (5, 2), (7, 3), (4, 4)]:
+        ranges = [stage_layers(layers, pp, r) for r in range(pp)]
+        assert [i for r in ranges for i in r] == list(range(layers))
+        assert max(len(r) for r in ranges) - min(len(r) for r in ranges) <= 1
+    names = [stage_tensor_names(TINY, 2, r) for r in range(2)]
+    assert sorted(names[0] + names[1]) == sorted(checkpoint_layout(TINY))
+    assert "embed.weight" in names[0]
+    assert "lm_head.weight" in names[1]
+    assert not set(names[0]) & set(names[1])
+
+
+def test_parallel_sizes_that_do_not_divide_the_model_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="must divide the model's num_heads=4"):
+        TINY.check_parallel(3, 1)
+    with pytest.raises(ConfigError, match="at most the model's num_layers=4"):
+        TINY.check_parallel(1, 5)
+    with pytest.raises(ConfigError, match="multiple of num_heads"):
+        ModelConfig(hidden_size=66, num_heads=4)
+
+
+def test_decoding_with_the_kv_cache_matches_a_full_recompute(uni: Executor) -> None:
+    prompts = make_prompts(4, 7, TINY.vocab_size, seed=5)
+    result = generate(uni, prompts, max_new_tokens=6, batch_size=4, return_logits=True)
+    assert result.logits is not None
+    # Recompute the last position from scratch (one prefill over prompt + generated tokens)
+    # in fresh slots: it must agree with what the cache-based decode steps produced.
+    full = [p + t[:-1] for p, t in zip(prompts, result.tokens, strict=True)]
+    step = StepInput(
+        batch_id=99, slots=[8, 9, 10, 11], token_ids=full, start_pos=0, return_logits=True
+    )
+    out = uni.execute_model(step)
+    assert list(out.next_tokens) == [t[-1] for t in result.tokens]
+    torch.testing.assert_close(
+        out.logits, torch.stack([lg[-1] for lg in result.logits]), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_async_overlap_gives_the_same_tokens(uni: Executor) -> None:
+    prompts = make_prompts(12, 5, TINY.vocab_size, seed=2)
+    serial = generate(uni, prompts, max_new_tokens=5, batch_size=4, max_concurrent_batches=1)
+    overlapped = generate(uni, prompts, max_new_tokens=5, batch_size=4, max_concurrent_batches=2)
+    assert overlapped.max_concurrent_batches == 2
+    assert overlapped.tokens == serial.tokens
+    assert len(serial.steps) == len(overlapped.steps) == 3 * 5
+
+
+def test_prompts_of_different_lengths_are_batched_by_length(uni: Executor) -> None:
+    prompts = make_prompts(3, 4, TINY.vocab_size, seed=8) + make_prompts(2, 9, 256, seed=9)
+    mixed = generate(uni, prompts, max_new_tokens=3, batch_size=8)
+    alone = [generate(uni, [p], max_new_tokens=3).tokens[0] for p in prompts]
+    assert mixed.tokens == alone
+    assert mixed.generated_tokens == 15
+    assert mixed.tokens_per_s > 0
+    assert 0 <= mixed.executor_share < 1
+    assert mixed.latency_percentile(50) <= mixed.latency_percentile(99)
+
+
+def test_generate_rejects_what_the_workers_cannot_hold(uni: Executor) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=96"):
+        generate(uni, make_prompts(1, 90, 256), max_new_tokens=10)
+    with pytest.raises(ValueError, match="need 32 KV-cache slots but the workers have kv_slots"):
+        generate(
+            uni, make_prompts(64, 3, 256), max_new_tokens=2, batch_size=16, max_concurrent_batches=2
+        )
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(uni, [[]], max_new_tokens=1)
+
+
+def test_worker_rejects_bad_steps_and_stays_usable(uni: Executor) -> None:
+    with pytest.raises(WorkerError, match="takes a StepInput"):
+        uni.execute_model([1, 2, 3])
+    with pytest.raises(WorkerError, match="outside the KV cache"):
+        uni.execute_model(StepInput(batch_id=0, slots=[99], token_ids=[[1]], start_pos=0))
+    with pytest.raises(WorkerError, match="same number"):
+        uni.execute_model(StepInput(batch_id=0, slots=[0, 1], token_ids=[[1], [1, 2]], start_pos=0))
+    assert generate(uni, [[1, 2, 3]], max_new_tokens=2).generated_tokens == 2
+
+
+def test_asleep_worker_refuses_to_run_until_woken(uni: Executor) -> None:
+    prompts = make_prompts(2, 4, TINY.vocab_size, seed=1)
+    before = generate(uni, prompts, max_new_tokens=3).tokens
+    uni.sleep(1)
+    try:
+        with pytest.raises(WorkerError, match="asleep"):
+            generate(uni, prompts, max_new_tokens=3)
+    finally:
+        uni.wake_up()
+    assert generate(uni, prompts, max_new_tokens=3).tokens == before
+
+
+def test_missing_checkpoint_fails_executor_start(tmp_path: Path) -> None:
+    config = ExecutorConfig(
+        backend="uni",
+        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_kwargs={"checkpoint": str(tmp_path / "nope.safetensors")},
+    )
+    with pytest.raises(WorkerError, match="does not exist"):
+        create_executor(config)
