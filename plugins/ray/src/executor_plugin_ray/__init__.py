@@ -1,3 +1,33 @@
-"""executor-plugin-ray (work in progress: declares no backend yet)."""
+"""executor-plugin-ray: the Ray backend (``ray``).
 
-__all__: list[str] = []
+This module is the plugin the registry imports: it only declares the backend and must stay
+cheap (it never imports Ray). The executor lives in :mod:`executor_plugin_ray._executor` and is
+imported when the backend is chosen.
+"""
+
+from __future__ import annotations
+
+from executor_core import BackendSpec, Capabilities, hookimpl
+
+__all__ = ["__version__", "executor_register_backends"]
+
+__version__ = "0.1.0"  # keep equal to pyproject.toml
+
+
+@hookimpl
+def executor_register_backends() -> list[BackendSpec]:
+    """Declare the ``ray`` backend."""
+    return [
+        BackendSpec(
+            name="ray",
+            executor="executor_plugin_ray._executor:RayExecutor",
+            description=(
+                "One Ray actor per rank in a placement group, on one node or many; "
+                "compiled-graph execute_model."
+            ),
+            capabilities=Capabilities(
+                pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")
+            ),
+            requires=("ray",),
+        ),
+    ]

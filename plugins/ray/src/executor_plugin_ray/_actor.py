@@ -1,0 +1,142 @@
+"""The Ray actor that hosts one rank's worker through the core's WorkerWrapper."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ray
+
+from executor_core import (
+    RemoteFailure,
+    WorkerContext,
+    WorkerWrapper,
+    find_free_port,
+    method_name,
+)
+
+from ._ranks import ActorInfo
+
+__all__ = ["MONITOR_GROUP", "RayWorker", "RayWorkerActor"]
+
+#: The actor's second thread: the liveness watch and the "what are you running" query, so
+#: both answer while the worker is busy in a long call.
+MONITOR_GROUP = "executor_monitor"
+
+#: What every call returns: ``(True, result)`` or ``(False, RemoteFailure)``.
+Reply = tuple[bool, Any]
+
+
+class RayWorker:
+    """One rank. Calls run one at a time (a lock), whether they come as actor tasks or through
+    a compiled graph's loop, which Ray runs on another thread of the actor."""
+
+    def __init__(self) -> None:
+        self._wrapper: WorkerWrapper | None = None
+        self._rank = -1
+        self._is_output_rank = False
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._running: str | None = None
+
+    # --- set-up ----------------------------------------------------------------------------
+
+    def node_info(self) -> ActorInfo:
+        """Where this actor runs."""
+        context = ray.get_runtime_context()
+        gpu_ids = context.get_accelerator_ids().get("GPU", [])
+        return ActorInfo(
+            node_id=context.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]  # unannotated in ray
+            pid=os.getpid(),
+            gpu_ids=tuple(str(gpu) for gpu in gpu_ids),
+        )
+
+    def free_port(self, host: str) -> int:
+        """A free TCP port on this node (for the torch.distributed rendezvous)."""
+        return find_free_port(host)
+
+    def init_worker(
+        self,
+        worker_cls: type | str,
+        worker_kwargs: Mapping[str, Any],
+        context: WorkerContext,
+        env: Mapping[str, str],
+    ) -> Reply:
+        """Build the user's worker and run init_device and load_model."""
+        self._rank = context.rank
+        self._is_output_rank = context.is_output_rank
+        self._wrapper = WorkerWrapper(worker_cls, worker_kwargs, context, env=env)
+        with self._lock:
+            try:
+                self._wrapper.init_worker()
+            except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
+                return False, RemoteFailure.capture(context.rank, "init_worker", exc)
+        return True, None
+
+    # --- calls -----------------------------------------------------------------------------
+
+    def execute(
+        self,
+        method: str | bytes | Callable[..., Any],
+        payload: tuple[tuple[Any, ...], Mapping[str, Any] | None],
+        reply: bool,
+    ) -> Reply:
+        """Run ``method`` with ``payload = (args, kwargs)``; the result only if ``reply``."""
+        args, kwargs = payload
+        ok, value = self._run(method, args, kwargs)
+        if ok and not reply:
+            return True, None
+        return ok, value
+
+    def execute_model_compiled(self, batch: Any) -> Reply:
+        """``execute_model`` as a compiled-graph stage: only the output rank returns a result."""
+        ok, value = self._run("execute_model", (batch,), None)
+        if ok and not self._is_output_rank:
+            return True, None
+        return ok, value
+
+    def _run(
+        self,
+        method: str | bytes | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any] | None,
+    ) -> Reply:
+        wrapper = self._wrapper
+        if wrapper is None:
+            error = RuntimeError(f"the worker of rank {self._rank} is not initialised")
+            return False, RemoteFailure.capture(self._rank, method_name(method), error)
+        with self._lock:
+            self._running = method_name(method)
+            try:
+                return wrapper.execute(method, args, kwargs)
+            finally:
+                self._running = None
+
+    # --- monitoring ------------------------------------------------------------------------
+
+    @ray.method(concurrency_group=MONITOR_GROUP)
+    def watch(self) -> None:
+        """Returns when the worker shuts down; fails with ActorDiedError if the actor dies."""
+        self._stopped.wait()
+
+    @ray.method(concurrency_group=MONITOR_GROUP)
+    def running(self) -> str | None:
+        """The method running now, if any (answers even while the worker is busy)."""
+        return self._running
+
+    def shutdown(self) -> None:
+        """Call the worker's shutdown and release the watch."""
+        try:
+            with self._lock:
+                if self._wrapper is not None:
+                    self._wrapper.shutdown()
+        finally:
+            self._stopped.set()
+
+
+#: The actor class. ``max_concurrency=1`` for the default group keeps calls in order.
+# ray.remote's overloads omit concurrency_groups, which it accepts.
+RayWorkerActor = ray.remote(concurrency_groups={MONITOR_GROUP: 2})(RayWorker)  # type: ignore[call-overload]

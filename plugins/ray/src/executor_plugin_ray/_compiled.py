@@ -1,0 +1,77 @@
+"""execute_model through a Ray Compiled Graph: one stage of actors per pipeline rank.
+
+The driver writes each batch once into the graph's input channel (shared memory on one node);
+every rank reads it, runs ``execute_model`` and answers on its own output channel. Stage ``p``
+holds the tensor-parallel ranks of pipeline rank ``p``, so outputs come back in rank order and
+the output rank (first TP rank of the last stage) carries the result; the others answer
+``(True, None)``. Hidden states between stages travel between the workers themselves
+(torch.distributed send/recv), as they do on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["CompiledStep", "compiled_graphs_available"]
+
+#: How many steps may be submitted before their results are read (Ray raises beyond it).
+MAX_INFLIGHT = 32
+
+
+def compiled_graphs_available() -> bool:
+    """True if this Ray provides compiled graphs (``ray.dag`` with ``experimental_compile``)."""
+    try:
+        from ray.dag import InputNode, MultiOutputNode
+    except ImportError:
+        return False
+    return hasattr(MultiOutputNode, "experimental_compile") and InputNode is not None
+
+
+class CompiledStep:
+    """The compiled graph of one executor. Not thread-safe: the executor serialises use."""
+
+    def __init__(self, actors: Sequence[Any], tensor_parallel_size: int) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        stages = [
+            actors[start : start + tensor_parallel_size]
+            for start in range(0, len(actors), tensor_parallel_size)
+        ]
+        with InputNode() as batch:
+            outputs = [
+                actor.execute_model_compiled.bind(batch) for stage in stages for actor in stage
+            ]
+            graph = MultiOutputNode(outputs)
+        self._graph: Any = graph.experimental_compile(_max_inflight_executions=MAX_INFLIGHT)
+        self._torn_down = False
+
+    def submit(self, batch: Any) -> list[Any]:
+        """Start one step; returns one CompiledDAGRef per rank, in rank order."""
+        refs: list[Any] = self._graph.execute(batch)
+        return refs
+
+    def teardown(self, *, quiet: bool = False) -> None:
+        """Stop the actors' graph loops and release the channels. Idempotent.
+
+        ``quiet`` hides Ray's error log about loops it cannot cancel on dead actors: after a
+        worker died that is expected, and the executor has already reported the death.
+        """
+        if self._torn_down:
+            return
+        self._torn_down = True
+        with _silenced("ray.dag.compiled_dag_node") if quiet else contextlib.nullcontext():
+            self._graph.teardown()
+
+
+@contextlib.contextmanager
+def _silenced(name: str) -> Iterator[None]:
+    log = logging.getLogger(name)
+    previous = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = previous

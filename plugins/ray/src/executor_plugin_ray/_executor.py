@@ -1,0 +1,510 @@
+"""RayExecutor: one Ray actor per rank, in a placement group, on one node or many."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from executor_core import (
+    ConfigError,
+    Executor,
+    ExecutorClosedError,
+    ExecutorError,
+    ExecutorFailedError,
+    RemoteFailure,
+    RPCTimeoutError,
+    WorkerContext,
+    WorkerDiedError,
+    WorkerError,
+    dumps_method,
+    method_name,
+    tcp_init_method,
+)
+
+from ._actor import RayWorkerActor
+from ._cluster import acquire_ray
+from ._compiled import CompiledStep, compiled_graphs_available
+from ._monitor import DeathMonitor
+from ._options import RayOptions
+from ._placement import bundle_for, reserve_placement_group
+from ._ranks import ActorInfo, WorkerPlacement, assign_ranks
+
+__all__ = ["RayExecutor"]
+
+logger = logging.getLogger("executor_plugin_ray")
+
+#: Longest uninterrupted wait on Ray; between slices a waiter notices failure or shutdown.
+_WAIT_SLICE_S = 0.5
+#: Arguments at least this large are put into the object store once for all workers,
+#: rather than serialised once per worker (Ray inlines smaller ones into the call).
+_PUT_ONCE_BYTES = 100 * 1024
+#: Seconds the graceful part of shutdown may take before the actors are killed.
+_GRACEFUL_S = 5.0
+
+_Reply = tuple[bool, Any]
+
+
+class RayExecutor(Executor):
+    """Runs each rank's worker in a Ray actor; see the distribution's README for options.
+
+    Calls are actor tasks (one per rank, in order). With ``compiled_graph`` enabled (the
+    default) ``execute_model`` goes through a Ray Compiled Graph instead. A monitor fails the
+    executor with :class:`WorkerDiedError` (rank and node) as soon as Ray reports an actor or
+    its node dead; pending and later calls then raise that error.
+    """
+
+    supports_pp = True
+    uses_ray = True
+
+    # --- start -----------------------------------------------------------------------------
+
+    def _init_executor(self) -> None:
+        config = self.config
+        self._options = options = RayOptions.from_backend_options(config.backend_options)
+        if config.device not in ("cpu", "cuda"):
+            raise ConfigError("device", config.device, "the 'ray' backend runs 'cpu' or 'cuda'")
+        self._actors: list[Any] = []
+        self._placements: list[WorkerPlacement] = []
+        self._monitor: DeathMonitor | None = None
+        self._compiled: CompiledStep | None = None
+        self._compiled_lock = threading.Lock()
+        self._use_compiled = options.compiled_graph and compiled_graphs_available()
+        # Ordered completion of non-blocking calls: one thread resolves them in turn.
+        self._collector = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="executor-ray-collector"
+        )
+        self.add_cleanup(functools.partial(self._collector.shutdown, wait=False))
+        # The last non-blocking future of each path; a call on the other path waits for it,
+        # so that workers see actor calls and compiled-graph steps in submission order.
+        self._last_future: dict[str, Future[Any] | None] = {"actor": None, "compiled": None}
+        self._compiled_slots = threading.BoundedSemaphore(_max_inflight())
+
+        lease = acquire_ray(options, world_size=config.world_size)
+        self.add_cleanup(lease.release)
+        group, _bundles = reserve_placement_group(options, config.device, config.world_size)
+        self.add_cleanup(functools.partial(_remove_group, group))
+        actors = self._create_actors(group, options)
+        self.add_cleanup(functools.partial(_kill_actors, actors))
+        deadline = time.monotonic() + options.startup_timeout
+        infos: list[ActorInfo] = self._gather_startup(
+            [actor.node_info.remote() for actor in actors], "start", deadline, raw=True
+        )
+        driver_node = ray.get_runtime_context().get_node_id()
+        self._placements = assign_ranks(infos, driver_node)
+        self._actors = [actors[p.actor_index] for p in self._placements]
+        monitor = DeathMonitor(
+            [actor.watch.remote() for actor in self._actors], _death_reporter(self)
+        )
+        self._monitor = monitor
+        self.add_cleanup(monitor.stop)
+        init_method = self._init_method(deadline)
+        contexts = [self._context(p, init_method) for p in self._placements]
+        init_refs = [
+            actor.init_worker.remote(
+                config.worker_cls, config.worker_kwargs, ctx, self._worker_env(placement)
+            )
+            for actor, ctx, placement in zip(self._actors, contexts, self._placements, strict=True)
+        ]
+        self._gather_startup(init_refs, "init_worker", deadline)
+
+    def _create_actors(self, group: PlacementGroup, options: RayOptions) -> list[Any]:
+        bundle = bundle_for(options, self.config.device)
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        actor_options: dict[str, Any] = {
+            "num_cpus": options.num_cpus_per_worker,
+            "num_gpus": bundle.get("GPU", 0),
+            "max_restarts": 0,
+            "max_task_retries": 0,
+        }
+        if custom:
+            actor_options["resources"] = custom
+        if self.config.env:
+            actor_options["runtime_env"] = {"env_vars": dict(self.config.env)}
+        return [
+            RayWorkerActor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group,
+                    placement_group_bundle_index=index,
+                    placement_group_capture_child_tasks=True,
+                ),
+                **actor_options,
+            ).remote()
+            for index in range(self.config.world_size)
+        ]
+
+    def _init_method(self, deadline: float) -> str:
+        """``tcp://`` on rank 0's node: the configured host when every rank shares one node
+        (loopback by default), rank 0's node IP when they span several."""
+        nodes = {p.node_id for p in self._placements}
+        host = self.config.distributed_host if len(nodes) == 1 else self._placements[0].node_ip
+        [port] = self._gather_startup(
+            [self._actors[0].free_port.remote(host)], "free_port", deadline, raw=True
+        )
+        return tcp_init_method(host, port)
+
+    def _context(self, placement: WorkerPlacement, init_method: str) -> WorkerContext:
+        config = self.config
+        return WorkerContext(
+            rank=placement.rank,
+            local_rank=placement.local_rank,
+            world_size=config.world_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            distributed_init_method=init_method,
+            device=config.device,
+            local_world_size=placement.local_world_size,
+            node_id=placement.node_id,
+            backend="ray",
+        )
+
+    def _worker_env(self, placement: WorkerPlacement) -> dict[str, str]:
+        env = dict(self.config.env)
+        if self.config.device == "cuda" and placement.visible_devices is not None:
+            # Ray shows each actor only its own GPU; showing the node's workers' GPUs in
+            # local-rank order makes cuda:{local_rank} right, as on every other backend.
+            env.setdefault("CUDA_VISIBLE_DEVICES", placement.visible_devices)
+        return env
+
+    def _gather_startup(
+        self, refs: list[Any], what: str, deadline: float, *, raw: bool = False
+    ) -> list[Any]:
+        try:
+            return self._gather(refs, what, deadline, self._options.startup_timeout, raw=raw)
+        except RPCTimeoutError as exc:
+            raise ExecutorError(
+                f"Ray workers {list(exc.ranks)} did not finish {what!r} within "
+                f"startup_timeout={self._options.startup_timeout:g} s; raise "
+                "backend_options['startup_timeout'] if loading the model takes longer"
+            ) from exc
+
+    # --- public extras ---------------------------------------------------------------------
+
+    @property
+    def placements(self) -> list[WorkerPlacement]:
+        """Each rank's node id, node IP, local rank and actor pid, in rank order."""
+        return list(self._placements)
+
+    @property
+    def options(self) -> RayOptions:
+        """The validated ``backend_options``."""
+        return self._options
+
+    @property
+    def uses_compiled_graph(self) -> bool:
+        """True if ``execute_model`` goes through a Ray Compiled Graph."""
+        return self._use_compiled
+
+    # --- calls -----------------------------------------------------------------------------
+
+    def collective_rpc(  # type: ignore[override]  # one implementation for both overloads
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any] | Future[list[Any]]:
+        self.check_open()
+        self.check_reply_rank(unique_reply_rank)
+        timeout = self.resolve_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        name = method_name(method)
+        wire = dumps_method(method)
+        self._drain("compiled", name, deadline, timeout)
+        payload: Any = (args, kwargs)
+        if self.world_size > 1 and _approx_nbytes(args, kwargs) >= _PUT_ONCE_BYTES:
+            payload = ray.put(payload)
+        refs = [
+            actor.execute.remote(wire, payload, unique_reply_rank in (None, rank))
+            for rank, actor in enumerate(self._actors)
+        ]
+
+        def wait() -> list[Any]:
+            replies = self._gather(refs, name, deadline, timeout)
+            if unique_reply_rank is not None:
+                return [replies[unique_reply_rank]]
+            return replies
+
+        if non_block:
+            return self._submit_ordered("actor", wait)
+        return wait()
+
+    def execute_model(self, batch: Any, non_block: bool = False) -> Any:
+        """Run one step; through the compiled graph when enabled (see :class:`CompiledStep`)."""
+        if not self._use_compiled:
+            return super().execute_model(batch, non_block)
+        self.check_open()
+        timeout = self.resolve_timeout(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        step = self._compiled_step()
+        self._drain("actor", "execute_model", deadline, timeout)
+        if not self._compiled_slots.acquire(timeout=_remaining(deadline, default=-1)):
+            raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0)
+        try:
+            refs = step.submit(batch)
+        except BaseException:
+            self._compiled_slots.release()
+            raise
+
+        def wait() -> Any:
+            try:
+                return self._gather_compiled(refs, deadline, timeout)
+            finally:
+                self._compiled_slots.release()
+
+        if non_block:
+            return self._submit_ordered("compiled", wait)
+        return wait()
+
+    def _compiled_step(self) -> CompiledStep:
+        with self._compiled_lock:
+            if self._compiled is None:
+                self.check_open()
+                step = CompiledStep(self._actors, self.config.tensor_parallel_size)
+                self._compiled = step
+                self.add_cleanup(functools.partial(_teardown_quietly, step))
+            return self._compiled
+
+    def _submit_ordered(self, path: str, wait: Callable[[], Any]) -> Future[Any]:
+        future = self._collector.submit(wait)
+        self._last_future[path] = future
+        return future
+
+    def _drain(self, other: str, name: str, deadline: float | None, timeout: float | None) -> None:
+        """Wait until the other path's non-blocking calls have completed."""
+        future = self._last_future[other]
+        if future is None:
+            return
+        done, _ = concurrent.futures.wait([future], timeout=_remaining(deadline))
+        if not done:
+            raise RPCTimeoutError(name, range(self.world_size), timeout or 0.0)
+        self._last_future[other] = None
+
+    # --- waiting ---------------------------------------------------------------------------
+
+    def _gather(
+        self,
+        refs: Sequence[Any],
+        name: str,
+        deadline: float | None,
+        timeout: float | None,
+        *,
+        raw: bool = False,
+    ) -> list[Any]:
+        """Wait for one reply per rank; raise on timeout, worker error, death or shutdown."""
+        while True:
+            remaining = _remaining(deadline)
+            wait_s = _WAIT_SLICE_S if remaining is None else min(_WAIT_SLICE_S, remaining)
+            try:
+                replies: list[Any] = ray.get(list(refs), timeout=wait_s)
+                break
+            except GetTimeoutError:
+                pass
+            except RayError as exc:
+                raise self._diagnose(refs, name, exc) from None
+            self._raise_if_stopped()
+            if remaining is not None and remaining <= wait_s:
+                ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+                done = set(ready)
+                missing = [rank for rank, ref in enumerate(refs) if ref not in done]
+                raise RPCTimeoutError(name, missing, timeout or 0.0)
+        if raw:
+            return replies
+        return _unpack(replies)
+
+    def _diagnose(self, refs: Sequence[Any], name: str, exc: RayError) -> ExecutorError:
+        """The error to raise for a Ray-level failure of one of ``refs`` (by rank)."""
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except GetTimeoutError:
+                continue
+            except RayActorError as err:
+                return self._report_death(rank, err)
+            except RayTaskError as err:
+                return WorkerError(rank, name, type(err.cause).__name__, str(err.cause), str(err))
+            except RayError as err:
+                return WorkerError(rank, name, type(err).__name__, str(err), str(err))
+        if isinstance(exc, RayActorError):
+            return self._report_death(-1, exc)
+        return ExecutorError(f"Ray failed during {name!r}: {exc}")
+
+    def _gather_compiled(
+        self, refs: list[Any], deadline: float | None, timeout: float | None
+    ) -> Any:
+        from ray.exceptions import RayChannelTimeoutError
+
+        replies: list[_Reply] = []
+        try:
+            for ref in refs:
+                remaining = _remaining(deadline, default=-1)
+                replies.append(ref.get(timeout=remaining))
+        except RayChannelTimeoutError:
+            raise RPCTimeoutError(
+                "execute_model", self._busy_ranks() or range(self.world_size), timeout or 0.0
+            ) from None
+        except RayError as exc:
+            raise self._compiled_failure(exc) from None
+        return _unpack(replies)[self.output_rank]
+
+    def _compiled_failure(self, exc: BaseException) -> ExecutorError:
+        """A compiled-graph read failed: report the dead worker if the monitor names one."""
+        if self._closed:
+            return ExecutorClosedError("the executor was shut down during the call")
+        # The graph notices a dead actor (closed channel) about when the monitor does; give
+        # the monitor a moment so the error names the rank and node.
+        give_up = time.monotonic() + 2.0
+        while self._failure is None and time.monotonic() < give_up:
+            time.sleep(0.05)
+        if self._failure is not None:
+            return self._failure
+        error = ExecutorFailedError(f"the compiled graph of execute_model failed: {exc}")
+        self.fail(error)
+        return self._failure or error
+
+    def _busy_ranks(self) -> list[int]:
+        try:
+            running = ray.get([a.running.remote() for a in self._actors], timeout=2.0)
+        except RayError:
+            return []
+        return [rank for rank, what in enumerate(running) if what is not None]
+
+    def _raise_if_stopped(self) -> None:
+        if self._closed:
+            raise ExecutorClosedError("the executor was shut down during the call")
+        failure = self._failure
+        if failure is not None:
+            raise failure
+
+    # --- failure ---------------------------------------------------------------------------
+
+    def _report_death(self, rank: int, error: BaseException) -> ExecutorFailedError:
+        """Fail the executor because ``rank``'s actor (or its node) is gone; return the error."""
+        died = WorkerDiedError(rank, detail=self._death_detail(rank, error))
+        if self.fail(died):
+            logger.error("%s", died)
+            step = self._compiled
+            if step is not None:
+                # Wake waiters blocked on the graph's channels.
+                threading.Thread(target=_teardown_quietly, args=(step,), daemon=True).start()
+        return self._failure or died
+
+    def _death_detail(self, rank: int, error: BaseException) -> str:
+        where = ""
+        if 0 <= rank < len(self._placements):
+            placement = self._placements[rank]
+            where = (
+                f"Ray actor pid {placement.pid} on node {placement.node_id} ({placement.node_ip}); "
+            )
+        reason = " ".join(
+            line.strip()
+            for line in str(error).splitlines()
+            if line.strip().startswith(("The actor", "the actor"))
+        )
+        return where + (reason or f"{type(error).__name__}: {str(error).splitlines()[0]}")
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def _shutdown_workers(self) -> None:
+        """Graceful part: tear the graph down and let each worker run its shutdown.
+
+        The forceful part (stop the monitor, kill the actors, remove the placement group,
+        release Ray) is in the cleanups, so that the finalizer runs it too.
+        """
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            monitor.stop()
+        step = getattr(self, "_compiled", None)
+        if step is not None:
+            _teardown_quietly(step)
+        actors = getattr(self, "_actors", [])
+        if actors and self._failure is None and ray.is_initialized():
+            try:
+                refs = [actor.shutdown.remote() for actor in actors]
+                ray.wait(refs, num_returns=len(refs), timeout=_GRACEFUL_S)
+            except RayError:
+                logger.debug("graceful shutdown of the Ray workers failed", exc_info=True)
+
+
+def _death_reporter(executor: RayExecutor) -> Callable[[int, BaseException], None]:
+    """The monitor's callback; holds the executor weakly so that it can be collected."""
+    ref = weakref.ref(executor)
+
+    def report(rank: int, error: BaseException) -> None:
+        target = ref()
+        if target is not None:
+            target._report_death(rank, error)
+
+    return report
+
+
+def _unpack(replies: Sequence[_Reply]) -> list[Any]:
+    for ok, value in replies:
+        if not ok:
+            failure: RemoteFailure = value
+            raise failure.to_error()
+    return [value for _ok, value in replies]
+
+
+def _remaining(deadline: float | None, default: float | None = None) -> float | None:
+    if deadline is None:
+        return default
+    return max(0.0, deadline - time.monotonic())
+
+
+def _max_inflight() -> int:
+    from ._compiled import MAX_INFLIGHT
+
+    return MAX_INFLIGHT
+
+
+def _approx_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
+    """A cheap lower bound of the size of the arguments: buffers at the top level only."""
+    total = 0
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, bytes | bytearray | str):
+            total += len(value)
+        else:
+            nbytes = getattr(value, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
+            if isinstance(nbytes, int):
+                total += nbytes
+    return total
+
+
+def _teardown_quietly(step: CompiledStep) -> None:
+    try:
+        step.teardown(quiet=True)
+    except Exception:  # teardown after a death may fail; the actors die anyway
+        logger.debug("compiled graph teardown failed", exc_info=True)
+
+
+def _kill_actors(actors: Sequence[Any]) -> None:
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead or Ray gone: nothing left to kill
+            logger.debug("ray.kill failed", exc_info=True)
+
+
+def _remove_group(group: PlacementGroup) -> None:
+    if not ray.is_initialized():
+        return
+    try:
+        remove_placement_group(group)
+    except Exception:  # already removed or Ray gone
+        logger.debug("remove_placement_group failed", exc_info=True)

@@ -1,0 +1,58 @@
+"""The death monitor: one long-pending "watch" call per actor, resolved when the actor dies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import ray
+from ray import ObjectRef
+
+__all__ = ["DeathMonitor"]
+
+logger = logging.getLogger("executor_plugin_ray")
+
+#: Seconds between checks of the stop flag while no actor dies (an idle wait, not a spin).
+_POLL_S = 1.0
+
+
+class DeathMonitor:
+    """Calls ``on_death(rank, error)`` when an actor's watch call fails.
+
+    Each actor's ``watch`` runs on its monitor thread and returns only at shutdown, so its
+    reference resolves with Ray's ActorDiedError (or ActorUnavailableError) as soon as Ray
+    knows the actor or its node is gone, typically well under a second after a node is
+    removed or a process is killed. The monitor holds no reference to the executor.
+    """
+
+    def __init__(
+        self, watches: Sequence[ObjectRef[None]], on_death: Callable[[int, BaseException], None]
+    ) -> None:
+        self._pending: dict[ObjectRef[None], int] = {ref: rank for rank, ref in enumerate(watches)}
+        self._on_death = on_death
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="executor-ray-monitor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self._pending and not self._stop.is_set():
+            try:
+                ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=_POLL_S)
+            except Exception:  # Ray disconnected under us: nothing left to watch
+                if not self._stop.is_set():
+                    logger.debug("Ray monitor stopped: ray.wait failed", exc_info=True)
+                return
+            for ref in ready:
+                rank = self._pending.pop(ref)
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as exc:  # noqa: BLE001 - any failure of the watch is a death
+                    if not self._stop.is_set():
+                        self._on_death(rank, exc)
+
+    def stop(self, timeout: float = 2 * _POLL_S) -> None:
+        """Stop watching (deaths after this are not reported); wait for the thread."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)

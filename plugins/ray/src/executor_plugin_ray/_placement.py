@@ -1,0 +1,110 @@
+"""The placement group: one bundle per worker, reserved before any actor starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from executor_core import ExecutorError
+
+from ._options import RayOptions
+
+__all__ = ["PlacementTimeoutError", "bundle_for", "reserve_placement_group"]
+
+
+class PlacementTimeoutError(ExecutorError, TimeoutError):
+    """The cluster could not reserve the workers' resources within ``placement_timeout``."""
+
+
+def bundle_for(options: RayOptions, device: str) -> dict[str, float]:
+    """The resources one worker reserves: CPUs, one GPU on cuda, and custom resources."""
+    bundle: dict[str, float] = {}
+    if options.num_cpus_per_worker > 0:
+        bundle["CPU"] = options.num_cpus_per_worker
+    if device == "cuda":
+        bundle["GPU"] = 1.0
+    bundle.update(options.resources_per_worker)
+    if not bundle:
+        # Ray rejects empty bundles; a tiny CPU share keeps the bundle valid and schedulable.
+        bundle["CPU"] = 0.001
+    return bundle
+
+
+def reserve_placement_group(
+    options: RayOptions, device: str, world_size: int
+) -> tuple[PlacementGroup, list[dict[str, float]]]:
+    """Create the placement group and wait until it is ready.
+
+    Raises :class:`PlacementTimeoutError` (after removing the group) if it is not ready within
+    ``options.placement_timeout`` seconds, showing what was asked for and what the cluster has.
+    """
+    bundles = [bundle_for(options, device) for _ in range(world_size)]
+    group = placement_group(bundles, strategy=options.placement_strategy)
+    try:
+        ready = group.wait(timeout_seconds=options.placement_timeout)
+    except BaseException:
+        remove_placement_group(group)
+        raise
+    if not ready:
+        message = _explain_timeout(options, bundles)
+        remove_placement_group(group)
+        raise PlacementTimeoutError(message)
+    return group, bundles
+
+
+def _explain_timeout(options: RayOptions, bundles: list[dict[str, float]]) -> str:
+    total = _sum(bundles)
+    lines = [
+        f"the Ray cluster could not place {len(bundles)} worker(s) within "
+        f"placement_timeout={options.placement_timeout:g} s.",
+        f"Requested: {len(bundles)} bundle(s) of {_fmt(bundles[0])} "
+        f"(total {_fmt(total)}), strategy {options.placement_strategy}.",
+    ]
+    try:
+        # ray's state functions are unannotated, hence the ignores.
+        total_now = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        available = ray.available_resources()  # type: ignore[no-untyped-call]
+        nodes = ray.nodes()  # type: ignore[no-untyped-call]
+        lines.append(f"Cluster total: {_fmt(_visible(total_now))}.")
+        lines.append(f"Available now: {_fmt(_visible(available))}.")
+        for node in nodes:
+            if node.get("Alive"):
+                lines.append(
+                    f"  node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}): "
+                    f"{_fmt(_visible(node.get('Resources', {})))}"
+                )
+    except Exception as exc:  # noqa: BLE001 - the explanation must not hide the timeout itself
+        lines.append(f"(could not read the cluster's resources: {exc})")
+    lines.append(
+        "Free resources, add nodes, lower backend_options['num_cpus_per_worker'] or "
+        "'resources_per_worker', pick another 'placement_strategy', or raise "
+        "'placement_timeout'."
+    )
+    return "\n".join(lines)
+
+
+def _visible(resources: dict[str, Any]) -> dict[str, float]:
+    """Resources without Ray's internal per-node and memory entries."""
+    return {
+        name: float(amount)
+        for name, amount in sorted(resources.items())
+        if not name.startswith("node:")
+        and name not in ("memory", "object_store_memory")
+        and "_group_" not in name
+    }
+
+
+def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            total[name] = total.get(name, 0.0) + amount
+    return total
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    if not resources:
+        return "{}"
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"

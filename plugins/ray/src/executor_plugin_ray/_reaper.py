@@ -1,0 +1,64 @@
+"""A watchdog process that removes what a local Ray instance left behind.
+
+Ray fate-shares most of its processes with the driver that started it, but not all: after
+the driver is killed, its dashboard and runtime-env agents can linger as orphans. The backend
+starts this small process next to each local instance with the instance's process ids on the
+command line and a pipe on stdin. When stdin reaches end of file (the driver shut Ray down,
+or died), it waits a moment for the processes to exit by themselves, kills the survivors and
+removes the instance's temp directory. It imports only psutil, so it starts fast.
+
+Usage: ``python -m executor_plugin_ray._reaper <json>`` with
+``{"pids": [[pid, create_time], ...], "temp_dir": str | null, "grace_s": float}``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import psutil  # type: ignore[import-untyped]  # psutil ships no type information
+
+__all__ = ["main", "reap"]
+
+
+def reap(pids: list[tuple[int, float]], temp_dir: str | None, grace_s: float) -> list[int]:
+    """Kill those of ``pids`` still running after ``grace_s`` s; remove ``temp_dir``.
+
+    A pid is only touched if its process still has the recorded creation time, so a reused
+    pid is never killed. Returns the pids that had to be killed.
+    """
+    procs: list[psutil.Process] = []
+    for pid, created in pids:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) < 0.01:
+                procs.append(proc)
+        except psutil.Error:
+            continue
+    _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    killed = []
+    for proc in alive:
+        try:
+            proc.kill()
+            killed.append(proc.pid)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(alive, timeout=grace_s)
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return killed
+
+
+def main(argv: list[str]) -> int:
+    """Block until stdin closes, then :func:`reap`."""
+    spec = json.loads(argv[1])
+    # Blocks without spinning; returns at EOF, i.e. when the driver closes the pipe or dies.
+    sys.stdin.buffer.read()
+    pids = [(int(pid), float(created)) for pid, created in spec["pids"]]
+    reap(pids, spec["temp_dir"], float(spec["grace_s"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,122 @@
+"""Ray sessions shared by the tests: starting Ray costs seconds, so tests share one.
+
+A process holds one Ray connection at a time. :class:`RaySessions` keeps the current one (a
+local instance, a simulated two-node cluster, or none) and switches only when a module asks
+for another kind; modules are ordered so that it switches rarely.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from executor_plugin_ray._cluster import RayLease, acquire_ray
+from executor_plugin_ray._options import RayOptions
+
+#: Logical CPUs of the shared local session: the conformance suite keeps a class-wide
+#: executor (2 workers) alive while it creates fresh ones, and each worker reserves one CPU.
+LOCAL_CPUS = 8
+
+
+class RaySessions:
+    """The test process's Ray connection: none, local, or a simulated cluster."""
+
+    def __init__(self, tmp_root: str) -> None:
+        self.tmp_root = tmp_root
+        self.kind: str | None = None
+        self._lease: RayLease | None = None
+        self._cluster: Cluster | None = None
+        self._saved_env: dict[str, str | None] = {}
+
+    def local(self) -> None:
+        """A local instance started the way the backend starts one (token, temp dir, reaper)."""
+        if self.kind == "local":
+            return
+        self.close()
+        options = RayOptions(local_num_cpus=LOCAL_CPUS, log_to_driver=False)
+        self._lease = acquire_ray(options, world_size=1)
+        self.kind = "local"
+
+    def cluster(self) -> Cluster:
+        """A head node without CPUs and two worker nodes of one CPU each."""
+        if self.kind == "cluster" and self._cluster is not None:
+            return self._cluster
+        self.close()
+        # cluster_utils writes Ray's address file under $RAY_TMPDIR/ray; the token reaches the
+        # nodes through the environment, so nothing lands in /tmp/ray or ~/.ray.
+        tmp = tempfile.mkdtemp(prefix="cluster-", dir=self.tmp_root)
+        os.makedirs(os.path.join(tmp, "ray"))
+        self._set_env("RAY_TMPDIR", tmp)
+        self._set_env("RAY_AUTH_MODE", "token")
+        self._set_env("RAY_AUTH_TOKEN", os.urandom(16).hex())
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False},
+        )
+        self._cluster = cluster
+        self.kind = "cluster"
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+        return cluster
+
+    def _set_env(self, name: str, value: str) -> None:
+        self._saved_env.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+
+    def close(self) -> None:
+        """Shut down whatever is running."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            ray.shutdown()
+            cluster.shutdown()
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved_env.clear()
+        self.kind = None
+
+
+@pytest.fixture(scope="session")
+def ray_sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RaySessions]:
+    sessions = RaySessions(str(tmp_path_factory.mktemp("ray")))
+    try:
+        yield sessions
+    finally:
+        sessions.close()
+
+
+@pytest.fixture(scope="module")
+def ray_local(ray_sessions: RaySessions) -> None:
+    """The shared local Ray instance (started if another kind is running)."""
+    ray_sessions.local()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_sessions: RaySessions) -> Cluster:
+    """The shared simulated two-node cluster."""
+    return ray_sessions.cluster()
+
+
+@pytest.fixture
+def no_ray(ray_sessions: RaySessions) -> None:
+    """No Ray connection in this process, for tests of the backend's own start."""
+    ray_sessions.close()
+    assert not ray.is_initialized()
+
+
+def quiet_options(**options: Any) -> dict[str, Any]:
+    """backend_options for tests (actor output is not forwarded, to keep the log readable)."""
+    return {"log_to_driver": False, **options}
