@@ -125,3 +125,11 @@ def test_cli_names_in_tree_backends_that_are_not_installed() -> None:
     assert result.returncode == 0, result.stderr
     assert "mp: pip install executor-plugin-multiproc" in result.stdout
     assert "ray: pip install executor-plugin-ray" in result.stdout
+
+
+def test_every_in_tree_backend_is_installed_in_the_dev_environment() -> None:
+    # The cross-backend tests run on the backends that are installed; this makes a missing
+    # one a failure instead of a silently shorter test run.
+    from backends import IN_TREE, installed_backends
+
+    assert installed_backends() == list(IN_TREE)
