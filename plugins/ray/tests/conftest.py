@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import ray
@@ -115,8 +114,3 @@ def no_ray(ray_sessions: RaySessions) -> None:
     """No Ray connection in this process, for tests of the backend's own start."""
     ray_sessions.close()
     assert not ray.is_initialized()
-
-
-def quiet_options(**options: Any) -> dict[str, Any]:
-    """backend_options for tests (actor output is not forwarded, to keep the log readable)."""
-    return {"log_to_driver": False, **options}

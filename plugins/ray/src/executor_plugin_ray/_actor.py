@@ -76,6 +76,13 @@ class RayWorker:
                 return False, RemoteFailure.capture(context.rank, "init_worker", exc)
         return True, None
 
+    def prepare_compiled(self) -> None:
+        """Import what a compiled graph's loop imports (Ray's graph code, and torch when it is
+        installed: seconds), so that the first step does not pay for it inside its timeout."""
+        from ray.experimental.channel.common import ChannelContext
+
+        _ = ChannelContext.get_current().torch_available
+
     # --- calls -----------------------------------------------------------------------------
 
     def execute(

@@ -248,8 +248,8 @@ class RayExecutor(Executor):
             return super().execute_model(batch, non_block)
         self.check_open()
         timeout = self.resolve_timeout(None)
+        step = self._compiled_step()  # the first call compiles (outside the call's timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        step = self._compiled_step()
         self._drain("actor", "execute_model", deadline, timeout)
         if not self._compiled_slots.acquire(timeout=_remaining(deadline, default=-1)):
             raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0)
@@ -273,6 +273,9 @@ class RayExecutor(Executor):
         with self._compiled_lock:
             if self._compiled is None:
                 self.check_open()
+                deadline = time.monotonic() + self._options.startup_timeout
+                prepared = [actor.prepare_compiled.remote() for actor in self._actors]
+                self._gather_startup(prepared, "prepare_compiled", deadline, raw=True)
                 step = CompiledStep(self._actors, self.config.tensor_parallel_size)
                 self._compiled = step
                 self.add_cleanup(functools.partial(_teardown_quietly, step))
