@@ -187,3 +187,19 @@ def test_missing_checkpoint_fails_executor_start(tmp_path: Path) -> None:
     )
     with pytest.raises(WorkerError, match="does not exist"):
         create_executor(config)
+
+
+def test_main_job_explains_bad_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from executor_core._cli import main
+
+    assert main(["run", "--model-size", "tiny", "--tp", "3", "--no-progress"]) == 1
+    assert "must divide the model's num_heads=4" in capsys.readouterr().err
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["run", "--model-size", "tiny", "--backend", "external_launcher", "--tp", "2"]
+    assert main(argv) == 1
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+    assert main(["run", "--model-size", "tiny", "--prompt-len", "95"]) == 1
+    assert "exceeds the model's max_seq_len=96" in capsys.readouterr().err
