@@ -1,4 +1,4 @@
-"""The driver's table of calls in flight: replies in, futures out, in submission order."""
+"""The driver's table of calls in flight: replies in, outcomes out, in submission order."""
 
 from __future__ import annotations
 
@@ -14,18 +14,23 @@ __all__ = ["CallTable", "PendingCall"]
 
 
 class PendingCall:
-    """One collective call: the ranks that must answer, what they said, and its future."""
+    """One collective call: the ranks that must answer, what they said, and its outcome.
+
+    A blocking caller polls :attr:`done`; a non-blocking call also has a :attr:`future`.
+    """
 
     __slots__ = (
         "deadline",
+        "done",
         "error",
         "expected",
         "future",
         "method",
-        "non_block",
+        "ok",
         "results",
         "seq",
         "timeout",
+        "value",
     )
 
     def __init__(
@@ -39,13 +44,21 @@ class PendingCall:
         self.seq = seq
         self.method = method
         self.expected = expected
-        self.non_block = non_block
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.results: dict[int, Any] = {}
         self.error: ExecutorError | None = None
-        self.future: Future[list[Any]] = Future()
-        self.future.set_running_or_notify_cancel()
+        self.done = False
+        self.ok = False
+        self.value: Any = None
+        self.future: Future[list[Any]] | None = None
+        if non_block:
+            self.future = Future()
+            self.future.set_running_or_notify_cancel()
+
+    @property
+    def non_block(self) -> bool:
+        return self.future is not None
 
     @property
     def complete(self) -> bool:
@@ -55,21 +68,34 @@ class PendingCall:
         """Ranks that have not answered yet."""
         return [r for r in self.expected if r not in self.results]
 
-    def outcome(self) -> tuple[bool, Any]:
+    def finish(self, ok: bool, value: Any) -> None:
+        """Record the outcome (first one wins) and complete the future, if any."""
+        if self.done:
+            return
+        self.ok, self.value, self.done = ok, value, True
+        future = self.future
+        if future is None:
+            return
+        try:
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        except InvalidStateError:
+            pass
+
+    def finish_from_replies(self) -> None:
         if self.error is not None:
-            return False, self.error
-        return True, [self.results[r] for r in self.expected]
-
-
-def resolve(future: Future[list[Any]], ok: bool, value: Any) -> None:
-    """Complete ``future`` unless something else already did."""
-    try:
-        if ok:
-            future.set_result(value)
+            self.finish(False, self.error)
         else:
-            future.set_exception(value)
-    except InvalidStateError:
-        pass
+            self.finish(True, [self.results[r] for r in self.expected])
+
+    def outcome(self) -> list[Any]:
+        """The result list, or raise the call's error."""
+        if not self.ok:
+            raise self.value
+        result: list[Any] = self.value
+        return result
 
 
 class CallTable:
@@ -77,8 +103,8 @@ class CallTable:
 
     Replies arrive per rank in sequence order. A call completes when every expected rank
     has answered (an error from any rank, expected or not, completes it as a failure with
-    the lowest failing rank's error); futures are completed strictly in submission order.
-    A reply for a sequence number that is no longer in the table (its caller timed out) is
+    the lowest failing rank's error); calls are completed strictly in submission order. A
+    reply for a sequence number that is no longer in the table (its caller timed out) is
     dropped.
     """
 
@@ -96,14 +122,8 @@ class CallTable:
             if call.non_block:
                 self.non_blocking += 1
 
-    def oldest(self) -> PendingCall | None:
-        with self._lock:
-            for call in self._calls.values():
-                return call
-            return None
-
     def on_reply(self, seq: int, rank: int, ok: bool, value: Any) -> list[PendingCall]:
-        """Record a reply; return the calls now ready to resolve, oldest first."""
+        """Record a reply; return the calls now ready to finish, oldest first."""
         with self._lock:
             call = self._calls.get(seq)
             if call is None:
@@ -120,6 +140,8 @@ class CallTable:
                 # A rank that only answers when it fails (unique_reply_rank): fail now.
                 call.error = value
                 call.results.update({r: None for r in call.expected})
+            if not call.complete or next(iter(self._calls)) != seq:
+                return []
             return self._pop_ready()
 
     def _pop_ready(self) -> list[PendingCall]:
@@ -142,9 +164,13 @@ class CallTable:
             return self._pop_ready()
 
     def expired(self, now: float) -> list[PendingCall]:
-        """Calls whose deadline has passed (oldest first)."""
+        """Non-blocking calls whose deadline has passed (oldest first)."""
         with self._lock:
-            return [c for c in self._calls.values() if c.deadline is not None and now >= c.deadline]
+            return [
+                c
+                for c in self._calls.values()
+                if c.non_block and c.deadline is not None and now >= c.deadline
+            ]
 
     def take_all(self) -> list[PendingCall]:
         """Remove and return every call (the executor failed or is closing)."""
@@ -153,12 +179,3 @@ class CallTable:
             self._calls.clear()
             self.non_blocking = 0
             return calls
-
-    def next_wanted_rank(self) -> int | None:
-        """A rank the oldest unfinished call still waits for (the one to block on)."""
-        with self._lock:
-            for call in self._calls.values():
-                for rank in call.expected:
-                    if rank not in call.results:
-                        return rank
-            return None

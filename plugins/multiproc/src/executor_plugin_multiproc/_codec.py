@@ -1,13 +1,14 @@
 """Serialisation of calls and replies: pickle protocol 5 with out-of-band buffers.
 
-Large ``bytes``, CPU tensors and numpy arrays are not copied into the pickle stream: their
-memory is listed as separate buffers that the ring copies once into shared memory, and the
-receiver copies once out of it into memory it owns (a received object never aliases the
-ring, whose slots are reused). Everything else is ordinary pickle.
+CPU tensors, numpy arrays and large ``bytes`` (top-level arguments, results, and items of
+small top-level containers) are not copied into the pickle stream: their memory travels as
+separate out-of-band buffers that the ring copies once into shared memory, and the receiver
+copies once out of it into memory it owns (a received object never aliases the ring, whose
+slots are reused). Everything else is ordinary pickle.
 
-A frame is ``header | meta | buffer lengths | pickle bytes | buffers``. The fixed header
-carries the message kind, rank and sequence number, so a reply whose body cannot be
-unpickled is still attributed to its call.
+A frame is ``header | buffer lengths | pickle bytes | buffers``. The header carries the
+message kind, rank and sequence number, so a reply whose body cannot be unpickled is still
+attributed to its call.
 """
 
 from __future__ import annotations
@@ -16,23 +17,18 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
-
 __all__ = [
-    "HEADER",
     "KIND_CALL",
     "KIND_READY",
     "KIND_REPLY",
     "KIND_STOP",
+    "OOB_BYTES_THRESHOLD",
+    "DecodeError",
     "Frame",
-    "Header",
-    "decode_body",
+    "decode",
     "encode",
-    "read_header",
-    "stamp_seq",
 ]
 
 KIND_CALL = 1
@@ -40,163 +36,204 @@ KIND_STOP = 2
 KIND_READY = 3
 KIND_REPLY = 4
 
-#: kind (u8), ok (u8), rank or reply rank (i32, -1 for none), sequence number (u64).
-HEADER = struct.Struct("<BBxxiQ")
-#: number of persistent-id buffers, number of pickle out-of-band buffers, pickle length.
-_META = struct.Struct("<IIQ")
+#: kind (u8), ok (u8), rank or reply rank (i32, -1 for none), sequence number (u64),
+#: number of out-of-band buffers (u32), pickle length (u64).
+_HEADER = struct.Struct("<BBxxiQIQ")
 _LENGTH = struct.Struct("<Q")
+#: Set in a buffer's length word when a third-party reducer made it: such a buffer may be
+#: kept by the object it rebuilds, so the receiver hands it a private copy.
+_FOREIGN = 1 << 63
 #: ``bytes`` at least this large travel out of band.
 OOB_BYTES_THRESHOLD = 4096
+#: Containers longer than this are not searched for large ``bytes`` (keeps encoding O(1)).
+_SCAN_LIMIT = 64
+
+Frame = tuple[list[Any], int]  # parts to copy back to back, total bytes
 
 
-@attrs.frozen
-class Header:
-    """The fixed part of a message."""
+class _Bulk:
+    """Wraps large ``bytes`` so that pickle sends them out of band."""
 
-    kind: int
-    ok: bool
-    rank: int
-    seq: int
+    __slots__ = ("data",)
 
-
-@attrs.frozen
-class Frame:
-    """An encoded message: parts to copy back to back, ``nbytes`` in all."""
-
-    parts: tuple[memoryview, ...]
-    nbytes: int
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
-def _bytes_id(obj: bytes, buffers: list[memoryview]) -> tuple[Any, ...] | None:
-    if len(obj) < OOB_BYTES_THRESHOLD:
-        return None
-    buffers.append(memoryview(obj))
-    return ("b", len(buffers) - 1)
+def _rebuild_bytes(view: memoryview) -> bytes:
+    return bytes(view)
 
 
-def _tensor_id(obj: Any, buffers: list[memoryview]) -> tuple[Any, ...] | None:
-    if (
-        obj.device.type != "cpu"
-        or obj.requires_grad
-        or obj.is_sparse
-        or obj.is_quantized
-        or obj.is_nested
-    ):
-        return None  # torch's own pickling handles these
-    flat = obj.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        raw = memoryview(b"")
-    else:
-        import torch  # already imported: obj is a tensor
-
-        raw = memoryview(flat.view(torch.uint8).numpy())
-    buffers.append(raw)
-    dtype = str(obj.dtype).removeprefix("torch.")
-    return ("t", len(buffers) - 1, dtype, tuple(obj.shape))
-
-
-_ID_FUNCS: dict[type, Callable[[Any, list[memoryview]], tuple[Any, ...] | None]] = {
-    bytes: _bytes_id
-}
-_torch_registered = False
-
-
-def _register_torch() -> None:
-    global _torch_registered
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "Tensor"):
-        return
-    _ID_FUNCS[torch.Tensor] = _tensor_id
-    _torch_registered = True
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, buffers: list[memoryview], oob: list[Any]) -> None:
-        super().__init__(file, protocol=5, buffer_callback=oob.append)
-        self._buffers = buffers
-
-    def persistent_id(self, obj: Any) -> Any:
-        func = _ID_FUNCS.get(type(obj))
-        if func is None:
-            return None
-        return func(obj, self._buffers)
-
-
-def encode(kind: int, ok: bool, rank: int, seq: int, body: Any) -> Frame:
-    """Encode ``body`` behind a header; bulk buffers are referenced, not copied."""
-    if not _torch_registered:
-        _register_torch()
-    stream = io.BytesIO()
-    buffers: list[memoryview] = []
-    oob: list[pickle.PickleBuffer] = []
-    _Pickler(stream, buffers, oob).dump(body)
-    data = stream.getbuffer()
-    raws = [memoryview(buf.raw()) for buf in oob]
-    bulk = [*buffers, *raws]
-    head = bytearray(HEADER.size + _META.size + _LENGTH.size * len(bulk))
-    HEADER.pack_into(head, 0, kind, ok, rank, seq)
-    _META.pack_into(head, HEADER.size, len(buffers), len(raws), len(data))
-    offset = HEADER.size + _META.size
-    for view in bulk:
-        _LENGTH.pack_into(head, offset, view.nbytes)
-        offset += _LENGTH.size
-    parts = (memoryview(head), data, *(v.cast("B") if v.format != "B" else v for v in bulk))
-    return Frame(parts, sum(p.nbytes for p in parts))
-
-
-_SEQ = struct.Struct("<Q")
-_SEQ_OFFSET = 8
-
-
-def stamp_seq(frame: Frame, seq: int) -> None:
-    """Set the sequence number of an encoded frame (assigned under the sender's lock)."""
-    _SEQ.pack_into(frame.parts[0], _SEQ_OFFSET, seq)
-
-
-def read_header(buf: memoryview) -> Header:
-    """The fixed header of a frame."""
-    kind, ok, rank, seq = HEADER.unpack_from(buf, 0)
-    return Header(kind, bool(ok), rank, seq)
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: memoryview, buffers: Sequence[memoryview], oob: list[Any]) -> None:
-        super().__init__(io.BytesIO(data), buffers=oob)
-        self._buffers = buffers
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind = pid[0]
-        if kind == "b":
-            return bytes(self._buffers[pid[1]])
-        if kind == "t":
-            return _load_tensor(self._buffers[pid[1]], pid[2], pid[3])
-        raise pickle.UnpicklingError(f"unknown out-of-band reference {pid!r}")
-
-
-def _load_tensor(view: memoryview, dtype_name: str, shape: tuple[int, ...]) -> Any:
+def _rebuild_tensor(view: memoryview, dtype_name: str, shape: tuple[int, ...]) -> Any:
     import torch  # the sender had torch, so this process is expected to have it too
 
     dtype = getattr(torch, dtype_name)
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    # ``bytearray`` makes the one copy out of shared memory and is writable (torch warns on
-    # read-only buffers); the tensor keeps it alive.
-    owned = torch.frombuffer(bytearray(view), dtype=torch.uint8)
-    return owned.view(dtype).reshape(shape)
+    # bytearray() is the one copy out of shared memory; it is writable (torch warns on
+    # read-only buffers) and the tensor keeps it alive.
+    return torch.frombuffer(bytearray(view), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def decode_body(buf: memoryview) -> Any:
-    """Decode the body of a frame. Every buffer is copied out of ``buf``."""
-    n_ids, n_oob, pickle_len = _META.unpack_from(buf, HEADER.size)
-    offset = HEADER.size + _META.size
-    lengths = [_LENGTH.unpack_from(buf, offset + _LENGTH.size * i)[0] for i in range(n_ids + n_oob)]
-    offset += _LENGTH.size * len(lengths)
+def _rebuild_ndarray(view: memoryview, dtype: Any, shape: tuple[int, ...], order: str) -> Any:
+    import numpy
+
+    flat = numpy.frombuffer(bytearray(view), dtype=dtype)
+    return flat.reshape(shape, order=order)  # type: ignore[call-overload]  # order is "C"/"F"
+
+
+def _wrap_bulk(obj: Any) -> Any:
+    """``obj`` with large bytes (itself, or items of a small tuple/list/dict) wrapped."""
+    kind = type(obj)
+    if kind is bytes:
+        return _Bulk(obj) if len(obj) >= OOB_BYTES_THRESHOLD else obj
+    if kind is tuple or kind is list:
+        if len(obj) > _SCAN_LIMIT or not any(
+            type(item) is bytes and len(item) >= OOB_BYTES_THRESHOLD for item in obj
+        ):
+            return obj
+        return kind(_wrap_bulk(item) for item in obj)
+    if kind is dict:
+        if len(obj) > _SCAN_LIMIT or not any(
+            type(v) is bytes and len(v) >= OOB_BYTES_THRESHOLD for v in obj.values()
+        ):
+            return obj
+        return {k: _wrap_bulk(v) for k, v in obj.items()}
+    return obj
+
+
+class _Pickler(pickle.Pickler):
+    """Pickler whose own reducers send bulk memory out of band (see module docstring)."""
+
+    def __init__(self, stream: io.BytesIO) -> None:
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.mine: set[int] = set()
+        super().__init__(stream, protocol=5, buffer_callback=self.buffers.append)
+        self._tensor_type: type | None = None
+        self._ndarray_type: type | None = None
+
+    def _own(self, data: Any) -> pickle.PickleBuffer:
+        buffer = pickle.PickleBuffer(data)
+        self.mine.add(id(buffer))
+        return buffer
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is _Bulk:
+            return _rebuild_bytes, (self._own(obj.data),)
+        if self._tensor_type is None and "torch" in sys.modules:
+            self._tensor_type = getattr(sys.modules["torch"], "Tensor", None)
+        if kind is self._tensor_type:
+            return self._reduce_tensor(obj)
+        if self._ndarray_type is None and "numpy" in sys.modules:
+            self._ndarray_type = getattr(sys.modules["numpy"], "ndarray", None)
+        if kind is self._ndarray_type:
+            return self._reduce_ndarray(obj)
+        return NotImplemented
+
+    def _reduce_tensor(self, tensor: Any) -> Any:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.requires_grad
+            or tensor.is_sparse
+            or tensor.is_quantized
+            or tensor.is_nested
+        ):
+            return NotImplemented  # torch's own pickling handles these
+        flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if flat.numel() == 0:
+            data: Any = b""
+        else:
+            import torch  # already imported: we hold a tensor
+
+            data = flat.view(torch.uint8).numpy()
+        return _rebuild_tensor, (self._own(data), dtype, tuple(tensor.shape))
+
+    def _reduce_ndarray(self, array: Any) -> Any:
+        if array.dtype.hasobject:
+            return NotImplemented
+        if array.flags.c_contiguous:
+            order = "C"
+        elif array.flags.f_contiguous:
+            order = "F"
+        else:
+            return NotImplemented  # numpy pickles a contiguous copy in band
+        return _rebuild_ndarray, (self._own(array), array.dtype, array.shape, order)
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _plain(obj: Any, depth: int = 2) -> bool:
+    """True if ``obj`` certainly pickles the same without our reducers (a fast path)."""
+    kind = type(obj)
+    if kind in _SCALARS:
+        return True
+    if kind is bytes:
+        return len(obj) < OOB_BYTES_THRESHOLD
+    if depth == 0:
+        return False
+    if kind is tuple or kind is list:
+        return len(obj) <= 8 and all(_plain(item, depth - 1) for item in obj)
+    if kind is dict:
+        return len(obj) <= 8 and all(
+            type(k) is str and _plain(v, depth - 1) for k, v in obj.items()
+        )
+    return False
+
+
+def encode(kind: int, ok: bool, rank: int, seq: int, body: Any) -> Frame:
+    """Encode ``body`` behind a header. Bulk buffers are referenced, not copied."""
+    if type(body) in _SCALARS or _plain(body):
+        data: Any = pickle.dumps(body, protocol=5)
+        head = _HEADER.pack(kind, ok, rank, seq, 0, len(data))
+        return [head, data], len(head) + len(data)
+    stream = io.BytesIO()
+    pickler = _Pickler(stream)
+    pickler.dump(_wrap_bulk(body))
+    data = stream.getbuffer()
+    buffers = pickler.buffers
+    head_buf = bytearray(_HEADER.size + _LENGTH.size * len(buffers))
+    _HEADER.pack_into(head_buf, 0, kind, ok, rank, seq, len(buffers), len(data))
+    parts: list[Any] = [head_buf, data]
+    nbytes = len(head_buf) + len(data)
+    offset = _HEADER.size
+    for buffer in buffers:
+        raw = buffer.raw()
+        foreign = 0 if id(buffer) in pickler.mine else _FOREIGN
+        _LENGTH.pack_into(head_buf, offset, raw.nbytes | foreign)
+        offset += _LENGTH.size
+        parts.append(raw)
+        nbytes += raw.nbytes
+    return parts, nbytes
+
+
+class DecodeError(Exception):
+    """A frame's body could not be unpickled; carries the header for attribution."""
+
+    def __init__(self, kind: int, ok: bool, rank: int, seq: int, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.kind, self.ok, self.rank, self.seq, self.cause = kind, ok, rank, seq, cause
+
+
+def decode(buf: memoryview) -> tuple[int, bool, int, int, Any]:
+    """``(kind, ok, rank, seq, body)`` of a frame; whatever ``body`` keeps is copied out of
+    ``buf``. Raises :class:`DecodeError` if the body cannot be unpickled."""
+    kind, ok, rank, seq, count, pickle_len = _HEADER.unpack_from(buf, 0)
+    offset = _HEADER.size + _LENGTH.size * count
     data = buf[offset : offset + pickle_len]
-    offset += pickle_len
-    views: list[memoryview] = []
-    for length in lengths:
-        views.append(buf[offset : offset + length])
-        offset += length
-    # Pickle's own out-of-band buffers (numpy arrays) are rebuilt around a private copy.
-    oob = [bytearray(v) for v in views[n_ids:]]
-    return _Unpickler(data, views[:n_ids], oob).load()
+    try:
+        if not count:
+            return kind, ok, rank, seq, pickle.loads(data)
+        offset += pickle_len
+        views: list[Any] = []
+        for i in range(count):
+            word = _LENGTH.unpack_from(buf, _HEADER.size + _LENGTH.size * i)[0]
+            length = word & ~_FOREIGN
+            view = buf[offset : offset + length]
+            views.append(bytearray(view) if word & _FOREIGN else view)
+            offset += length
+        return kind, ok, rank, seq, pickle.loads(data, buffers=views)
+    except Exception as exc:
+        raise DecodeError(kind, bool(ok), rank, seq, exc) from exc

@@ -24,11 +24,12 @@ from executor_core import (
     WorkerError,
     dumps_method,
     method_name,
-    tcp_init_method,
 )
+from executor_core import tcp_init_method as _tcp_init_method
 
-from ._calls import CallTable, PendingCall, resolve
-from ._codec import KIND_CALL, KIND_READY, KIND_STOP, decode_body, encode, read_header, stamp_seq
+from ._calls import CallTable, PendingCall
+from ._codec import KIND_CALL, KIND_READY, KIND_STOP, DecodeError, decode, encode
+from ._doorbell import Doorbell
 from ._group import WorkerGroup
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT, InheritedFd, SegmentLayout, WorkerSpec, worker_main
@@ -44,22 +45,21 @@ Reply = tuple[int, int, int, bool, Any]  # kind, seq, rank, ok, value
 
 
 def _decode_reply(view: memoryview) -> Reply:
-    header = read_header(view)
     try:
-        body = decode_body(view)
-    except Exception as exc:  # noqa: BLE001 - becomes this call's error, the executor goes on
+        kind, ok, rank, seq, body = decode(view)
+    except DecodeError as exc:  # becomes this call's error; the executor goes on
         error = WorkerError(
-            header.rank,
+            exc.rank,
             "<reply>",
-            type(exc).__name__,
-            f"the driver could not unpickle the reply of rank {header.rank}: {exc}",
+            type(exc.cause).__name__,
+            f"the driver could not unpickle the reply of rank {exc.rank}: {exc.cause}",
             "",
-            exc,
+            exc.cause,
         )
-        return header.kind, header.seq, header.rank, False, error
-    if not header.ok and isinstance(body, RemoteFailure):
+        return exc.kind, exc.seq, exc.rank, False, error
+    if not ok and isinstance(body, RemoteFailure):
         body = body.to_error()
-    return header.kind, header.seq, header.rank, header.ok, body
+    return kind, seq, rank, ok, body
 
 
 def _default_env(config_env: dict[str, str], rank: int, workers: int) -> dict[str, str]:
@@ -70,8 +70,8 @@ def _default_env(config_env: dict[str, str], rank: int, workers: int) -> dict[st
         "LOCAL_WORLD_SIZE": str(workers),
     }
     if "OMP_NUM_THREADS" not in config_env and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        env["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        env["OMP_NUM_THREADS"] = str(max(1, (cores or os.cpu_count() or 1) // workers))
     env.update(config_env)
     return env
 
@@ -88,10 +88,10 @@ class MultiprocExecutor(Executor):
     """Runs one worker process per rank on this machine (backend ``"mp"``).
 
     Each call is written once into a shared-memory ring that every worker reads; each worker
-    answers through its own shared-memory reply ring. Waits spin briefly, then sleep on a
-    futex, so idle workers use no CPU. A monitor thread turns a worker's death into
-    :class:`WorkerDiedError` for every pending and later call. See the distribution's README
-    for the ``backend_options`` keys.
+    answers through its own shared-memory reply ring. Waits spin briefly (if configured),
+    then sleep on an eventfd, so idle workers use no CPU. A monitor thread turns a worker's
+    death into :class:`WorkerDiedError` for every pending and later call. See the
+    distribution's README for the ``backend_options`` keys.
     """
 
     supports_pp = True
@@ -124,21 +124,40 @@ class MultiprocExecutor(Executor):
         )
         segment = SharedSegment.create(layout.nbytes)
         self.add_cleanup(segment.close)
-        self._segment = segment
+        call_bells = [Doorbell(blocking=True) for _ in range(workers)]
+        call_space = Doorbell()
+        reply_bell = Doorbell(blocking=True)
+        reply_spaces = [Doorbell() for _ in range(workers)]
+        for bell in (*call_bells, call_space, reply_bell, *reply_spaces):
+            self.add_cleanup(bell.close)
+        self._reply_bell = reply_bell
+        self._call_space = call_space
         spin = options.spin_s
         self._calls_ring = Ring(
-            segment.buf, segment.address, layout.broadcast, reader=None, spin_s=spin
+            segment.buf,
+            layout.broadcast,
+            reader=None,
+            data_bells=call_bells,
+            space_bell=call_space,
+            spin_s=spin,
         )
         self._reply_rings = [
-            Ring(segment.buf, segment.address, ring, reader=0, spin_s=spin)
-            for ring in layout.replies
+            Ring(
+                segment.buf,
+                ring,
+                reader=0,
+                data_bells=[reply_bell],
+                space_bell=reply_spaces[rank],
+                spin_s=spin,
+            )
+            for rank, ring in enumerate(layout.replies)
         ]
 
         # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
         death_r, death_w = os.pipe()
         self.add_cleanup(_fd_closer(death_w))
         ctx = multiprocessing.get_context(options.start_method)
-        init_method = tcp_init_method(config.distributed_host)
+        init_method = _tcp_init_method(config.distributed_host)
         node = socket.gethostname()
         parent_pid = os.getpid() if options.start_method != "forkserver" else None
         processes = []
@@ -163,6 +182,10 @@ class MultiprocExecutor(Executor):
                 config_env=config.env,
                 segment=InheritedFd(segment.fd),
                 layout=layout,
+                call_bell=InheritedFd(call_bells[rank].fd),
+                call_space_bell=InheritedFd(call_space.fd),
+                reply_bell=InheritedFd(reply_bell.fd),
+                reply_space_bell=InheritedFd(reply_spaces[rank].fd),
                 death_pipe=InheritedFd(death_r),
                 parent_pid=parent_pid,
                 spin_s=spin,
@@ -170,7 +193,10 @@ class MultiprocExecutor(Executor):
             )
             processes.append(
                 ctx.Process(  # type: ignore[attr-defined]  # every context has Process
-                    target=worker_main, args=(spec,), name=f"executor-mp-worker-{rank}", daemon=True
+                    target=worker_main,
+                    args=(spec,),
+                    name=f"executor-mp-worker-{rank}",
+                    daemon=True,
                 )
             )
         group = WorkerGroup(processes, _death_handler(weakref.ref(self)))
@@ -191,7 +217,7 @@ class MultiprocExecutor(Executor):
     def _wait_until_ready(self, group: WorkerGroup, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         pending = set(range(self.world_size))
-        while pending:
+        while True:
             for rank in sorted(pending):
                 ring = self._reply_rings[rank]
                 while ring.poll():
@@ -201,19 +227,20 @@ class MultiprocExecutor(Executor):
                     if not reply[3]:
                         raise reply[4]
                     pending.discard(rank)
+            if not pending:
+                return
             for rank in sorted(pending):
                 code = group.exit_code(rank)
                 if code is not None and not self._reply_rings[rank].poll():
                     raise _died(rank, code, "during start-up; its stderr has the details")
-            if not pending:
-                return
             now = time.monotonic()
             if now >= deadline:
                 raise ExecutorError(
                     f"worker rank(s) {sorted(pending)} did not finish init_device/load_model "
                     f"within startup_timeout={timeout:g} s (backend_options)"
                 )
-            self._reply_rings[min(pending)].wait_readable(min(deadline, now + 0.05))
+            # Short naps: a worker that dies before its handshake rings no doorbell.
+            self._reply_bell.wait(min(deadline - now, 0.05))
 
     # --- failure -----------------------------------------------------------------------
 
@@ -225,10 +252,11 @@ class MultiprocExecutor(Executor):
         """Fail every call in flight with ``error`` and wake every waiter."""
         if self._abort_error is None:
             self._abort_error = error
-        self._resolve_all(self._table.take_all(), error)
-        self._calls_ring.wake_all()
-        for ring in self._reply_rings:
-            ring.wake_all()
+        for call in self._table.take_all():
+            call.finish(False, error)
+        with contextlib.suppress(OSError):
+            self._reply_bell.ring()
+            self._call_space.ring()
         with self._cv:
             self._cv.notify_all()
 
@@ -255,32 +283,32 @@ class MultiprocExecutor(Executor):
         self.check_reply_rank(unique_reply_rank)
         timeout = self.resolve_timeout(timeout)
         name = method_name(method)
-        reply_rank = -1 if unique_reply_rank is None else unique_reply_rank
-        frame = encode(KIND_CALL, True, reply_rank, 0, (dumps_method(method), args, kwargs or {}))
-        expected = (
-            tuple(range(self.world_size)) if unique_reply_rank is None else (unique_reply_rank,)
-        )
+        body = (dumps_method(method), args, kwargs or {})
+        if unique_reply_rank is None:
+            reply_rank, expected = -1, tuple(range(self.world_size))
+        else:
+            reply_rank, expected = unique_reply_rank, (unique_reply_rank,)
         with self._send_lock:
             self.check_open()
             call = PendingCall(self._next_seq, name, expected, non_block, timeout)
+            parts, nbytes = encode(KIND_CALL, True, reply_rank, call.seq, body)
             self._next_seq += 1
-            stamp_seq(frame, call.seq)
             self._table.add(call)
             try:
-                sent = self._calls_ring.write(frame, call.deadline, self._while_sending)
+                sent = self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
             except RingAbortedError:
                 self._table.remove(call)
                 raise self._abort_error or ExecutorClosedError("executor closed") from None
             except BaseException:
-                self._resolve_ready(self._table.remove(call))
+                self._finish_ready(self._table.remove(call))
                 raise
             if not sent:
-                self._resolve_ready(self._table.remove(call))
+                self._finish_ready(self._table.remove(call))
                 raise RPCTimeoutError(name, list(range(self.world_size)), timeout or 0.0)
-        if non_block:
+        if call.future is not None:
             self._ensure_pump()
             return call.future
-        return self._await(call, timeout or 0.0)
+        return self._await(call)
 
     def _while_sending(self) -> None:
         """Called while the writer waits for a free slot: drain replies if nobody is, so a
@@ -304,39 +332,35 @@ class MultiprocExecutor(Executor):
     def _release_lead(self) -> None:
         with self._cv:
             self._leading = False
-            self._cv.notify_all()
+            if self._waiters:
+                self._cv.notify_all()
 
-    def _await(self, call: PendingCall, timeout: float) -> list[Any]:
-        future = call.future
+    def _await(self, call: PendingCall) -> list[Any]:
         deadline = call.deadline
         try:
-            while not future.done():
-                with self._cv:
-                    while self._leading and not future.done():
-                        if deadline is not None and time.monotonic() >= deadline:
-                            break
-                        self._waiters += 1
-                        try:
-                            self._cv.wait(_nap(deadline))
-                        finally:
-                            self._waiters -= 1
-                    lead = not self._leading and not future.done()
-                    if lead:
-                        self._leading = True
-                if lead:
+            while not call.done:
+                if self._try_lead():
                     try:
-                        self._pump(future.done, deadline)
+                        self._pump(call, deadline)
                     finally:
                         self._release_lead()
-                if not future.done() and deadline is not None and time.monotonic() >= deadline:
-                    self._resolve_ready(self._table.remove(call))
-                    if not future.done():
-                        raise RPCTimeoutError(call.method, call.missing(), timeout)
+                else:
+                    with self._cv:
+                        if self._leading and not call.done:
+                            self._waiters += 1
+                            try:
+                                self._cv.wait(_nap(deadline))
+                            finally:
+                                self._waiters -= 1
+                if not call.done and deadline is not None and time.monotonic() >= deadline:
+                    self._finish_ready(self._table.remove(call))
+                    if not call.done:
+                        raise RPCTimeoutError(call.method, call.missing(), call.timeout or 0.0)
         except BaseException:
-            if not future.done():
-                self._resolve_ready(self._table.remove(call))
+            if not call.done:
+                self._finish_ready(self._table.remove(call))
             raise
-        return future.result()
+        return call.outcome()
 
     def _drain(self) -> bool:
         """Dispatch every reply already waiting, without blocking. True if there was one."""
@@ -347,28 +371,29 @@ class MultiprocExecutor(Executor):
                 got = True
         return got
 
-    def _pump(self, until: Callable[[], bool], deadline: float | None) -> None:
-        """As the leader: read replies and dispatch them until ``until()`` or ``deadline``."""
-        rings = self._reply_rings
+    def _pump(self, call: PendingCall | None, deadline: float | None) -> None:
+        """As the leader: dispatch replies until ``call`` is done (or, for None, until no
+        non-blocking call is pending or a blocking caller waits), or ``deadline``."""
+        bell = self._reply_bell
+        table = self._table
         try:
-            while not until():
+            while True:
+                if call is not None:
+                    if call.done:
+                        return
+                elif table.non_blocking == 0 or self._waiters:
+                    return
                 self._check_abort()
                 if self._drain():
                     continue
-                rank = self._table.next_wanted_rank()
-                if rank is None:
+                if not len(table):
                     return
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return
-                step = now + MAX_SLEEP_S
-                reply = rings[rank].read(
-                    _decode_reply,
-                    step if deadline is None else min(step, deadline),
-                    self._check_abort,
-                )
-                if reply is not None:
-                    self._dispatch(reply)
+                # Replies, failure and shutdown all ring this doorbell: no timeout is needed
+                # unless the caller has a deadline.
+                bell.wait(None if deadline is None else deadline - now)
         except RingAbortedError:
             return
 
@@ -376,19 +401,14 @@ class MultiprocExecutor(Executor):
         if reply is None:
             return
         _kind, seq, rank, ok, value = reply
-        self._resolve_ready(self._table.on_reply(seq, rank, ok, value))
+        self._finish_ready(self._table.on_reply(seq, rank, ok, value))
 
-    def _resolve_ready(self, calls: list[PendingCall]) -> None:
+    def _finish_ready(self, calls: list[PendingCall]) -> None:
         for call in calls:
-            resolve(call.future, *call.outcome())
+            call.finish_from_replies()
         if calls and self._waiters:
             with self._cv:
                 self._cv.notify_all()
-
-    @staticmethod
-    def _resolve_all(calls: list[PendingCall], error: ExecutorError) -> None:
-        for call in calls:
-            resolve(call.future, False, error)
 
     # --- non-blocking calls: a pump thread reads replies when no caller is waiting ------
 
@@ -403,38 +423,29 @@ class MultiprocExecutor(Executor):
                 )
                 self._pump_thread = thread
                 thread.start()
-            self._cv.notify_all()
+            elif self._waiters:
+                self._cv.notify_all()
 
     def _pump_step(self) -> bool:
         """One bounded round of the pump thread. False when it should exit."""
         table = self._table
-        with self._cv:
-            if self._closing or self._abort_error is not None:
-                return False
-            if table.non_blocking == 0 or self._leading:
+        if self._closing or self._abort_error is not None:
+            return False
+        if table.non_blocking == 0 or not self._try_lead():
+            with self._cv:
                 self._waiters += 1
                 try:
-                    self._cv.wait(_PUMP_IDLE_S)
+                    self._cv.wait(_PUMP_IDLE_S if table.non_blocking == 0 else MAX_SLEEP_S)
                 finally:
                     self._waiters -= 1
-                return True
-            self._leading = True
+            return True
         try:
-            self._pump(
-                lambda: table.non_blocking == 0 or self._waiters > 0,
-                time.monotonic() + MAX_SLEEP_S,
-            )
+            self._pump(None, time.monotonic() + MAX_SLEEP_S)
         finally:
             self._release_lead()
-        now = time.monotonic()
-        for call in table.expired(now):
-            if call.non_block:
-                self._resolve_ready(table.remove(call))
-                resolve(
-                    call.future,
-                    False,
-                    RPCTimeoutError(call.method, call.missing(), call.timeout or 0.0),
-                )
+        for call in table.expired(time.monotonic()):
+            self._finish_ready(table.remove(call))
+            call.finish(False, RPCTimeoutError(call.method, call.missing(), call.timeout or 0.0))
         return True
 
     # --- shutdown ----------------------------------------------------------------------
@@ -452,9 +463,9 @@ class MultiprocExecutor(Executor):
             timeout=options.shutdown_grace_s
         ):
             try:
-                stop = encode(KIND_STOP, True, -1, 0, None)
+                parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
                 deadline = time.monotonic() + options.shutdown_grace_s
-                self._calls_ring.write(stop, deadline, self._check_abort)
+                self._calls_ring.write(parts, nbytes, deadline, self._check_abort)
             except RingAbortedError:
                 pass
             finally:

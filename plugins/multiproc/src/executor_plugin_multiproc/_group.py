@@ -80,6 +80,10 @@ class WorkerGroup:
                 rank = watched.pop(sentinel, None)
                 if rank is None:
                     continue
+                with self._lock:
+                    # The sentinel closes a moment before the process can be reaped; join
+                    # waits for that moment (waitpid), so the exit code is known.
+                    self._processes[rank].join(1.0)
                 code = self.exit_code(rank)
                 if self.armed and not self.closing:
                     try:

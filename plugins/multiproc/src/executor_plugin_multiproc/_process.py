@@ -15,7 +15,8 @@ import attrs
 
 from executor_core import RemoteFailure, WorkerContext, WorkerWrapper
 
-from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, Frame, decode_body, encode, read_header
+from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
+from ._doorbell import Doorbell
 from ._ring import Ring, RingLayout
 from ._shm import SharedSegment
 
@@ -85,6 +86,12 @@ class WorkerSpec:
     config_env: dict[str, str]
     segment: InheritedFd
     layout: SegmentLayout
+    #: Doorbells: this worker's call doorbell, the shared "a call slot is free" doorbell,
+    #: the driver's reply doorbell, and this worker's "a reply slot is free" doorbell.
+    call_bell: InheritedFd
+    call_space_bell: InheritedFd
+    reply_bell: InheritedFd
+    reply_space_bell: InheritedFd
     death_pipe: InheritedFd
     #: PID of the driver, or None where the process's parent is not the driver (forkserver).
     parent_pid: int | None
@@ -135,14 +142,12 @@ def watch_death_pipe(fd: int) -> threading.Thread:
 
 
 def _decode_call(view: memoryview) -> tuple[int, int, int, Any]:
-    header = read_header(view)
-    if header.kind == KIND_STOP:
-        return header.kind, header.seq, header.rank, None
     try:
-        body = decode_body(view)
-    except Exception as exc:  # noqa: BLE001 - reported to the driver as this call's failure
-        return header.kind, header.seq, header.rank, RemoteFailure.capture(-1, "<decode>", exc)
-    return header.kind, header.seq, header.rank, body
+        kind, _ok, reply_rank, seq, body = decode(view)
+    except DecodeError as exc:  # reported to the driver as this call's failure
+        failure = RemoteFailure.capture(-1, "<decode>", exc.cause)
+        return exc.kind, exc.seq, exc.rank, failure
+    return kind, seq, reply_rank, body
 
 
 def _reply_frame(rank: int, seq: int, method: str, ok: bool, value: Any) -> Frame:
@@ -155,22 +160,23 @@ def _reply_frame(rank: int, seq: int, method: str, ok: bool, value: Any) -> Fram
 
 def serve(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None:
     """Run calls from the broadcast ring until the stop message."""
+    read, write, execute = calls.read, replies.write, wrapper.execute
     while True:
-        item = calls.read(_decode_call)
+        item = read(_decode_call)
         assert item is not None  # no deadline: read returns a message
         kind, seq, reply_rank, body = item
         if kind == KIND_STOP:
             return
         if isinstance(body, RemoteFailure):
             failure = attrs.evolve(body, rank=rank)
-            replies.write(_reply_frame(rank, seq, "<decode>", False, failure))
+            replies.write(*_reply_frame(rank, seq, "<decode>", False, failure))
             continue
         method, args, kwargs = body
-        ok, value = wrapper.execute(method, args, kwargs)
+        ok, value = execute(method, args, kwargs)
         if ok and reply_rank >= 0 and reply_rank != rank:
             continue  # only the chosen rank answers, unless this one failed
         name = method if isinstance(method, str) else "<callable>"
-        replies.write(_reply_frame(rank, seq, name, ok, value))
+        write(*_reply_frame(rank, seq, name, ok, value))
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -187,20 +193,30 @@ def worker_main(spec: WorkerSpec) -> None:
     rank = spec.context.rank
     segment = SharedSegment.attach(spec.segment.fd, spec.layout.nbytes)
     calls = Ring(
-        segment.buf, segment.address, spec.layout.broadcast, reader=rank, spin_s=spec.spin_s
+        segment.buf,
+        spec.layout.broadcast,
+        reader=rank,
+        data_bells=[Doorbell(spec.call_bell.fd, blocking=True)],
+        space_bell=Doorbell(spec.call_space_bell.fd),
+        spin_s=spec.spin_s,
     )
     replies = Ring(
-        segment.buf, segment.address, spec.layout.replies[rank], reader=None, spin_s=spec.spin_s
+        segment.buf,
+        spec.layout.replies[rank],
+        reader=None,
+        data_bells=[Doorbell(spec.reply_bell.fd)],
+        space_bell=Doorbell(spec.reply_space_bell.fd),
+        spin_s=spec.spin_s,
     )
     wrapper = WorkerWrapper(spec.worker_cls, spec.worker_kwargs, spec.context, env=spec.config_env)
     try:
         wrapper.init_worker()
     except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
         failure = RemoteFailure.capture(rank, "init_worker", exc)
-        replies.write(encode(KIND_READY, False, rank, 0, failure))
+        replies.write(*encode(KIND_READY, False, rank, 0, failure))
         wrapper.shutdown()
         sys.exit(1)
-    replies.write(encode(KIND_READY, True, rank, 0, os.getpid()))
+    replies.write(*encode(KIND_READY, True, rank, 0, os.getpid()))
     try:
         serve(wrapper, calls, replies, rank)
     finally:

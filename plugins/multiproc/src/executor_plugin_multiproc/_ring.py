@@ -1,10 +1,10 @@
 """A single-writer, multi-reader ring of fixed-size slots in shared memory.
 
-Layout of a ring inside the segment (all counters little-endian u64, each on its own
+Layout of a ring inside the segment (counters are little-endian u64, each on its own
 64-byte line)::
 
-    +0                   written: chunks published by the writer (futex word: low 32 bits)
-    +8                   writer_waiting: set while the writer sleeps for a free slot
+    +0                   written: chunks published by the writer
+    +8                   writer_waiting: set while the writer waits for a free slot
     +64 * (1 + i)        consumed[i]: chunks reader i has finished with
     slots_offset + k*S   slot k: chunk header (message bytes, chunk bytes) then data
 
@@ -15,28 +15,26 @@ payload is too big and none is truncated. Readers copy out what they read before
 its slots.
 
 Waiting: a reader or writer first spins for ``spin_s`` (yielding the CPU each round), then
-sleeps on a futex. The writer wakes readers after every publish; a reader wakes the writer
-only when the writer has said it is waiting. That flag is set and read without a memory
-fence, so a wake-up can in rare cases be missed: the writer's sleep is therefore bounded
-(``_WRITER_NAP_S``) and it re-checks. Readers never miss a wake-up: the kernel compares the
-``written`` word atomically before sleeping.
+sleeps on a :class:`Doorbell`. The writer rings each reader's data doorbell after every
+publish, so readers never miss a message. Readers ring the shared space doorbell after a
+release only while the writer says it is waiting (a full ring is rare; this saves a system
+call per message). That flag is written and read without a memory fence, so in a rare race
+the ring is missed: the writer therefore naps for a bounded, growing interval and re-checks.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import attrs
 
-from . import _futex
-from ._codec import Frame
+from ._doorbell import Doorbell
 
-__all__ = ["Ring", "RingAbortedError", "RingLayout"]
+__all__ = ["MAX_SLEEP_S", "Ring", "RingAbortedError", "RingLayout"]
 
 T = TypeVar("T")
 
@@ -44,12 +42,11 @@ _U64 = struct.Struct("<Q")
 _CHUNK = struct.Struct("<QQ")  # message bytes, bytes in this chunk
 _LINE = 64
 _SLOT_HEADER = 64
-_WRITER_NAP_S = 0.002
-#: Longest single futex sleep; waits re-check their abort condition at least this often.
+#: The writer's first and longest nap while waiting for a free slot (see module docstring).
+_FIRST_NAP_S = 0.0005
+_MAX_NAP_S = 0.05
+#: Longest single sleep; waits re-check their abort condition at least this often.
 MAX_SLEEP_S = 0.1
-
-if sys.byteorder != "little":  # pragma: no cover - every supported Linux target is little-endian
-    raise ImportError("executor_plugin_multiproc needs a little-endian machine (futex words)")
 
 
 class RingAbortedError(Exception):
@@ -87,26 +84,32 @@ def _never() -> None:
 
 
 class Ring:
-    """One side of a ring: the writer (``reader=None``) or reader number ``reader``."""
+    """One side of a ring: the writer (``reader=None``) or reader number ``reader``.
+
+    ``data_bells`` are the readers' doorbells (the writer rings them all; a reader waits on
+    its own, passed as a one-item list). ``space_bell`` is rung by readers when they free a
+    slot and waited on by the writer.
+    """
 
     def __init__(
         self,
         buf: memoryview,
-        base_address: int,
         layout: RingLayout,
         *,
         reader: int | None,
-        spin_s: float,
+        data_bells: Sequence[Doorbell],
+        space_bell: Doorbell,
+        spin_s: float = 0.0,
     ) -> None:
         self._buf = buf
         self._layout = layout
         self._reader = reader
         self._spin_s = spin_s
+        self._data_bells = list(data_bells)
+        self._space_bell = space_bell
         self._written_off = layout.offset
         self._waiting_off = layout.offset + 8
-        self._written_addr = base_address + self._written_off
         self._consumed_offs = [layout.offset + _LINE * (1 + i) for i in range(layout.readers)]
-        self._consumed_addrs = [base_address + off for off in self._consumed_offs]
         self._slot_data = layout.slot_bytes
         self._slot_offs = [
             layout.slots_offset + k * layout.slot_stride for k in range(layout.slots)
@@ -115,61 +118,58 @@ class Ring:
         self._count: int
         if reader is None:
             self._count = _U64.unpack_from(buf, self._written_off)[0]
+            self._own_off = self._written_off
         else:
             self._count = _U64.unpack_from(buf, self._consumed_offs[reader])[0]
-
-    def wake_all(self) -> None:
-        """Wake every sleeper on this ring (used when the executor fails or closes)."""
-        _futex.wake(self._written_addr)
-        for addr in self._consumed_addrs:
-            _futex.wake(addr)
+            self._own_off = self._consumed_offs[reader]
 
     # --- writer ------------------------------------------------------------------------
 
-    def _free_slots(self) -> tuple[int, int]:
-        """(free slots, index of the slowest reader)."""
+    def _free_slots(self) -> int:
         buf = self._buf
-        slowest = 0
         lowest = self._count
-        for i, off in enumerate(self._consumed_offs):
-            consumed = _U64.unpack_from(buf, off)[0]
+        for off in self._consumed_offs:
+            consumed: int = _U64.unpack_from(buf, off)[0]
             if consumed < lowest:
-                lowest, slowest = consumed, i
-        return self._layout.slots - (self._count - lowest), slowest
+                lowest = consumed
+        return self._layout.slots - (self._count - lowest)
 
     def _wait_for_space(
         self, needed: int, deadline: float | None, abort: Callable[[], None]
     ) -> bool:
         """Wait until ``needed`` slots are free; False if ``deadline`` passed first."""
-        free, slowest = self._free_slots()
-        if free >= needed:
+        if self._free_slots() >= needed:
             return True
+        bell = self._space_bell
         spin_until = time.monotonic() + self._spin_s
-        while True:
-            abort()
-            free, slowest = self._free_slots()
-            if free >= needed:
-                return True
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return False
-            if now < spin_until:
-                os.sched_yield()
-                continue
-            off = self._consumed_offs[slowest]
-            seen = _U64.unpack_from(self._buf, off)[0]
-            _U64.pack_into(self._buf, self._waiting_off, 1)
-            try:
-                if self._free_slots()[0] < needed:
-                    nap = _WRITER_NAP_S if deadline is None else min(_WRITER_NAP_S, deadline - now)
-                    _futex.wait(self._consumed_addrs[slowest], seen, nap)
-            finally:
-                _U64.pack_into(self._buf, self._waiting_off, 0)
+        nap = _FIRST_NAP_S
+        try:
+            while True:
+                abort()
+                if self._free_slots() >= needed:
+                    return True
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
+                _U64.pack_into(self._buf, self._waiting_off, 1)
+                if self._free_slots() >= needed:
+                    return True
+                bell.wait(nap if deadline is None else min(nap, deadline - now))
+                nap = min(nap * 2, _MAX_NAP_S)
+        finally:
+            _U64.pack_into(self._buf, self._waiting_off, 0)
 
     def write(
-        self, frame: Frame, deadline: float | None = None, abort: Callable[[], None] = _never
+        self,
+        parts: Sequence[memoryview | bytes],
+        nbytes: int,
+        deadline: float | None = None,
+        abort: Callable[[], None] = _never,
     ) -> bool:
-        """Publish ``frame`` to every reader.
+        """Publish the message made of ``parts`` (``nbytes`` in all) to every reader.
 
         Returns False, having published nothing, if the slots it needs did not free up
         before ``deadline``. Once the first chunk is out, a streamed message is finished
@@ -178,15 +178,24 @@ class Ring:
         """
         layout = self._layout
         slot_data = self._slot_data
-        nbytes = frame.nbytes
         nchunks = max(1, -(-nbytes // slot_data))
         if not self._wait_for_space(min(nchunks, layout.slots), deadline, abort):
             return False
         buf = self._buf
-        parts = list(frame.parts)
+        if nchunks == 1:  # the common case, kept short
+            slot = self._slot_offs[self._count % layout.slots]
+            _CHUNK.pack_into(buf, slot, nbytes, nbytes)
+            pos = slot + _SLOT_HEADER
+            for part in parts:
+                end = pos + len(part)
+                buf[pos:end] = part
+                pos = end
+            self._publish(1)
+            return True
         part_index, part_pos = 0, 0
         remaining = nbytes
         unpublished = 0
+        views = [memoryview(p) for p in parts]
         for chunk in range(nchunks):
             if chunk >= layout.slots and unpublished == 0:
                 self._wait_for_space(1, None, abort)
@@ -196,7 +205,7 @@ class Ring:
             pos = slot + _SLOT_HEADER
             end = pos + size
             while pos < end:
-                part = parts[part_index]
+                part = views[part_index]
                 take = min(part.nbytes - part_pos, end - pos)
                 buf[pos : pos + take] = part[part_pos : part_pos + take]
                 pos += take
@@ -205,8 +214,8 @@ class Ring:
                     part_index, part_pos = part_index + 1, 0
             remaining -= size
             unpublished += 1
-            free_after = chunk + 1 < nchunks and self._free_slots()[0] <= unpublished
-            if chunk + 1 == nchunks or free_after:
+            last = chunk + 1 == nchunks
+            if last or self._free_slots() <= unpublished:
                 self._publish(unpublished)
                 unpublished = 0
         return True
@@ -214,7 +223,8 @@ class Ring:
     def _publish(self, chunks: int) -> None:
         self._count += chunks
         _U64.pack_into(self._buf, self._written_off, self._count)
-        _futex.wake(self._written_addr)
+        for bell in self._data_bells:
+            bell.ring()
 
     # --- reader ------------------------------------------------------------------------
 
@@ -223,45 +233,54 @@ class Ring:
         written: int = _U64.unpack_from(self._buf, self._written_off)[0]
         return written > self._count
 
-    def wait_readable(self, deadline: float | None, abort: Callable[[], None] = _never) -> bool:
-        """Wait until :meth:`poll` would be true; False if ``deadline`` passed first."""
-        return self._wait_for_chunk(deadline, abort)
+    def wait_readable(
+        self, deadline: float | None, abort: Callable[[], None] | None = None
+    ) -> bool:
+        """Wait until :meth:`poll` would be true; False if ``deadline`` passed first.
 
-    def _wait_for_chunk(self, deadline: float | None, abort: Callable[[], None]) -> bool:
+        Without ``deadline`` and ``abort``, a blocking doorbell is slept on without a cap.
+        """
         buf = self._buf
         off = self._written_off
-        if _U64.unpack_from(buf, off)[0] > self._count:
+        count = self._count
+        if _U64.unpack_from(buf, off)[0] > count:
             return True
-        spin_until = time.monotonic() + self._spin_s
+        bell = self._data_bells[0]
+        spin_until = time.monotonic() + self._spin_s if self._spin_s else 0.0
         while True:
-            abort()
-            if _U64.unpack_from(buf, off)[0] > self._count:
+            if abort is not None:
+                abort()
+            if _U64.unpack_from(buf, off)[0] > count:
                 return True
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return False
-            if now < spin_until:
-                os.sched_yield()
+            if spin_until:
+                if time.monotonic() < spin_until:
+                    os.sched_yield()
+                    continue
+                spin_until = 0.0
+            if deadline is None:
+                bell.wait(None if abort is None else MAX_SLEEP_S)
                 continue
-            nap = MAX_SLEEP_S if deadline is None else min(MAX_SLEEP_S, deadline - now)
-            _futex.wait(self._written_addr, self._count, nap)
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            bell.wait(min(MAX_SLEEP_S, deadline - now))
 
     def read(
         self,
         decode: Callable[[memoryview], T],
         deadline: float | None = None,
-        abort: Callable[[], None] = _never,
+        abort: Callable[[], None] | None = None,
     ) -> T | None:
         """Wait for the next message and return ``decode(view)``; None if ``deadline`` passed.
 
         ``decode`` must copy what it keeps: the view is only valid during the call. Once the
         first chunk of a message has arrived, the rest is awaited regardless of ``deadline``.
         """
-        if not self._wait_for_chunk(deadline, abort):
+        if not self.wait_readable(deadline, abort):
             return None
         buf = self._buf
-        layout = self._layout
-        slot = self._slot_offs[self._count % layout.slots]
+        slots = self._layout.slots
+        slot = self._slot_offs[self._count % slots]
         nbytes, size = _CHUNK.unpack_from(buf, slot)
         if size == nbytes:
             view = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
@@ -278,16 +297,15 @@ class Ring:
             self._release(1)
             if pos >= nbytes:
                 break
-            self._wait_for_chunk(None, abort)
-            slot = self._slot_offs[self._count % layout.slots]
+            self.wait_readable(None, abort)
+            slot = self._slot_offs[self._count % slots]
             _, size = _CHUNK.unpack_from(buf, slot)
         with memoryview(whole) as view:
             return decode(view)
 
     def _release(self, chunks: int) -> None:
-        assert self._reader is not None, "only readers release slots"
         self._count += chunks
-        off = self._consumed_offs[self._reader]
-        _U64.pack_into(self._buf, off, self._count)
-        if _U64.unpack_from(self._buf, self._waiting_off)[0]:
-            _futex.wake(self._consumed_addrs[self._reader])
+        buf = self._buf
+        _U64.pack_into(buf, self._own_off, self._count)
+        if _U64.unpack_from(buf, self._waiting_off)[0]:
+            self._space_bell.ring()

@@ -10,7 +10,6 @@ is left in ``/dev/shm``; the memory is freed when the last process unmaps it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import mmap
 import os
@@ -50,9 +49,6 @@ class SharedSegment:
         self.size = size
         self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
         self.buf: memoryview = memoryview(self._mmap)
-        # Holds an export of the mapping to learn its address (for futexes); dropped in close.
-        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mmap)
-        self.address = ctypes.addressof(self._anchor)
 
     @classmethod
     def create(cls, size: int, directory: str = SHM_DIR) -> SharedSegment:
@@ -87,7 +83,6 @@ class SharedSegment:
         mapping, self._mmap = self._mmap, None
         if mapping is None:
             return
-        self._anchor = None
         try:
             self.buf.release()
             mapping.close()

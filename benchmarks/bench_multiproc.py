@@ -1,0 +1,341 @@
+"""Multiproc backend benchmark: round trips against multiprocessing.Pipe and raw pyzmq ipc.
+
+    .venv/bin/python benchmarks/bench_multiproc.py [--workers 1 2 4] [--calls 400]
+        [--blocks 4] [--startup-repeats 3]
+
+For 1, 2 and 4 workers, in one run, each workload is measured on the ``mp`` executor and on
+two baselines that do the same request/reply with the same number of worker processes:
+``mp.Pipe`` (a ``multiprocessing.Pipe`` per worker, ``send``/``recv``) and ``zmq ipc`` (a
+pyzmq PAIR socket over ipc per worker, pickle protocol 5). The transports are interleaved in
+``--blocks`` blocks so that load from other processes hits them alike. Reported: median and
+p99 in µs, and the ratio of the mp median to each baseline's.
+
+Workloads: ``noop`` (a method that returns None), ``1MB bytes`` (an argument every worker
+receives), ``16MB tensor`` (a CPU float32 tensor argument), ``16MB result`` (rank 0 returns
+16 MiB of bytes; ``unique_reply_rank=0`` on mp, the other baseline workers answer None).
+
+Then: CPU time used by idle mp workers over 1 s, starting 50 ms after the last call; and the
+time from ``create_executor`` to ready with 2 workers that import torch, against spawning 2
+bare processes that import torch and report back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import pickle
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from executor_core import ExecutorConfig, WorkerBase, create_executor
+
+MB = 1 << 20
+TENSOR_BYTES = 16 * MB
+RESULT_BYTES = 16 * MB
+#: Slots big enough for the 16 MiB payloads in one piece (the default is 16 MiB).
+BACKEND_OPTIONS = {"slot_bytes": 32 * MB, "reply_slot_bytes": 32 * MB}
+
+
+class Target:
+    """What every transport calls: the same methods on the same kind of object."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def noop(self) -> None:
+        return None
+
+    def size(self, data: Any) -> int:
+        return int(data.nbytes) if hasattr(data, "nbytes") else len(data)
+
+    def make(self, nbytes: int, on_rank: int) -> bytes | None:
+        return b"r" * nbytes if self.rank == on_rank else None
+
+
+class BenchWorker(WorkerBase):
+    """The mp executor's worker: delegates to :class:`Target`."""
+
+    def init_device(self) -> None:
+        self.target = Target(self.rank)
+
+    def noop(self) -> None:
+        return None
+
+    def size(self, data: Any) -> int:
+        return self.target.size(data)
+
+    def make(self, nbytes: int, on_rank: int) -> bytes | None:
+        return self.target.make(nbytes, on_rank)
+
+
+class TorchWorker(WorkerBase):
+    """A worker whose start-up imports torch (for the ready-time comparison)."""
+
+    def init_device(self) -> None:
+        import torch
+
+        self.version = torch.__version__
+
+
+# --- baselines ---------------------------------------------------------------------------
+
+
+def pipe_server(conn: Connection, rank: int) -> None:
+    target = Target(rank)
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        method, args = message
+        conn.send(getattr(target, method)(*args))
+
+
+def zmq_server(address: str, rank: int) -> None:
+    import zmq
+
+    target = Target(rank)
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.connect(address)
+    while True:
+        message = pickle.loads(sock.recv(copy=False).buffer)
+        if message is None:
+            break
+        method, args = message
+        sock.send(pickle.dumps(getattr(target, method)(*args), protocol=5), copy=False)
+    sock.close(linger=0)
+
+
+class PipeBaseline:
+    name = "mp.Pipe"
+
+    def __init__(self, workers: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(workers):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=pipe_server, args=(there, rank), daemon=True)
+            proc.start()
+            there.close()
+            self.conns.append(here)
+            self.procs.append(proc)
+
+    def call(self, method: str, args: tuple[Any, ...], only_rank: int | None = None) -> Any:
+        for conn in self.conns:
+            conn.send((method, args))
+        results = [conn.recv() for conn in self.conns]
+        return results if only_rank is None else [results[only_rank]]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(10)
+
+
+class ZmqBaseline:
+    name = "zmq ipc"
+
+    def __init__(self, workers: int) -> None:
+        import zmq
+
+        self.tmp = tempfile.TemporaryDirectory()
+        self.ctx = zmq.Context()
+        self.socks = []
+        self.procs = []
+        mp_ctx = multiprocessing.get_context("spawn")
+        for rank in range(workers):
+            address = f"ipc://{self.tmp.name}/w{rank}"
+            sock = self.ctx.socket(zmq.PAIR)
+            sock.bind(address)
+            proc = mp_ctx.Process(target=zmq_server, args=(address, rank), daemon=True)
+            proc.start()
+            self.socks.append(sock)
+            self.procs.append(proc)
+
+    def call(self, method: str, args: tuple[Any, ...], only_rank: int | None = None) -> Any:
+        payload = pickle.dumps((method, args), protocol=5)
+        for sock in self.socks:
+            sock.send(payload, copy=False)
+        results = [pickle.loads(sock.recv(copy=False).buffer) for sock in self.socks]
+        return results if only_rank is None else [results[only_rank]]
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.send(pickle.dumps(None))
+        for proc in self.procs:
+            proc.join(10)
+        for sock in self.socks:
+            sock.close(linger=0)
+        self.ctx.term()
+        self.tmp.cleanup()
+
+
+class MpTransport:
+    name = "mp"
+
+    def __init__(self, workers: int) -> None:
+        self.executor = create_executor(
+            ExecutorConfig(
+                worker_cls=BenchWorker,
+                backend="mp",
+                tensor_parallel_size=workers,
+                backend_options=BACKEND_OPTIONS,
+            )
+        )
+
+    def call(self, method: str, args: tuple[Any, ...], only_rank: int | None = None) -> Any:
+        return self.executor.collective_rpc(method, args=args, unique_reply_rank=only_rank)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def workloads() -> dict[str, tuple[str, tuple[Any, ...], int | None, int]]:
+    """name -> (method, args, only_rank, calls divisor)."""
+    import torch
+
+    tensor = torch.ones(TENSOR_BYTES // 4, dtype=torch.float32)
+    return {
+        "noop": ("noop", (), None, 1),
+        "1MB bytes": ("size", (b"x" * MB,), None, 4),
+        "16MB tensor": ("size", (tensor,), None, 20),
+        "16MB result": ("make", (RESULT_BYTES, 0), 0, 20),
+    }
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(transports: list[Any], calls: int, blocks: int) -> dict[str, dict[str, list[float]]]:
+    samples: dict[str, dict[str, list[float]]] = {}
+    for name, (method, args, only_rank, divisor) in workloads().items():
+        per_block = max(5, calls // divisor // blocks)
+        samples[name] = {t.name: [] for t in transports}
+        for transport in transports:  # warm-up (imports torch in the workers, faults pages)
+            for _ in range(3):
+                transport.call(method, args, only_rank)
+        for _ in range(blocks):
+            for transport in transports:
+                out = samples[name][transport.name]
+                for _ in range(per_block):
+                    start = time.perf_counter()
+                    transport.call(method, args, only_rank)
+                    out.append(time.perf_counter() - start)
+    return samples
+
+
+def idle_cpu_percent(executor: Any) -> list[float]:
+    import psutil
+
+    pids = [p for p in executor._group.pids if p is not None]
+    executor.collective_rpc("noop")
+    time.sleep(0.05)
+    procs = [psutil.Process(pid) for pid in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    start = time.monotonic()
+    time.sleep(1.0)
+    elapsed = time.monotonic() - start
+    after = [sum(p.cpu_times()[:2]) for p in procs]
+    return [100.0 * (a - b) / elapsed for a, b in zip(after, before, strict=True)]
+
+
+def bare_torch_process(conn: Connection) -> None:
+    import torch
+
+    conn.send(torch.__version__)
+    conn.recv()
+
+
+def bare_spawn_seconds(workers: int) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    start = time.perf_counter()
+    pairs = []
+    for _ in range(workers):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=bare_torch_process, args=(there,), daemon=True)
+        proc.start()
+        pairs.append((here, proc))
+    for here, _ in pairs:
+        here.recv()
+    elapsed = time.perf_counter() - start
+    for here, proc in pairs:
+        here.send(None)
+        proc.join(10)
+    return elapsed
+
+
+def executor_ready_seconds(workers: int) -> float:
+    start = time.perf_counter()
+    executor = create_executor(
+        ExecutorConfig(worker_cls=TorchWorker, backend="mp", tensor_parallel_size=workers)
+    )
+    elapsed = time.perf_counter() - start
+    executor.shutdown()
+    return elapsed
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--calls", type=int, default=2000, help="no-op calls per transport")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--startup-repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    print(f"cores: {os.cpu_count()}; times in µs; ratio = mp median / baseline median\n")
+    print(
+        "| workers | workload | mp p50 | mp p99 | mp.Pipe p50 | mp.Pipe p99 | zmq p50 "
+        "| zmq p99 | mp/Pipe | mp/zmq |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    idle: dict[int, list[float]] = {}
+    for workers in args.workers:
+        makers: list[Callable[[int], Any]] = [MpTransport, PipeBaseline, ZmqBaseline]
+        transports = [make(workers) for make in makers]
+        try:
+            samples = measure(transports, args.calls, args.blocks)
+            idle[workers] = idle_cpu_percent(transports[0].executor)
+        finally:
+            for transport in transports:
+                transport.close()
+        for name, by_transport in samples.items():
+            mp, pipe, zmq = (by_transport[t] for t in ("mp", "mp.Pipe", "zmq ipc"))
+            m, p, z = (statistics.median(s) for s in (mp, pipe, zmq))
+            print(
+                f"| {workers} | {name} | {fmt(m)} | {fmt(percentile(mp, 0.99))} | {fmt(p)} "
+                f"| {fmt(percentile(pipe, 0.99))} | {fmt(z)} | {fmt(percentile(zmq, 0.99))} "
+                f"| {m / p:.2f} | {m / z:.2f} |",
+                flush=True,
+            )
+    print("\nidle mp worker CPU over 1 s (from 50 ms after the last call):")
+    for workers, percents in idle.items():
+        print(f"  {workers} worker(s): " + ", ".join(f"{p:.2f}%" for p in percents))
+
+    bare, ready = [], []
+    for _ in range(args.startup_repeats):
+        bare.append(bare_spawn_seconds(2))
+        ready.append(executor_ready_seconds(2))
+    b, r = statistics.median(bare), statistics.median(ready)
+    print(
+        f"\nready with 2 torch-importing workers: create_executor {r:.2f} s, "
+        f"bare spawn {b:.2f} s, ratio {r / b:.2f} (medians of {args.startup_repeats})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Workers used by the mp backend's tests (importable by qualname in worker processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from executor_core import WorkerContext
+from executor_core.testing import ConformanceWorker
+
+
+class SlowStartWorker(ConformanceWorker):
+    """Sleeps in ``init_device`` (to show that workers start in parallel)."""
+
+    def __init__(self, *, context: WorkerContext, init_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(context=context, **kwargs)
+        self.init_s = init_s
+
+    def init_device(self) -> None:
+        time.sleep(self.init_s)
+        super().init_device()
+
+
+class CodecWorker(ConformanceWorker):
+    """Echoes what it received, to check what crosses the rings."""
+
+    def identity(self, value: Any) -> Any:
+        return value
+
+    def describe(self, value: Any) -> dict[str, Any]:
+        return {"type": type(value).__name__, "rank": self.rank}
+
+    def proc_name(self) -> str:
+        with open(f"/proc/{os.getpid()}/comm") as comm:
+            return comm.read().strip()
+
+    def exit_now(self, code: int) -> None:
+        os._exit(code)
