@@ -1,7 +1,7 @@
 """Serialisation of calls and replies: pickle protocol 5 with out-of-band buffers.
 
-CPU tensors, numpy arrays and large ``bytes`` (top-level arguments, results, and items of
-small top-level containers) are not copied into the pickle stream: their memory travels as
+CPU tensors, numpy arrays and large ``bytes`` (arguments and results, and items of small
+tuples, lists and dicts in them) are not copied into the pickle stream: their memory travels as
 separate out-of-band buffers that the ring copies once into shared memory, and the receiver
 copies once out of it into memory it owns (a received object never aliases the ring, whose
 slots are reused). Everything else is ordinary pickle.
@@ -82,23 +82,29 @@ def _rebuild_ndarray(view: memoryview, dtype: Any, shape: tuple[int, ...], order
     return flat.reshape(shape, order=order)  # type: ignore[call-overload]  # order is "C"/"F"
 
 
-def _wrap_bulk(obj: Any) -> Any:
-    """``obj`` with large bytes (itself, or items of a small tuple/list/dict) wrapped."""
+def _wrap_bulk(obj: Any, depth: int = 3) -> Any:
+    """``obj`` with large bytes wrapped: itself, or inside tuples, lists and dicts of at
+    most ``_SCAN_LIMIT`` items, ``depth`` levels down (a call's body is ``(method, args,
+    kwargs)``, so depth 3 reaches a list inside an argument)."""
     kind = type(obj)
     if kind is bytes:
         return _Bulk(obj) if len(obj) >= OOB_BYTES_THRESHOLD else obj
+    if depth == 0:
+        return obj
     if kind is tuple or kind is list:
-        if len(obj) > _SCAN_LIMIT or not any(
-            type(item) is bytes and len(item) >= OOB_BYTES_THRESHOLD for item in obj
-        ):
+        if len(obj) > _SCAN_LIMIT:
             return obj
-        return kind(_wrap_bulk(item) for item in obj)
+        items = [_wrap_bulk(item, depth - 1) for item in obj]
+        if all(new is old for new, old in zip(items, obj, strict=True)):
+            return obj
+        return kind(items)
     if kind is dict:
-        if len(obj) > _SCAN_LIMIT or not any(
-            type(v) is bytes and len(v) >= OOB_BYTES_THRESHOLD for v in obj.values()
-        ):
+        if len(obj) > _SCAN_LIMIT:
             return obj
-        return {k: _wrap_bulk(v) for k, v in obj.items()}
+        values = {key: _wrap_bulk(value, depth - 1) for key, value in obj.items()}
+        if all(values[key] is value for key, value in obj.items()):
+            return obj
+        return values
     return obj
 
 

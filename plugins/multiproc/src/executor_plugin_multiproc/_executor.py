@@ -124,6 +124,7 @@ class MultiprocExecutor(Executor):
         )
         segment = SharedSegment.create(layout.nbytes)
         self.add_cleanup(segment.close)
+        self._segment = segment
         call_bells = [Doorbell(blocking=True) for _ in range(workers)]
         call_space = Doorbell()
         reply_bell = Doorbell(blocking=True)

@@ -1,0 +1,271 @@
+"""What crosses the rings, worker environment and processes, security, idle CPU and a soak."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import stat
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from mp_test_helpers import our_shm_names, shm_unchanged
+
+from executor_core import Executor, WorkerError, create_executor
+from executor_core.testing import conformance_config
+from executor_plugin_multiproc._codec import decode, encode
+
+__all__ = ["shm_unchanged"]  # the fixture, imported for the tests below
+
+SMALL_RING = {"slots": 2, "slot_bytes": 64 << 10, "reply_slots": 2, "shutdown_grace_s": 1.0}
+
+
+@pytest.fixture(scope="module")
+def executor() -> Iterator[Executor]:
+    """Two workers with 64 KiB slots, so that megabyte payloads are streamed in chunks."""
+    ex = create_executor(
+        conformance_config(
+            "mp",
+            world_size=2,
+            worker_cls="mp_test_workers:CodecWorker",
+            backend_options=SMALL_RING,
+        )
+    )
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+
+
+def _roundtrip(value: Any) -> Any:
+    parts, nbytes = encode(4, True, 0, 7, value)
+    frame = memoryview(b"".join(bytes(p) for p in parts))
+    assert frame.nbytes == nbytes
+    kind, ok, rank, seq, body = decode(frame)
+    assert (kind, ok, rank, seq) == (4, True, 0, 7)
+    return body
+
+
+# --- the codec, in process ---------------------------------------------------------------
+
+
+def test_codec_sends_bulk_out_of_band() -> None:
+    big = b"b" * (1 << 20)
+    parts, _ = encode(1, True, -1, 1, ("m", (big,), {"k": [big]}))
+    # Header, pickle stream, then the two bulk buffers: the pickle stream stays small.
+    assert len(parts) == 4
+    assert len(parts[1]) < 1024
+    assert [memoryview(p).nbytes for p in parts[2:]] == [1 << 20, 1 << 20]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t(),  # not contiguous, no numpy
+        torch.tensor([True, False]),
+        torch.zeros(0, 5, dtype=torch.int64),
+        torch.tensor(3.5),
+        torch.complex(torch.ones(3), torch.ones(3)).conj(),
+    ],
+    ids=["float32", "bfloat16-transposed", "bool", "empty", "scalar", "complex-conj"],
+)
+def test_codec_tensors(value: torch.Tensor) -> None:
+    back = _roundtrip({"t": value})["t"]
+    assert back.dtype == value.dtype
+    assert back.shape == value.shape
+    assert torch.equal(back, value.resolve_conj())
+    assert back.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(20, dtype=np.float64).reshape(4, 5),
+        np.asfortranarray(np.arange(20, dtype=np.int16).reshape(4, 5)),
+        np.arange(20)[::2],
+        np.array(["a", None], dtype=object),
+    ],
+    ids=["c-order", "f-order", "strided", "object"],
+)
+def test_codec_numpy(value: np.ndarray[Any, Any]) -> None:
+    back = _roundtrip(value)
+    assert back.dtype == value.dtype
+    np.testing.assert_array_equal(back, value)
+    if back.dtype != object:
+        assert back.flags.writeable  # a private copy, not a view of the ring
+
+
+def test_codec_received_objects_own_their_memory() -> None:
+    parts, _ = encode(4, True, 0, 1, (b"z" * 10_000, torch.ones(1000), np.ones(1000)))
+    frame = bytearray(b"".join(bytes(p) for p in parts))
+    data, tensor, array = decode(memoryview(frame))[4]
+    frame[:] = bytes(len(frame))  # the ring slot is reused
+    assert data == b"z" * 10_000
+    assert torch.equal(tensor, torch.ones(1000))
+    assert (array == 1).all()
+
+
+# --- through the executor ----------------------------------------------------------------
+
+
+def test_payload_larger_than_a_slot(executor: Executor) -> None:
+    data = os.urandom(3 << 20)  # 48 slots of 64 KiB through a 2-slot ring
+    assert executor.collective_rpc("payload_size", args=(data,)) == [len(data)] * 2
+    assert executor.collective_rpc("identity", args=(data,), unique_reply_rank=1) == [data]
+    result = executor.collective_rpc("make_bytes", args=(2 << 20,), kwargs={"on_rank": 0})
+    assert result == [b"\x00" * (2 << 20), None]
+
+
+def test_large_tensor_and_array_through_small_slots(executor: Executor) -> None:
+    tensor = torch.randn(300, 1000)
+    array = np.random.default_rng(0).random((500, 300))
+    back_t, back_a = executor.collective_rpc(
+        "identity", args=((tensor, array),), unique_reply_rank=0
+    )[0]
+    assert torch.equal(back_t, tensor)
+    np.testing.assert_array_equal(back_a, array)
+    assert executor.collective_rpc("describe", args=(tensor,)) == [
+        {"type": "Tensor", "rank": 0},
+        {"type": "Tensor", "rank": 1},
+    ]
+
+
+def test_unpicklable_argument_raises_before_sending(executor: Executor) -> None:
+    with pytest.raises((pickle.PicklingError, TypeError, AttributeError)):
+        executor.collective_rpc("identity", args=(lambda: None,))
+    assert executor.collective_rpc("get_rank") == [0, 1]
+
+
+def test_unpicklable_result_is_a_worker_error(executor: Executor) -> None:
+    with pytest.raises(WorkerError) as info:
+        executor.collective_rpc(lambda w: lambda: w.rank)
+    assert info.value.rank == 0
+    assert executor.collective_rpc("get_rank") == [0, 1]
+
+
+# --- worker processes --------------------------------------------------------------------
+
+
+def test_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with create_executor(
+        conformance_config("mp", world_size=2, env={"EXTRA": "x"}, backend_options=SMALL_RING)
+    ) as ex:
+        env = ex.collective_rpc(
+            lambda w: {
+                k: os.environ.get(k)
+                for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "EXTRA")
+            }
+        )
+    cores = len(os.sched_getaffinity(0))
+    for rank, got in enumerate(env):
+        assert got == {
+            "CUDA_VISIBLE_DEVICES": "3,1",
+            "OMP_NUM_THREADS": str(max(1, cores // 2)),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "EXTRA": "x",
+        }
+
+
+def test_user_omp_num_threads_wins() -> None:
+    with create_executor(
+        conformance_config(
+            "mp", world_size=2, env={"OMP_NUM_THREADS": "7"}, backend_options=SMALL_RING
+        )
+    ) as ex:
+        assert ex.collective_rpc("get_env", args=("OMP_NUM_THREADS",)) == ["7", "7"]
+
+
+def test_processes_are_named_by_rank(executor: Executor) -> None:
+    assert executor.collective_rpc("proc_name") == ["mp-worker-0", "mp-worker-1"]
+    pids = executor.collective_rpc("get_pid")
+    parents = {psutil.Process(pid).ppid() for pid in pids}
+    assert parents == {os.getpid()}
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_other_start_methods(method: str) -> None:
+    options = {**SMALL_RING, "start_method": method}
+    with create_executor(conformance_config("mp", world_size=2, backend_options=options)) as ex:
+        assert ex.collective_rpc("get_rank") == [0, 1]
+        assert ex.collective_rpc("payload_size", args=(b"q" * 300_000,)) == [300_000] * 2
+
+
+def test_idle_workers_use_no_cpu(executor: Executor) -> None:
+    procs = [psutil.Process(pid) for pid in executor.collective_rpc("get_pid")]
+    for _ in range(50):
+        executor.collective_rpc("get_rank")
+    time.sleep(0.05)
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(1.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
+    assert max(used) < 0.02, f"idle workers used {used} s of CPU in 1 s"
+
+
+# --- security ----------------------------------------------------------------------------
+
+
+def test_no_names_no_sockets_private_memory(executor: Executor) -> None:
+    # The segment's name is unlinked as soon as it is created: nothing to guess or leak.
+    assert our_shm_names() == set()
+    segment_fd = executor._segment.fd  # type: ignore[attr-defined]
+    assert stat.S_IMODE(os.fstat(segment_fd).st_mode) == 0o600
+    # No listening socket anywhere: not in the driver, not in the workers.
+    pids = [os.getpid(), *executor.collective_rpc("get_pid")]
+    for pid in pids:
+        listening = [c for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"]
+        assert listening == []
+
+
+# --- soak ----------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("shm_unchanged")
+def test_soak_memory_and_descriptors_stay_flat() -> None:
+    me = psutil.Process()
+    with create_executor(conformance_config("mp", world_size=2, backend_options=SMALL_RING)) as ex:
+        workers = [psutil.Process(pid) for pid in ex.collective_rpc("get_pid")]
+        payload = b"p" * 100_000
+
+        def burst(n: int) -> None:
+            for i in range(n):
+                if i % 4 == 0:
+                    ex.collective_rpc("payload_size", args=(payload,))
+                elif i % 4 == 1:
+                    ex.collective_rpc("get_rank", non_block=True).result(10)
+                else:
+                    ex.collective_rpc("echo", args=(i,), unique_reply_rank=i % 2)
+
+        burst(500)  # warm up allocators and caches
+        gc.collect()
+        fds = me.num_fds()
+        rss = [me.memory_info().rss] + [w.memory_info().rss for w in workers]
+        burst(3000)
+        gc.collect()
+        assert me.num_fds() == fds
+        grown = [
+            now - then
+            for now, then in zip(
+                [me.memory_info().rss] + [w.memory_info().rss for w in workers], rss, strict=True
+            )
+        ]
+        assert max(grown) < 8 << 20, f"RSS grew by {grown} bytes over 3000 calls"
+
+
+def test_executors_leave_no_descriptors_behind() -> None:
+    me = psutil.Process()
+    with create_executor(conformance_config("mp", world_size=2)) as ex:
+        ex.collective_rpc("get_rank")
+    fds = me.num_fds()
+    for _ in range(3):
+        with create_executor(conformance_config("mp", world_size=2)) as ex:
+            ex.collective_rpc("get_rank", non_block=True).result(10)
+    assert me.num_fds() == fds
