@@ -108,6 +108,7 @@ class MultiprocExecutor(Executor):
         options = MultiprocOptions.from_backend_options(config.backend_options)
         self._options = options
         workers = config.world_size
+        self._all_ranks = tuple(range(workers))
         self._table = CallTable()
         self._send_lock = threading.Lock()
         self._next_seq = 1  # 0 is the ready handshake
@@ -286,7 +287,7 @@ class MultiprocExecutor(Executor):
         name = method_name(method)
         body = (dumps_method(method), args, kwargs or {})
         if unique_reply_rank is None:
-            reply_rank, expected = -1, tuple(range(self.world_size))
+            reply_rank, expected = -1, self._all_ranks
         else:
             reply_rank, expected = unique_reply_rank, (unique_reply_rank,)
         with self._send_lock:

@@ -47,7 +47,9 @@ class SharedSegment:
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        # MAP_POPULATE maps every page now, so the first calls do not pay page faults.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
         self.buf: memoryview = memoryview(self._mmap)
 
     @classmethod
