@@ -8,13 +8,16 @@ for another kind; modules are ordered so that it switches rarely.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
 import pytest
 import ray
+from ray._private.authentication.authentication_token_setup import _enable_token_auth
 from ray.cluster_utils import Cluster
 
+from executor_plugin_ray import _cluster
 from executor_plugin_ray._cluster import RayLease, acquire_ray
 from executor_plugin_ray._options import RayOptions
 
@@ -26,12 +29,12 @@ LOCAL_CPUS = 8
 class RaySessions:
     """The test process's Ray connection: none, local, or a simulated cluster."""
 
-    def __init__(self, tmp_root: str) -> None:
-        self.tmp_root = tmp_root
+    def __init__(self) -> None:
         self.kind: str | None = None
         self._lease: RayLease | None = None
         self._cluster: Cluster | None = None
         self._saved_env: dict[str, str | None] = {}
+        self._cluster_tmp: str | None = None
 
     def local(self) -> None:
         """A local instance started the way the backend starts one (token, temp dir, reaper)."""
@@ -49,11 +52,19 @@ class RaySessions:
         self.close()
         # cluster_utils writes Ray's address file under $RAY_TMPDIR/ray; the token reaches the
         # nodes through the environment, so nothing lands in /tmp/ray or ~/.ray.
-        tmp = tempfile.mkdtemp(prefix="cluster-", dir=self.tmp_root)
+        # A short path: Ray's socket paths under it must stay within 107 bytes.
+        tmp = tempfile.mkdtemp(prefix="executor-ray-cluster-")
+        self._cluster_tmp = tmp
         os.makedirs(os.path.join(tmp, "ray"))
         self._set_env("RAY_TMPDIR", tmp)
         self._set_env("RAY_AUTH_MODE", "token")
-        self._set_env("RAY_AUTH_TOKEN", os.urandom(16).hex())
+        # The token the backend gives its own local instances: Ray keeps the first token it
+        # loads in a process-wide cache, so every session of this test process uses one.
+        self._set_env("RAY_AUTH_TOKEN", _cluster._process_token)
+        # Ray read its auth mode and token into process-wide caches when it was imported;
+        # refresh them as ray.init does for a new local instance (private: no public API).
+        _enable_token_auth()
+        _cluster._reset_token_cache()
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 0, "include_dashboard": False},
@@ -79,18 +90,22 @@ class RaySessions:
         if cluster is not None:
             ray.shutdown()
             cluster.shutdown()
+        if self._cluster_tmp is not None:
+            shutil.rmtree(self._cluster_tmp, ignore_errors=True)
+            self._cluster_tmp = None
         for name, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
         self._saved_env.clear()
+        _cluster._reset_token_cache()
         self.kind = None
 
 
 @pytest.fixture(scope="session")
-def ray_sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RaySessions]:
-    sessions = RaySessions(str(tmp_path_factory.mktemp("ray")))
+def ray_sessions() -> Iterator[RaySessions]:
+    sessions = RaySessions()
     try:
         yield sessions
     finally:

@@ -9,6 +9,7 @@ import pytest
 
 from executor_core import ConfigError, Registry, create_executor
 from executor_core.testing import conformance_config
+from executor_plugin_ray import _cluster
 from executor_plugin_ray._options import RayOptions
 from executor_plugin_ray._ranks import ActorInfo, assign_ranks
 
@@ -64,6 +65,14 @@ def test_bad_options_are_rejected_before_ray_starts(options: dict[str, object], 
     with pytest.raises(ConfigError, match=match) as info:
         create_executor(config)
     assert info.value.field == "backend_options"
+
+
+def test_local_instance_fits_the_workers_even_on_a_small_machine() -> None:
+    machine = _cluster._machine_cpus()
+    assert _cluster.local_num_cpus(RayOptions(), world_size=1) == machine
+    big = RayOptions(num_cpus_per_worker=2)
+    assert _cluster.local_num_cpus(big, world_size=machine) == 2 * machine
+    assert _cluster.local_num_cpus(RayOptions(local_num_cpus=3), world_size=64) == 3
 
 
 def test_strategy_is_case_insensitive() -> None:

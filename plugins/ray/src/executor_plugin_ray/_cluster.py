@@ -27,6 +27,7 @@ import psutil  # type: ignore[import-untyped]  # psutil ships no type informatio
 import ray
 
 from ._options import RayOptions
+from ._reaper import reap
 
 __all__ = ["RayLease", "acquire_ray", "local_num_cpus"]
 
@@ -108,6 +109,7 @@ def acquire_ray(options: RayOptions, *, world_size: int) -> RayLease:
 
 
 def _connect(address: str, options: RayOptions) -> None:
+    _reset_token_cache()  # load the token the environment or ~/.ray holds now
     try:
         ray.init(
             address=address,
@@ -157,9 +159,11 @@ def _start_local(options: RayOptions, world_size: int) -> None:
                 _temp_dir=temp_dir,
             )
     except BaseException:
+        # A failed start can leave some of Ray's processes running: stop them here.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        reap(_new_processes(before), temp_dir if remove else None, grace_s=1.0)
         _restore_token_env()
-        if remove:
-            shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     _state.temp_dir = temp_dir
     _state.remove_temp_dir = remove
@@ -178,7 +182,8 @@ def _token_env() -> Iterator[None]:
     if os.environ.get("RAY_AUTH_MODE") is None and not _has_token():
         os.environ[_TOKEN_ENV] = _process_token
         _state.token_set = True
-        _reset_token_cache()
+    # Ray caches the token it loaded last; the environment or ~/.ray may have changed since.
+    _reset_token_cache()
     yield
 
 
@@ -222,10 +227,10 @@ def _quiet_auth_notice() -> Iterator[None]:
         auth_logger.removeFilter(notice_filter)
 
 
-def _start_reaper(before: set[int], temp_dir: str | None) -> subprocess.Popen[bytes] | None:
-    me = psutil.Process()
+def _new_processes(before: set[int]) -> list[tuple[int, float]]:
+    """``(pid, create_time)`` of this process's children not in ``before``, and theirs."""
     pids: list[tuple[int, float]] = []
-    for child in me.children():
+    for child in psutil.Process().children():
         if child.pid in before:
             continue
         try:
@@ -233,6 +238,11 @@ def _start_reaper(before: set[int], temp_dir: str | None) -> subprocess.Popen[by
                 pids.append((proc.pid, proc.create_time()))
         except psutil.Error:
             continue
+    return pids
+
+
+def _start_reaper(before: set[int], temp_dir: str | None) -> subprocess.Popen[bytes] | None:
+    pids = _new_processes(before)
     spec = json.dumps({"pids": pids, "temp_dir": temp_dir, "grace_s": _REAPER_GRACE_S})
     try:
         return subprocess.Popen(
