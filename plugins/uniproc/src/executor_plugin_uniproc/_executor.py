@@ -44,15 +44,15 @@ class UniProcExecutor(Executor):
     while the executor lives and restored at shutdown.
     """
 
-    def _init_executor(self) -> None:
+    def _worker_context(self) -> WorkerContext:
+        """The single worker's place in the job (the external launcher overrides this)."""
         config = self.config
         if config.world_size != 1:
             raise ExecutorError(
                 f"the 'uni' backend runs exactly one worker in this process, but world_size="
                 f"{config.world_size}; use backend='mp' (one machine) or 'ray' (a cluster)"
             )
-        self.add_cleanup(_env_restorer({key: os.environ.get(key) for key in config.env}))
-        context = WorkerContext(
+        return WorkerContext(
             rank=0,
             local_rank=0,
             world_size=1,
@@ -64,6 +64,11 @@ class UniProcExecutor(Executor):
             node_id=socket.gethostname(),
             backend="uni",
         )
+
+    def _init_executor(self) -> None:
+        config = self.config
+        context = self._worker_context()
+        self.add_cleanup(_env_restorer({key: os.environ.get(key) for key in config.env}))
         self._wrapper = WorkerWrapper(
             config.worker_cls,
             config.worker_kwargs,
@@ -71,12 +76,17 @@ class UniProcExecutor(Executor):
             env=config.env,
             hooks=self.registry.hook,
         )
-        self._runner = SerialRunner("executor-uni-worker")
+        self._runner = SerialRunner(f"executor-{context.backend}-rank{context.rank}")
         self.add_cleanup(self._runner.close)
         try:
             self._wrapper.init_worker()
         except Exception as exc:
-            raise WorkerError.from_exception(0, "init_worker", exc) from exc
+            raise WorkerError.from_exception(context.rank, "init_worker", exc) from exc
+
+    @property
+    def rank(self) -> int:
+        """The rank of the worker this process hosts."""
+        return self._wrapper.context.rank
 
     def _call(
         self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
@@ -84,7 +94,7 @@ class UniProcExecutor(Executor):
         try:
             return [self._wrapper.run_method(method, args, kwargs)]
         except Exception as exc:
-            raise WorkerError.from_exception(0, method_name(method), exc) from exc
+            raise WorkerError.from_exception(self.rank, method_name(method), exc) from exc
 
     def collective_rpc(  # type: ignore[override]  # one implementation for both overloads
         self,
@@ -109,7 +119,7 @@ class UniProcExecutor(Executor):
             result: list[Any] = future.result(timeout)
             return result
         except concurrent.futures.TimeoutError:
-            raise RPCTimeoutError(method_name(method), [0], timeout or 0.0) from None
+            raise RPCTimeoutError(method_name(method), [self.rank], timeout or 0.0) from None
 
     def _shutdown_workers(self) -> None:
         wrapper = getattr(self, "_wrapper", None)

@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
 
-from executor_core import (
-    ExecutorError,
-    RPCTimeoutError,
-    WorkerContext,
-    WorkerError,
-    WorkerWrapper,
-    method_name,
-)
+from executor_core import ExecutorError, WorkerContext
 
-from ._executor import UniProcExecutor, _env_restorer
-from ._serial import SerialRunner
+from ._executor import UniProcExecutor
 
 __all__ = ["TORCHRUN_ENV", "ExternalLauncherExecutor"]
 
@@ -51,7 +40,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
 
     supports_pp = True
 
-    def _init_executor(self) -> None:
+    def _worker_context(self) -> WorkerContext:
         config = self.config
         missing = [name for name in TORCHRUN_ENV if not os.environ.get(name)]
         if missing:
@@ -70,14 +59,12 @@ class ExternalLauncherExecutor(UniProcExecutor):
             )
         if not 0 <= rank < world_size:
             raise ExecutorError(f"RANK={rank} is outside 0..{world_size - 1}")
-        local_rank = _int_env("LOCAL_RANK")
         local_world_size = (
             _int_env("LOCAL_WORLD_SIZE") if os.environ.get("LOCAL_WORLD_SIZE") else world_size
         )
-        self.add_cleanup(_env_restorer({key: os.environ.get(key) for key in config.env}))
-        context = WorkerContext(
+        return WorkerContext(
             rank=rank,
-            local_rank=local_rank,
+            local_rank=_int_env("LOCAL_RANK"),
             world_size=world_size,
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
@@ -87,46 +74,3 @@ class ExternalLauncherExecutor(UniProcExecutor):
             node_id=socket.gethostname(),
             backend="external_launcher",
         )
-        self._wrapper = WorkerWrapper(
-            config.worker_cls,
-            config.worker_kwargs,
-            context,
-            env=config.env,
-            hooks=self.registry.hook,
-        )
-        self._runner = SerialRunner(f"executor-external-launcher-rank{rank}")
-        self.add_cleanup(self._runner.close)
-        try:
-            self._wrapper.init_worker()
-        except Exception as exc:
-            raise WorkerError.from_exception(rank, "init_worker", exc) from exc
-
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return self._wrapper.context.rank
-
-    def _call(
-        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> list[Any]:
-        try:
-            return [self._wrapper.run_method(method, args, kwargs)]
-        except Exception as exc:
-            raise WorkerError.from_exception(self.rank, method_name(method), exc) from exc
-
-    def collective_rpc(  # type: ignore[override]  # one implementation for both overloads
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        non_block: bool = False,
-        unique_reply_rank: int | None = None,
-    ) -> list[Any] | Future[list[Any]]:
-        self.check_reply_rank(unique_reply_rank)
-        try:
-            return super().collective_rpc(
-                method, timeout, args, kwargs, non_block=non_block, unique_reply_rank=None
-            )
-        except RPCTimeoutError as exc:  # name this process's rank, not the uni backend's 0
-            raise RPCTimeoutError(exc.method, [self.rank], exc.timeout) from None
