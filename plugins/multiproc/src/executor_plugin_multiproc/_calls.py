@@ -130,7 +130,10 @@ class CallTable:
                 return []  # late reply to a call that timed out: dropped
             if ok:
                 if rank in call.expected:
-                    call.results[rank] = value
+                    results = call.results
+                    results[rank] = value
+                    if len(results) < len(call.expected):
+                        return []
             elif rank in call.expected:
                 # Wait for the other expected ranks, so the lowest failing rank is reported.
                 if call.error is None or getattr(call.error, "rank", rank) > rank:

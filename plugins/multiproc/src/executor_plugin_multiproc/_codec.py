@@ -29,6 +29,7 @@ __all__ = [
     "Frame",
     "decode",
     "encode",
+    "encode_call",
 ]
 
 KIND_CALL = 1
@@ -213,6 +214,24 @@ def encode(kind: int, ok: bool, rank: int, seq: int, body: Any) -> Frame:
         parts.append(raw)
         nbytes += raw.nbytes
     return parts, nbytes
+
+
+#: Pickled ``(method, (), {})`` by method name: a call without arguments is a header away.
+_BARE_CALLS: dict[str, bytes] = {}
+_BARE_CALLS_MAX = 256
+
+
+def encode_call(reply_rank: int, seq: int, method: str | bytes, args: Any, kwargs: Any) -> Frame:
+    """Encode a call (``encode`` with a fast path for calls without arguments)."""
+    if args or kwargs or type(method) is not str:
+        return encode(KIND_CALL, True, reply_rank, seq, (method, args, kwargs or {}))
+    data = _BARE_CALLS.get(method)
+    if data is None:
+        data = pickle.dumps((method, (), {}), protocol=5)
+        if len(_BARE_CALLS) < _BARE_CALLS_MAX:
+            _BARE_CALLS[method] = data
+    head = _HEADER.pack(KIND_CALL, True, reply_rank, seq, 0, len(data))
+    return [head, data], len(head) + len(data)
 
 
 class DecodeError(Exception):

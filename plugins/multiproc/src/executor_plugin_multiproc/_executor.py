@@ -28,7 +28,7 @@ from executor_core import (
 from executor_core import tcp_init_method as _tcp_init_method
 
 from ._calls import CallTable, PendingCall
-from ._codec import KIND_CALL, KIND_READY, KIND_STOP, DecodeError, decode, encode
+from ._codec import KIND_READY, KIND_STOP, DecodeError, decode, encode, encode_call
 from ._doorbell import Doorbell
 from ._group import WorkerGroup
 from ._options import MultiprocOptions
@@ -109,6 +109,7 @@ class MultiprocExecutor(Executor):
         self._options = options
         workers = config.world_size
         self._all_ranks = tuple(range(workers))
+        self._default_timeout = config.rpc_timeout
         self._table = CallTable()
         self._send_lock = threading.Lock()
         self._next_seq = 1  # 0 is the ready handshake
@@ -281,20 +282,27 @@ class MultiprocExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> list[Any] | Future[list[Any]]:
-        self.check_open()
-        self.check_reply_rank(unique_reply_rank)
-        timeout = self.resolve_timeout(timeout)
-        name = method_name(method)
-        body = (dumps_method(method), args, kwargs or {})
+        if self._closed or self._failure is not None:
+            self.check_open()
+        if timeout is not None or self._default_timeout is not None:
+            timeout = self.resolve_timeout(timeout)
+        wire: str | bytes
+        if type(method) is str:
+            name = wire = method
+        else:
+            name, wire = method_name(method), dumps_method(method)
         if unique_reply_rank is None:
             reply_rank, expected = -1, self._all_ranks
         else:
+            self.check_reply_rank(unique_reply_rank)
             reply_rank, expected = unique_reply_rank, (unique_reply_rank,)
         with self._send_lock:
-            self.check_open()
-            call = PendingCall(self._next_seq, name, expected, non_block, timeout)
-            parts, nbytes = encode(KIND_CALL, True, reply_rank, call.seq, body)
-            self._next_seq += 1
+            if self._closed or self._failure is not None:
+                self.check_open()
+            seq = self._next_seq
+            parts, nbytes = encode_call(reply_rank, seq, wire, args, kwargs)
+            call = PendingCall(seq, name, expected, non_block, timeout)
+            self._next_seq = seq + 1
             self._table.add(call)
             try:
                 sent = self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
@@ -368,8 +376,8 @@ class MultiprocExecutor(Executor):
         """Dispatch every reply already waiting, without blocking. True if there was one."""
         got = False
         for ring in self._reply_rings:
-            while ring.poll():
-                self._dispatch(ring.read(_decode_reply))
+            while (reply := ring.try_read(_decode_reply)) is not None:
+                self._dispatch(reply)
                 got = True
         return got
 

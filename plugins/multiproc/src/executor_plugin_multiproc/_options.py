@@ -64,7 +64,7 @@ class MultiprocOptions:
             "slot_bytes": _int_at_least(4096),
             "reply_slots": _int_at_least(1),
             "reply_slot_bytes": _optional(_int_at_least(4096)),
-            "spin_s": _number_at_least(0.0),
+            "spin_s": _number_in(0.0, 0.01),
             "startup_timeout": _number_above(0.0),
             "shutdown_grace_s": _number_at_least(0.0),
         }
@@ -92,6 +92,19 @@ def _number_at_least(low: float) -> Any:
     def check(value: object) -> str | None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= low:
             return f"must be a number >= {low:g}"
+        return None
+
+    return check
+
+
+def _number_in(low: float, high: float) -> Any:
+    def check(value: object) -> str | None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not low <= value <= high
+        ):
+            return f"must be a number from {low:g} to {high:g} (seconds)"
         return None
 
     return check

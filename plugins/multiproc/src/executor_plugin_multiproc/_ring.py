@@ -111,6 +111,7 @@ class Ring:
         self._waiting_off = layout.offset + 8
         self._consumed_offs = [layout.offset + _LINE * (1 + i) for i in range(layout.readers)]
         self._slot_data = layout.slot_bytes
+        self._nslots = layout.slots
         self._slot_offs = [
             layout.slots_offset + k * layout.slot_stride for k in range(layout.slots)
         ]
@@ -127,12 +128,13 @@ class Ring:
 
     def _free_slots(self) -> int:
         buf = self._buf
-        lowest = self._count
+        count = self._count
+        lowest = count
         for off in self._consumed_offs:
             consumed: int = _U64.unpack_from(buf, off)[0]
             if consumed < lowest:
                 lowest = consumed
-        return self._layout.slots - (self._count - lowest)
+        return self._nslots - (count - lowest)
 
     def _wait_for_space(
         self, needed: int, deadline: float | None, abort: Callable[[], None]
@@ -183,7 +185,7 @@ class Ring:
             return False
         buf = self._buf
         if nchunks == 1:  # the common case, kept short
-            slot = self._slot_offs[self._count % layout.slots]
+            slot = self._slot_offs[self._count % self._nslots]
             _CHUNK.pack_into(buf, slot, nbytes, nbytes)
             pos = slot + _SLOT_HEADER
             for part in parts:
@@ -264,6 +266,26 @@ class Ring:
             if now >= deadline:
                 return False
             bell.wait(min(MAX_SLEEP_S, deadline - now))
+
+    def try_read(self, decode: Callable[[memoryview], T]) -> T | None:
+        """``decode`` the next message if one is waiting, else return None at once."""
+        buf = self._buf
+        count = self._count
+        if _U64.unpack_from(buf, self._written_off)[0] <= count:
+            return None
+        slot = self._slot_offs[count % self._layout.slots]
+        nbytes, size = _CHUNK.unpack_from(buf, slot)
+        if size != nbytes:
+            return self.read(decode)
+        view = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
+        try:
+            return decode(view)
+        finally:
+            view.release()
+            self._count = count = count + 1
+            _U64.pack_into(buf, self._own_off, count)
+            if _U64.unpack_from(buf, self._waiting_off)[0]:
+                self._space_bell.ring()
 
     def read(
         self,
