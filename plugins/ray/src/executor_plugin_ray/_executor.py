@@ -13,7 +13,13 @@ from concurrent.futures import Future
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import (
+    GetTimeoutError,
+    RayActorError,
+    RayChannelTimeoutError,
+    RayError,
+    RayTaskError,
+)
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -80,6 +86,8 @@ class RayExecutor(Executor):
         self._monitor: DeathMonitor | None = None
         self._compiled: CompiledStep | None = None
         self._compiled_lock = threading.Lock()
+        self._graph_submit_lock = threading.Lock()
+        self._graph_read_lock = threading.Lock()
         self._use_compiled = options.compiled_graph and compiled_graphs_available()
         # Ordered completion of non-blocking calls: one thread resolves them in turn.
         self._collector = concurrent.futures.ThreadPoolExecutor(
@@ -254,14 +262,18 @@ class RayExecutor(Executor):
         if not self._compiled_slots.acquire(timeout=_remaining(deadline, default=-1)):
             raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0)
         try:
-            refs = step.submit(batch)
+            with self._graph_submit_lock:
+                refs = step.submit(batch)
         except BaseException:
             self._compiled_slots.release()
             raise
 
         def wait() -> Any:
             try:
-                return self._gather_compiled(refs, deadline, timeout)
+                # Ray's compiled graph is not thread-safe; one reader at a time (results of
+                # earlier steps read along the way are buffered by Ray for their own reader).
+                with self._graph_read_lock:
+                    return self._gather_compiled(refs, deadline, timeout)
             finally:
                 self._compiled_slots.release()
 
@@ -348,8 +360,6 @@ class RayExecutor(Executor):
     def _gather_compiled(
         self, refs: list[Any], deadline: float | None, timeout: float | None
     ) -> Any:
-        from ray.exceptions import RayChannelTimeoutError
-
         replies: list[_Reply] = []
         try:
             for ref in refs:

@@ -1,0 +1,158 @@
+"""Ray backend benchmark: this backend against raw Ray on the same kind of actor, side by side.
+
+    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25]
+
+For 1 and 2 workers, in one Ray instance, interleaving the two sides in rounds so that the
+machine's noise hits both alike:
+
+* no-op ``collective_rpc("get_rank")`` against ``ray.get([a.get_rank.remote() ...])``;
+* a 1 MB argument (``payload_size``) against the same raw call with the same bytes;
+* ``execute_model`` through the compiled-graph path against a raw Ray Compiled Graph
+  (``InputNode -> one bind per actor -> MultiOutputNode``).
+
+The raw actors are threaded actors with a second concurrency group, as the backend's are.
+Prints median and p99 per call in microseconds and the ratio of medians (target <= 1.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+
+from executor_core import create_executor
+from executor_core.testing import conformance_config
+from executor_plugin_ray._cluster import acquire_ray
+from executor_plugin_ray._executor import RayExecutor
+from executor_plugin_ray._options import RayOptions
+
+MB = b"x" * (1 << 20)
+
+
+@ray.remote(num_cpus=1, concurrency_groups={"monitor": 2})
+class RawActor:
+    """The baseline: the same methods, with no executor in between."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def payload_size(self, data: bytes) -> int:
+        return len(data)
+
+    def step(self, batch: Any) -> Any:
+        return {"rank": self.rank, "batch": batch}
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def timed(fn: Callable[[], Any], calls: int, out: list[float]) -> None:
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+
+
+def compare(
+    ours: Callable[[], Any], raw: Callable[[], Any], rounds: int, calls: int
+) -> tuple[list[float], list[float]]:
+    for _ in range(calls):  # warm-up, not measured
+        ours()
+        raw()
+    ours_s: list[float] = []
+    raw_s: list[float] = []
+    for i in range(rounds):
+        # Alternate which side goes first, so that neither always follows the other.
+        first, second = (
+            ((ours, ours_s), (raw, raw_s)) if i % 2 == 0 else ((raw, raw_s), (ours, ours_s))
+        )
+        timed(first[0], calls, first[1])
+        timed(second[0], calls, second[1])
+    return ours_s, raw_s
+
+
+def row(case: str, workers: int, ours: list[float], raw: list[float]) -> str:
+    def us(x: float) -> str:
+        return f"{x * 1e6:,.0f}"
+
+    mo, mr = statistics.median(ours), statistics.median(raw)
+    return (
+        f"| {case} | {workers} | {us(mo)} | {us(percentile(ours, 0.99))} | {us(mr)} | "
+        f"{us(percentile(raw, 0.99))} | {mo / mr:.2f}x |"
+    )
+
+
+def bench(workers: int, rounds: int, calls: int) -> list[str]:
+    executor = create_executor(
+        conformance_config("ray", world_size=workers, backend_options={"log_to_driver": False})
+    )
+    assert isinstance(executor, RayExecutor)
+    assert executor.uses_compiled_graph
+    actors = [RawActor.remote(rank) for rank in range(workers)]
+    ray.get([a.get_rank.remote() for a in actors])
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.step.bind(inp) for a in actors])
+    graph = dag.experimental_compile()
+    rows = []
+    try:
+        ours, raw = compare(
+            lambda: executor.collective_rpc("get_rank"),
+            lambda: ray.get([a.get_rank.remote() for a in actors]),
+            rounds,
+            calls,
+        )
+        rows.append(row("no-op collective_rpc", workers, ours, raw))
+        ours, raw = compare(
+            lambda: executor.collective_rpc("payload_size", args=(MB,)),
+            lambda: ray.get([a.payload_size.remote(MB) for a in actors]),
+            rounds,
+            max(1, calls // 2),
+        )
+        rows.append(row("1 MB argument", workers, ours, raw))
+        ours, raw = compare(
+            lambda: executor.execute_model(1),
+            lambda: ray.get(graph.execute(1)),
+            rounds,
+            calls * 4,
+        )
+        rows.append(row("execute_model (compiled graph)", workers, ours, raw))
+    finally:
+        graph.teardown()
+        for actor in actors:
+            ray.kill(actor)
+        executor.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=25)
+    args = parser.parse_args()
+    # One local instance for the whole run, started the way the backend starts one.
+    lease = acquire_ray(RayOptions(local_num_cpus=4, log_to_driver=False), world_size=4)
+    try:
+        print(
+            "| case | workers | ours median µs | ours p99 µs | raw Ray median µs | "
+            "raw Ray p99 µs | median ratio |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for workers in (1, 2):
+            for line in bench(workers, args.rounds, args.calls):
+                print(line, flush=True)
+    finally:
+        lease.release()
+
+
+if __name__ == "__main__":
+    main()
