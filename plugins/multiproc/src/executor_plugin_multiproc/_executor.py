@@ -40,6 +40,8 @@ __all__ = ["MultiprocExecutor"]
 
 #: Idle wait of the non-blocking pump thread between checks of its executor.
 _PUMP_IDLE_S = 1.0
+#: Returned by the solo fast path when another call got in first.
+_CONTENDED = object()
 
 Reply = tuple[int, int, int, bool, Any]  # kind, seq, rank, ok, value
 
@@ -136,6 +138,7 @@ class MultiprocExecutor(Executor):
         self._reply_bell = reply_bell
         self._call_space = call_space
         spin = options.spin_s
+        self._spin_s = spin
         self._calls_ring = Ring(
             segment.buf,
             layout.broadcast,
@@ -266,8 +269,9 @@ class MultiprocExecutor(Executor):
     def _on_worker_death(self, rank: int, exitcode: int) -> None:
         """Monitor thread: a worker ended while the executor was running."""
         error = _died(rank, exitcode, "")
-        self._abort(error)
+        # Failed state first, so that whoever sees the error also sees is_failed.
         self.fail(error)
+        self._abort(error)
         if self._group is not None:
             self._group.terminate(self._options.shutdown_grace_s)
 
@@ -296,6 +300,13 @@ class MultiprocExecutor(Executor):
         else:
             self.check_reply_rank(unique_reply_rank)
             reply_rank, expected = unique_reply_rank, (unique_reply_rank,)
+        if not non_block and not self._leading and not len(self._table) and self._try_lead():
+            try:
+                solo = self._solo_call(name, wire, args, kwargs, reply_rank, expected, timeout)
+            finally:
+                self._release_lead()
+            if solo is not _CONTENDED:
+                return solo  # type: ignore[no-any-return]  # the result list
         with self._send_lock:
             if self._closed or self._failure is not None:
                 self.check_open()
@@ -319,6 +330,91 @@ class MultiprocExecutor(Executor):
             self._ensure_pump()
             return call.future
         return self._await(call)
+
+    def _solo_call(
+        self,
+        name: str,
+        wire: str | bytes,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        reply_rank: int,
+        expected: tuple[int, ...],
+        timeout: float | None,
+    ) -> Any:
+        """The fast path of a blocking call made while no other call is in flight: the
+        caller, already the leader, reads its replies straight from the rings (no call
+        table, no future). Same semantics as the general path. Returns ``_CONTENDED`` if
+        another thread got a call in first."""
+        with self._send_lock:
+            if self._closed or self._failure is not None:
+                self.check_open()
+            if len(self._table):
+                return _CONTENDED
+            seq = self._next_seq
+            parts, nbytes = encode_call(reply_rank, seq, wire, args, kwargs)
+            self._next_seq = seq + 1
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                sent = self._calls_ring.write(parts, nbytes, deadline, self._drain_while_sending)
+            except RingAbortedError:
+                raise self._abort_error or ExecutorClosedError("executor closed") from None
+            if not sent:
+                raise RPCTimeoutError(name, list(self._all_ranks), timeout or 0.0)
+        results: dict[int, Any] = {}
+        error: Any = None
+        later: list[Reply] = []  # replies to calls sent after this one: dispatched after it
+        rings = self._reply_rings
+        bell = self._reply_bell
+        spin_until = 0.0
+        try:
+            while True:
+                got = False
+                for ring in rings:
+                    while (reply := ring.try_read(_decode_reply)) is not None:
+                        got = True
+                        _kind, reply_seq, rank, ok, value = reply
+                        if reply_seq != seq:
+                            if reply_seq > seq:
+                                later.append(reply)
+                            continue  # older: a late reply to a call that timed out
+                        if ok:
+                            if rank in expected:
+                                results[rank] = value
+                        elif rank in expected:
+                            if error is None or getattr(error, "rank", rank) > rank:
+                                error = value
+                            results[rank] = None
+                        else:  # a rank that answers only when it fails
+                            error = value
+                            results.update(dict.fromkeys(expected))
+                if len(results) == len(expected):
+                    break
+                if got:
+                    continue
+                self._check_abort()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    missing = [r for r in expected if r not in results]
+                    raise RPCTimeoutError(name, missing, timeout or 0.0)
+                if spin_until == 0.0:
+                    spin_until = now + self._spin_s
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
+                bell.wait(None if deadline is None else deadline - now)
+        except RingAbortedError:
+            raise self._abort_error or ExecutorClosedError("executor closed") from None
+        finally:
+            for reply in later:
+                self._dispatch(reply)
+        if error is not None:
+            raise error
+        return [results[r] for r in expected]
+
+    def _drain_while_sending(self) -> None:
+        """The solo caller (already the leader) waits for a free slot: keep replies flowing."""
+        self._check_abort()
+        self._drain()
 
     def _while_sending(self) -> None:
         """Called while the writer waits for a free slot: drain replies if nobody is, so a
@@ -386,6 +482,7 @@ class MultiprocExecutor(Executor):
         non-blocking call is pending or a blocking caller waits), or ``deadline``."""
         bell = self._reply_bell
         table = self._table
+        spin_until = 0.0
         try:
             while True:
                 if call is not None:
@@ -401,6 +498,11 @@ class MultiprocExecutor(Executor):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return
+                if spin_until == 0.0:
+                    spin_until = now + self._spin_s
+                if now < spin_until:
+                    os.sched_yield()  # a reply is often only microseconds away
+                    continue
                 # Replies, failure and shutdown all ring this doorbell: no timeout is needed
                 # unless the caller has a deadline.
                 bell.wait(None if deadline is None else deadline - now)
