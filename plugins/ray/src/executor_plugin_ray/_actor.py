@@ -19,7 +19,7 @@ from executor_core import (
 
 from ._ranks import ActorInfo
 
-__all__ = ["MONITOR_GROUP", "RayWorker", "RayWorkerActor"]
+__all__ = ["MONITOR_GROUP", "Call", "RayWorker", "RayWorkerActor", "Reply"]
 
 #: The actor's second thread: the liveness watch and the "what are you running" query, so
 #: both answer while the worker is busy in a long call.
@@ -27,6 +27,8 @@ MONITOR_GROUP = "executor_monitor"
 
 #: What every call returns: ``(True, result)`` or ``(False, RemoteFailure)``.
 Reply = tuple[bool, Any]
+#: What :meth:`RayWorker.execute` takes: ``(method, args, kwargs, unique_reply_rank)``.
+Call = tuple[str | bytes, tuple[Any, ...], Mapping[str, Any] | None, int | None]
 
 
 class RayWorker:
@@ -85,16 +87,17 @@ class RayWorker:
 
     # --- calls -----------------------------------------------------------------------------
 
-    def execute(
-        self,
-        method: str | bytes | Callable[..., Any],
-        payload: tuple[tuple[Any, ...], Mapping[str, Any] | None],
-        reply: bool,
-    ) -> Reply:
-        """Run ``method`` with ``payload = (args, kwargs)``; the result only if ``reply``."""
-        args, kwargs = payload
+    def execute(self, call: Call) -> Reply:
+        """Run ``call = (method, args, kwargs, unique_reply_rank)``.
+
+        One argument, the same for every rank, so that Ray serialises it once per actor call
+        (each actor-call argument costs tens of microseconds) and a large one can be put into
+        the object store once for all ranks. The result is returned only by the replying
+        rank(s).
+        """
+        method, args, kwargs, reply_rank = call
         ok, value = self._run(method, args, kwargs)
-        if ok and not reply:
+        if ok and reply_rank is not None and reply_rank != self._rank:
             return True, None
         return ok, value
 

@@ -232,13 +232,10 @@ class RayExecutor(Executor):
         name = method_name(method)
         wire = dumps_method(method)
         self._drain("compiled", name, deadline, timeout)
-        payload: Any = (args, kwargs)
+        call: Any = (wire, args, kwargs, unique_reply_rank)
         if self.world_size > 1 and _approx_nbytes(args, kwargs) >= _PUT_ONCE_BYTES:
-            payload = ray.put(payload)
-        refs = [
-            actor.execute.remote(wire, payload, unique_reply_rank in (None, rank))
-            for rank, actor in enumerate(self._actors)
-        ]
+            call = ray.put(call)  # Ray resolves a top-level ObjectRef argument in each actor
+        refs = [actor.execute.remote(call) for actor in self._actors]
 
         def wait() -> list[Any]:
             replies = self._gather(refs, name, deadline, timeout)
