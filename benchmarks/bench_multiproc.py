@@ -1,14 +1,19 @@
 """Multiproc backend benchmark: round trips against multiprocessing.Pipe and raw pyzmq ipc.
 
-    .venv/bin/python benchmarks/bench_multiproc.py [--workers 1 2 4] [--calls 400]
-        [--blocks 4] [--startup-repeats 3]
+    .venv/bin/python benchmarks/bench_multiproc.py [--workers 1 2 4] [--calls 2000]
+        [--blocks 4] [--startup-repeats 5]
 
 For 1, 2 and 4 workers, in one run, each workload is measured on the ``mp`` executor and on
 two baselines that do the same request/reply with the same number of worker processes:
-``mp.Pipe`` (a ``multiprocessing.Pipe`` per worker, ``send``/``recv``) and ``zmq ipc`` (a
-pyzmq PAIR socket over ipc per worker, pickle protocol 5). The transports are interleaved in
-``--blocks`` blocks so that load from other processes hits them alike. Reported: median and
-p99 in µs, and the ratio of the mp median to each baseline's.
+``mp.Pipe`` (a ``multiprocessing.Pipe`` per worker carrying pickle protocol 5 bytes) and
+``zmq ipc`` (a pyzmq PAIR socket over ipc per worker, pickle protocol 5). The transports are
+interleaved in ``--blocks`` blocks so that load from other processes hits them alike.
+Reported: median and p99 in µs, and the ratio of the mp median to each baseline's. Also, in
+the same run: the noop on mp with ``spin_s=0``, and the 16MB tensor over
+``Connection.send`` (torch's shared-memory reducer, no copy).
+
+Only the plugin under test is loaded (``EXECUTOR_PLUGINS=multiproc``): the development
+install also registers test fixtures, among them an observer hook that runs on every call.
 
 Workloads: ``noop`` (a method that returns None), ``1MB bytes`` (an argument every worker
 receives), ``16MB tensor`` (a CPU float32 tensor argument), ``16MB result`` (rank 0 returns
@@ -198,13 +203,17 @@ class ZmqBaseline:
 class MpTransport:
     name = "mp"
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, spin_s: float | None = None) -> None:
+        options: dict[str, Any] = dict(BACKEND_OPTIONS)
+        if spin_s is not None:
+            options["spin_s"] = spin_s
+            self.name = f"mp spin_s={spin_s:g}"
         self.executor = create_executor(
             ExecutorConfig(
                 worker_cls=BenchWorker,
                 backend="mp",
                 tensor_parallel_size=workers,
-                backend_options=BACKEND_OPTIONS,
+                backend_options=options,
             )
         )
 
@@ -237,19 +246,25 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def measure(
-    transports: list[Any], calls: int, blocks: int, only: str | None = None
+    transports: list[Any],
+    calls: int,
+    blocks: int,
+    only: str | None = None,
+    noop_only: tuple[Any, ...] = (),
 ) -> dict[str, dict[str, list[float]]]:
+    """Samples by workload and transport; ``noop_only`` transports run the noop only."""
     samples: dict[str, dict[str, list[float]]] = {}
     for name, (method, args, only_rank, divisor) in workloads().items():
         if only is not None and name != only:
             continue
         per_block = max(5, calls // divisor // blocks)
-        samples[name] = {t.name: [] for t in transports}
-        for transport in transports:  # warm-up (imports torch in the workers, fills slots)
+        here = [*transports, *noop_only] if name == "noop" else transports
+        samples[name] = {t.name: [] for t in here}
+        for transport in here:  # warm-up (imports torch in the workers, fills slots)
             for _ in range(6):
                 transport.call(method, args, only_rank)
         for _ in range(blocks):
-            for transport in transports:
+            for transport in here:
                 out = samples[name][transport.name]
                 for _ in range(per_block):
                     start = time.perf_counter()
@@ -320,7 +335,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--calls", type=int, default=2000, help="no-op calls per transport")
     parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--startup-repeats", type=int, default=3)
+    parser.add_argument("--startup-repeats", type=int, default=5)
     args = parser.parse_args()
 
     print(f"cores: {os.cpu_count()}; times in µs; ratio = mp median / baseline median\n")
@@ -331,15 +346,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     idle: dict[int, list[float]] = {}
     shared: dict[int, list[float]] = {}
+    no_spin: dict[int, list[float]] = {}
     for workers in args.workers:
         makers: list[Callable[[int], Any]] = [MpTransport, PipeBaseline, ZmqBaseline]
         transports = [make(workers) for make in makers]
+        without_spin = MpTransport(workers, spin_s=0.0)
         try:
-            samples = measure(transports, args.calls, args.blocks)
+            samples = measure(transports, args.calls, args.blocks, noop_only=(without_spin,))
             idle[workers] = idle_cpu_percent(transports[0].executor)
         finally:
-            for transport in transports:
+            for transport in [*transports, without_spin]:
                 transport.close()
+        no_spin[workers] = samples["noop"].pop(without_spin.name)
         sharing = PipeBaseline(workers, plain=False)
         try:
             shared[workers] = measure([sharing], args.calls, args.blocks, "16MB tensor")[
@@ -366,14 +384,25 @@ def main() -> None:
             f"  {workers} worker(s): p50 {fmt(statistics.median(times))} µs, "
             f"p99 {fmt(percentile(times, 0.99))} µs"
         )
+    print("\nnoop with spin_s=0 (never spin, always sleep on the eventfd), same run:")
+    for workers, times in no_spin.items():
+        print(
+            f"  {workers} worker(s): p50 {fmt(statistics.median(times))} µs, "
+            f"p99 {fmt(percentile(times, 0.99))} µs"
+        )
     print("\nidle mp worker CPU over 1 s (from 50 ms after the last call):")
     for workers, percents in idle.items():
         print(f"  {workers} worker(s): " + ", ".join(f"{p:.2f}%" for p in percents))
 
+    bare_spawn_seconds(2)  # warm the page cache for torch's files, untimed
     bare, ready = [], []
-    for _ in range(args.startup_repeats):
-        bare.append(bare_spawn_seconds(2))
-        ready.append(executor_ready_seconds(2))
+    for repeat in range(args.startup_repeats):  # alternate which goes first
+        if repeat % 2:
+            ready.append(executor_ready_seconds(2))
+            bare.append(bare_spawn_seconds(2))
+        else:
+            bare.append(bare_spawn_seconds(2))
+            ready.append(executor_ready_seconds(2))
     b, r = statistics.median(bare), statistics.median(ready)
     print(
         f"\nready with 2 torch-importing workers: create_executor {r:.2f} s, "
