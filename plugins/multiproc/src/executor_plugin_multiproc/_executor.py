@@ -117,6 +117,7 @@ class MultiprocExecutor(Executor):
         self._next_seq = 1  # 0 is the ready handshake
         self._cv = threading.Condition()
         self._leading = False
+        self._leader = 0  # thread id of the last leader
         self._waiters = 0
         self._abort_error: ExecutorError | None = None
         self._closing = False
@@ -433,6 +434,7 @@ class MultiprocExecutor(Executor):
             if self._leading:
                 return False
             self._leading = True
+            self._leader = threading.get_ident()
             return True
 
     def _release_lead(self) -> None:
@@ -587,6 +589,12 @@ class MultiprocExecutor(Executor):
         pump = self._pump_thread
         if pump is not None and pump is not threading.current_thread():
             pump.join(_PUMP_IDLE_S + 1.0)
+        # Let callers in other threads leave the rings before the cleanups unmap them.
+        if self._send_lock.acquire(timeout=2.0):
+            self._send_lock.release()
+        if self._leader != threading.get_ident():  # not called back from the leader itself
+            with self._cv:
+                self._cv.wait_for(lambda: not self._leading, timeout=2.0)
 
 
 def _nap(deadline: float | None) -> float:
