@@ -175,6 +175,16 @@ def test_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         }
 
 
+def test_max_concurrent_batches() -> None:
+    config = conformance_config(
+        "mp", world_size=2, async_scheduling=True, backend_options=SMALL_RING
+    )
+    with create_executor(config) as ex:
+        assert ex.max_concurrent_batches == 2
+        futures = [ex.execute_model(i, non_block=True) for i in range(4)]
+        assert [f.result(10) for f in futures] == [{"rank": 0, "batch": i} for i in range(4)]
+
+
 def test_user_omp_num_threads_wins() -> None:
     with create_executor(
         conformance_config(
