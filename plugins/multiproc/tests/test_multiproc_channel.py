@@ -6,6 +6,7 @@ import gc
 import os
 import pickle
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,9 @@ from mp_test_helpers import our_shm_names, shm_unchanged
 from executor_core import Executor, WorkerError, create_executor
 from executor_core.testing import conformance_config
 from executor_plugin_multiproc._codec import decode, encode
+from executor_plugin_multiproc._doorbell import Doorbell
+from executor_plugin_multiproc._ring import Ring, RingLayout
+from executor_plugin_multiproc._shm import SharedSegment
 
 __all__ = ["shm_unchanged"]  # the fixture, imported for the tests below
 
@@ -109,6 +113,45 @@ def test_codec_received_objects_own_their_memory() -> None:
     assert data == b"z" * 10_000
     assert torch.equal(tensor, torch.ones(1000))
     assert (array == 1).all()
+
+
+def _small_rings() -> tuple[Ring, Ring]:
+    layout = RingLayout(0, 1, 2, 4096)
+    segment = SharedSegment.create(layout.nbytes)
+    data, space = Doorbell(), Doorbell()
+    writer = Ring(segment.buf, layout, reader=None, data_bells=[data], space_bell=space)
+    reader = Ring(segment.buf, layout, reader=0, data_bells=[data], space_bell=space)
+    return writer, reader
+
+
+def test_ring_streams_a_message_bigger_than_the_ring() -> None:
+    writer, reader = _small_rings()
+    payload = os.urandom(5 * 4096 + 17)
+    received: list[bytes] = []
+    thread = threading.Thread(target=lambda: received.append(reader.read(bytes) or b""))
+    thread.start()
+    assert writer.write([payload], len(payload), deadline=time.monotonic() + 10)
+    thread.join(10)
+    assert received == [payload]
+    assert not writer.broken
+    assert not reader.broken
+
+
+def test_ring_interrupted_mid_message_is_marked_broken() -> None:
+    writer, reader = _small_rings()
+    payload = b"x" * (5 * 4096)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    # Two chunks fit, then the writer waits for the reader, and is interrupted.
+    with pytest.raises(KeyboardInterrupt):
+        writer.write([payload], len(payload), None, interrupt)
+    assert writer.broken
+    # The reader copies the two chunks it has, then is interrupted waiting for the third.
+    with pytest.raises(KeyboardInterrupt):
+        reader.read(bytes, None, interrupt)
+    assert reader.broken
 
 
 # --- through the executor ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from executor_core import (
     Executor,
     ExecutorClosedError,
     ExecutorError,
+    ExecutorFailedError,
     RemoteFailure,
     RPCTimeoutError,
     WorkerContext,
@@ -286,6 +287,31 @@ class MultiprocExecutor(Executor):
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
+    ) -> list[Any] | Future[list[Any]]:
+        try:
+            return self._collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank)
+        except BaseException:
+            self._check_rings()
+            raise
+
+    def _check_rings(self) -> None:
+        """After an interrupted call: fail the executor if a ring was left mid-message."""
+        if self._calls_ring.broken or any(ring.broken for ring in self._reply_rings):
+            error = ExecutorFailedError(
+                "a call was interrupted half-way through a transfer that spans several ring "
+                "slots, so the rings are out of step; shut this executor down and create a new one"
+            )
+            self.fail(error)
+            self._abort(error)
+
+    def _collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        non_block: bool,
+        unique_reply_rank: int | None,
     ) -> list[Any] | Future[list[Any]]:
         if self._closed or self._failure is not None:
             self.check_open()

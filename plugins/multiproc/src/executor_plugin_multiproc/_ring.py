@@ -112,6 +112,9 @@ class Ring:
         self._consumed_offs = [layout.offset + _LINE * (1 + i) for i in range(layout.readers)]
         self._slot_data = layout.slot_bytes
         self._nslots = layout.slots
+        self._streaming = False
+        #: Set when a multi-chunk transfer was interrupted half-way: the ring cannot be used.
+        self.broken = False
         self._slot_offs = [
             layout.slots_offset + k * layout.slot_stride for k in range(layout.slots)
         ]
@@ -194,10 +197,29 @@ class Ring:
                 pos = end
             self._publish(1)
             return True
+        try:
+            self._stream(parts, nbytes, nchunks, abort)
+        except BaseException:
+            if self._streaming:  # readers hold part of a message that will never end
+                self.broken = True
+            raise
+        return True
+
+    def _stream(
+        self,
+        parts: Sequence[memoryview | bytes],
+        nbytes: int,
+        nchunks: int,
+        abort: Callable[[], None],
+    ) -> None:
+        layout = self._layout
+        slot_data = self._slot_data
+        buf = self._buf
         part_index, part_pos = 0, 0
         remaining = nbytes
         unpublished = 0
         views = [memoryview(p) for p in parts]
+        self._streaming = False
         for chunk in range(nchunks):
             if chunk >= layout.slots and unpublished == 0:
                 self._wait_for_space(1, None, abort)
@@ -219,8 +241,8 @@ class Ring:
             last = chunk + 1 == nchunks
             if last or self._free_slots() <= unpublished:
                 self._publish(unpublished)
+                self._streaming = not last
                 unpublished = 0
-        return True
 
     def _publish(self, chunks: int) -> None:
         self._count += chunks
@@ -313,15 +335,19 @@ class Ring:
                 self._release(1)
         whole = bytearray(nbytes)
         pos = 0
-        while True:
-            whole[pos : pos + size] = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
-            pos += size
-            self._release(1)
-            if pos >= nbytes:
-                break
-            self.wait_readable(None, abort)
-            slot = self._slot_offs[self._count % slots]
-            _, size = _CHUNK.unpack_from(buf, slot)
+        try:
+            while True:
+                whole[pos : pos + size] = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
+                pos += size
+                self._release(1)
+                if pos >= nbytes:
+                    break
+                self.wait_readable(None, abort)
+                slot = self._slot_offs[self._count % slots]
+                _, size = _CHUNK.unpack_from(buf, slot)
+        except BaseException:
+            self.broken = True  # the rest of this message would be read as new messages
+            raise
         with memoryview(whole) as view:
             return decode(view)
 
