@@ -320,6 +320,25 @@ def test_eight_threads_at_once() -> None:
         executor.shutdown()
 
 
+def test_blocking_call_from_a_future_callback() -> None:
+    executor = make()
+    try:
+        seen: list[Any] = []
+        done = threading.Event()
+
+        def callback(_future: Future[list[Any]]) -> None:
+            # Runs in the thread that reads replies; a blocking call here must not deadlock.
+            seen.append(executor.collective_rpc("echo", args=("nested",), timeout=10))
+            done.set()
+
+        executor.collective_rpc("slow", args=(0.2,), non_block=True).add_done_callback(callback)
+        assert done.wait(10)
+        assert seen == [[(0, ("nested",), {}), (1, ("nested",), {})]]
+        assert executor.collective_rpc("get_rank") == [0, 1]
+    finally:
+        executor.shutdown()
+
+
 def test_many_calls_in_flight_beyond_the_ring() -> None:
     executor = make(backend_options={"slots": 2, "reply_slots": 1, **FAST_STOP})
     try:

@@ -447,12 +447,19 @@ class MultiprocExecutor(Executor):
         """Called while the writer waits for a free slot: drain replies if nobody is, so a
         worker blocked on a full reply ring can go on and free its slot."""
         self._check_abort()
+        if self._is_leader():
+            self._drain()  # a future's callback, run by the leader, is sending a call
+            return
         if not self._try_lead():
             return
         try:
             self._drain()
         finally:
             self._release_lead()
+
+    def _is_leader(self) -> bool:
+        """True in the thread that reads replies now (e.g. inside a future's callback)."""
+        return self._leading and self._leader == threading.get_ident()
 
     def _try_lead(self) -> bool:
         """Become the thread that reads replies, if no other thread is."""
@@ -473,7 +480,10 @@ class MultiprocExecutor(Executor):
         deadline = call.deadline
         try:
             while not call.done:
-                if self._try_lead():
+                if self._is_leader():
+                    # Called from a future's callback by the leader itself: pump here.
+                    self._pump(call, deadline)
+                elif self._try_lead():
                     try:
                         self._pump(call, deadline)
                     finally:
@@ -618,7 +628,7 @@ class MultiprocExecutor(Executor):
         # Let callers in other threads leave the rings before the cleanups unmap them.
         if self._send_lock.acquire(timeout=2.0):
             self._send_lock.release()
-        if self._leader != threading.get_ident():  # not called back from the leader itself
+        if not self._is_leader():  # not called back by the leader itself
             with self._cv:
                 self._cv.wait_for(lambda: not self._leading, timeout=2.0)
 

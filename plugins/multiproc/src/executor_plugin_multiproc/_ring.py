@@ -42,7 +42,7 @@ _U64 = struct.Struct("<Q")
 _CHUNK = struct.Struct("<QQ")  # message bytes, bytes in this chunk
 _LINE = 64
 _SLOT_HEADER = 64
-#: The writer's first and longest nap while waiting for a free slot (see module docstring).
+#: The writer's first and longest naps while waiting for a free slot (see module docstring).
 _FIRST_NAP_S = 0.0005
 _MAX_NAP_S = 0.05
 #: Longest single sleep; waits re-check their abort condition at least this often.
