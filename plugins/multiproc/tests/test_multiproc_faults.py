@@ -110,6 +110,25 @@ def test_worker_killed_while_idle(repeat: int) -> None:
     assert len(failures) == 1
 
 
+@pytest.mark.usefixtures("shm_unchanged")
+def test_shutdown_from_the_failure_callback() -> None:
+    executor = make()
+    pids = worker_pids(executor)
+    closed = threading.Event()
+
+    def on_failure(_error: ExecutorFailedError) -> None:
+        executor.shutdown()  # runs in the monitor thread
+        closed.set()
+
+    executor.register_failure_callback(on_failure)
+    os.kill(pids[1], signal.SIGKILL)
+    assert closed.wait(5)
+    assert executor.is_closed
+    assert wait_gone(pids, 3.0) == []
+    with pytest.raises(ExecutorError):
+        executor.collective_rpc("get_rank")
+
+
 def test_worker_exit_code_is_reported() -> None:
     executor = create_executor(
         conformance_config(

@@ -57,7 +57,7 @@ class WorkerGroup:
         """The exit code of ``rank`` if it has ended (negative: killed by that signal)."""
         with self._lock:
             process = self._processes[rank]
-            if process.pid is None:
+            if process.pid is None or self._closed:
                 return None
             return process.exitcode
 
@@ -81,6 +81,8 @@ class WorkerGroup:
                 if rank is None:
                     continue
                 with self._lock:
+                    if self._closed:  # stopped from a failure callback run by this thread
+                        return
                     # The sentinel closes a moment before the process can be reaped; join
                     # waits for that moment (waitpid), so the exit code is known.
                     self._processes[rank].join(1.0)
@@ -110,6 +112,8 @@ class WorkerGroup:
     def terminate(self, grace_s: float) -> None:
         """SIGTERM the live workers, then SIGKILL those still alive after ``grace_s``."""
         with self._lock:
+            if self._closed:  # already stopped and reaped (e.g. shutdown from a callback)
+                return
             for process in self._alive():
                 process.terminate()
             if not self._wait_exit(grace_s):
