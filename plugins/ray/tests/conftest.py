@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -20,6 +21,7 @@ from ray.cluster_utils import Cluster
 from executor_plugin_ray import _cluster
 from executor_plugin_ray._cluster import RayLease, acquire_ray
 from executor_plugin_ray._options import RayOptions
+from executor_plugin_ray._reaper import remove_orphan_semaphores
 
 #: Logical CPUs of the shared local session: the conformance suite keeps a class-wide
 #: executor (2 workers) alive while it creates fresh ones, and each worker reserves one CPU.
@@ -88,8 +90,11 @@ class RaySessions:
             lease.release()
         cluster, self._cluster = self._cluster, None
         if cluster is not None:
+            node_pids = _node_process_ids(cluster)
             ray.shutdown()
             cluster.shutdown()
+            # Killed worker nodes' object stores leave their compiled-graph semaphores behind.
+            remove_orphan_semaphores(node_pids, wait_s=10.0)
         if self._cluster_tmp is not None:
             shutil.rmtree(self._cluster_tmp, ignore_errors=True)
             self._cluster_tmp = None
@@ -101,6 +106,27 @@ class RaySessions:
         self._saved_env.clear()
         _cluster._reset_token_cache()
         self.kind = None
+
+
+def node_process_ids(node: Any) -> list[int]:
+    """Process ids of a simulated node's Ray processes (``ray._private.node.Node``)."""
+    return [
+        info.process.pid
+        for infos in node.all_processes.values()
+        for info in infos
+        if info.process is not None
+    ]
+
+
+def _node_process_ids(cluster: Cluster) -> list[int]:
+    return [pid for node in cluster.list_all_nodes() for pid in node_process_ids(node)]
+
+
+def remove_node_cleanly(cluster: Cluster, node: Any) -> None:
+    """``cluster.remove_node``, then drop the semaphores its killed object store left."""
+    pids = node_process_ids(node)
+    cluster.remove_node(node)
+    remove_orphan_semaphores(pids, wait_s=10.0)
 
 
 @pytest.fixture(scope="session")

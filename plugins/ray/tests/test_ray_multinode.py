@@ -10,6 +10,7 @@ import cloudpickle  # type: ignore[import-untyped]  # no type information
 import pytest
 from ray.cluster_utils import Cluster
 
+from conftest import remove_node_cleanly
 from executor_core import WorkerDiedError, create_executor
 from executor_core.testing import conformance_config
 from executor_plugin_ray._executor import RayExecutor
@@ -78,7 +79,7 @@ def test_removing_a_node_during_a_call_fails_it_with_that_rank(ray_cluster: Clus
         pending = executor.collective_rpc("slow", args=(60.0,), non_block=True)
         time.sleep(0.3)
         removed_at = time.monotonic()
-        ray_cluster.remove_node(node)
+        remove_node_cleanly(ray_cluster, node)
         with pytest.raises(WorkerDiedError) as info:
             pending.result(timeout=20)
         assert time.monotonic() - removed_at < 10

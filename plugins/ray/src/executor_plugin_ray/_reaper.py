@@ -5,7 +5,9 @@ the driver is killed, its dashboard and runtime-env agents can linger as orphans
 starts this small process next to each local instance with the instance's process ids on the
 command line and a pipe on stdin. When stdin reaches end of file (the driver shut Ray down,
 or died), it waits a moment for the processes to exit by themselves, kills the survivors and
-removes the instance's temp directory. It imports only psutil, so it starts fast.
+removes the instance's temp directory and the POSIX semaphores that Ray's object stores
+(raylets) leave in /dev/shm when killed (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``, created for
+compiled-graph channels). It imports only psutil, so it starts fast.
 
 Usage: ``python -m executor_plugin_ray._reaper <json>`` with
 ``{"pids": [[pid, create_time], ...], "temp_dir": str | null, "grace_s": float}``.
@@ -14,12 +16,16 @@ Usage: ``python -m executor_plugin_ray._reaper <json>`` with
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+from collections.abc import Iterable
 
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
-__all__ = ["main", "reap"]
+__all__ = ["main", "reap", "remove_orphan_semaphores"]
+
+_SHM_DIR = "/dev/shm"
 
 
 def reap(pids: list[tuple[int, float]], temp_dir: str | None, grace_s: float) -> list[int]:
@@ -45,9 +51,48 @@ def reap(pids: list[tuple[int, float]], temp_dir: str | None, grace_s: float) ->
         except psutil.Error:
             continue
     psutil.wait_procs(alive, timeout=grace_s)
+    remove_orphan_semaphores(pid for pid, _created in pids)
     if temp_dir is not None:
         shutil.rmtree(temp_dir, ignore_errors=True)
     return killed
+
+
+def remove_orphan_semaphores(
+    pids: Iterable[int], shm_dir: str = _SHM_DIR, wait_s: float = 0.0
+) -> list[str]:
+    """Unlink the ``sem.hdr<pid>-*`` / ``sem.obj<pid>-*`` semaphores of ``pids`` that are gone.
+
+    Ray's object store names the semaphores of its mutable objects after its own pid and
+    unlinks them on a clean exit only. Waits up to ``wait_s`` s for the processes to end;
+    semaphores of a pid that is still running are kept. Returns the names removed.
+    """
+    pids = list(pids)
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    if procs and wait_s > 0:
+        psutil.wait_procs(procs, timeout=wait_s)
+    dead = {pid for pid in pids if not psutil.pid_exists(pid)}
+    if not dead:
+        return []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        for prefix in ("sem.hdr", "sem.obj"):
+            owner, sep, _rest = name.removeprefix(prefix).partition("-")
+            if name.startswith(prefix) and sep and owner.isdigit() and int(owner) in dead:
+                try:
+                    os.unlink(os.path.join(shm_dir, name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+    return removed
 
 
 def main(argv: list[str]) -> int:
