@@ -51,12 +51,26 @@ def _wait_gone(pids: list[int], within: float) -> list[int]:
     return alive
 
 
+def _describe(pids: list[int]) -> str:
+    lines = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            lines.append(f"{pid} ({proc.status()}): {' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:
+            lines.append(f"{pid}: gone")
+    return "\n".join(lines)
+
+
 def test_local_instance_is_shared_and_stopped_by_the_last_executor() -> None:
     had_home_token = os.path.exists(HOME_TOKEN)
     token_env = os.environ.get("RAY_AUTH_TOKEN")
     # Half a CPU per worker: two executors of two workers fit on a 2-CPU machine's instance.
     options = {"log_to_driver": False, "num_cpus_per_worker": 0.5}
     config = conformance_config("ray", world_size=2, backend_options=options)
+    # Children from earlier tests (a forkserver, multiprocessing's resource tracker) live as
+    # long as this process: only what the executor starts is Ray's.
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}
     first = create_executor(config)
     temp_dir = _cluster._state.temp_dir
     try:
@@ -64,7 +78,9 @@ def test_local_instance_is_shared_and_stopped_by_the_last_executor() -> None:
         assert temp_dir is not None
         assert os.path.basename(temp_dir).startswith("executor-ray-")
         assert os.path.isdir(os.path.join(temp_dir, "session_latest"))
-        ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
+        ray_pids = [
+            p.pid for p in psutil.Process().children(recursive=True) if p.pid not in earlier
+        ]
         second = create_executor(config)
         try:
             first.shutdown()
@@ -76,7 +92,8 @@ def test_local_instance_is_shared_and_stopped_by_the_last_executor() -> None:
         first.shutdown()
     assert not ray.is_initialized()
     assert not os.path.exists(temp_dir)
-    assert _wait_gone(ray_pids, within=10) == []
+    survivors = _wait_gone(ray_pids, within=10)
+    assert survivors == [], _describe(survivors)
     assert os.path.exists(HOME_TOKEN) == had_home_token, "no token written to ~/.ray"
     assert os.environ.get("RAY_AUTH_TOKEN") == token_env
 
@@ -110,7 +127,8 @@ def test_killed_driver_leaves_no_ray_process_or_temp_dir() -> None:
             assert len(started) >= 4  # gcs, raylet, agents, the worker, the reaper...
             os.kill(driver.pid, signal.SIGKILL)
             driver.wait(10)
-            assert _wait_gone(started, within=20) == []
+            survivors = _wait_gone(started, within=20)
+            assert survivors == [], _describe(survivors)
             assert _processes_using(temp_dir) == []
             assert not os.path.exists(temp_dir)
         finally:
