@@ -65,6 +65,7 @@ def _describe(pids: list[int]) -> str:
 def test_local_instance_is_shared_and_stopped_by_the_last_executor() -> None:
     had_home_token = os.path.exists(HOME_TOKEN)
     token_env = os.environ.get("RAY_AUTH_TOKEN")
+    auth_mode_env = os.environ.get("RAY_AUTH_MODE")
     # Half a CPU per worker: two executors of two workers fit on a 2-CPU machine's instance.
     options = {"log_to_driver": False, "num_cpus_per_worker": 0.5}
     config = conformance_config("ray", world_size=2, backend_options=options)
@@ -96,6 +97,7 @@ def test_local_instance_is_shared_and_stopped_by_the_last_executor() -> None:
     assert survivors == [], _describe(survivors)
     assert os.path.exists(HOME_TOKEN) == had_home_token, "no token written to ~/.ray"
     assert os.environ.get("RAY_AUTH_TOKEN") == token_env
+    assert os.environ.get("RAY_AUTH_MODE") == auth_mode_env, "ray.init's auth mode undone"
 
 
 DRIVER = textwrap.dedent(

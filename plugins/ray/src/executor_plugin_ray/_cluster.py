@@ -38,6 +38,8 @@ _REAPER_GRACE_S = 3.0
 
 _TOKEN_ENV = "RAY_AUTH_TOKEN"
 _TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+#: ray.init sets this in the process environment when it starts a token-auth instance.
+_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 #: One token for every local instance this process starts (see :func:`_token_env`).
 _process_token = secrets.token_hex(32)
 
@@ -179,7 +181,7 @@ def _token_env() -> Iterator[None]:
     chosen no auth mode and has no token, this process's own random token is passed through
     the environment instead (Ray's processes inherit it), and removed again at shutdown.
     """
-    if os.environ.get("RAY_AUTH_MODE") is None and not _has_token():
+    if os.environ.get(_AUTH_MODE_ENV) is None and not _has_token():
         os.environ[_TOKEN_ENV] = _process_token
         _state.token_set = True
     # Ray caches the token it loaded last; the environment or ~/.ray may have changed since.
@@ -197,6 +199,10 @@ def _restore_token_env() -> None:
     if _state.token_set:
         if os.environ.get(_TOKEN_ENV) == _process_token:
             del os.environ[_TOKEN_ENV]
+        # The token was set only where RAY_AUTH_MODE was unset, and ray.init then set it to
+        # "token" in this process's environment; kept, it would make the next local instance
+        # (here or in a child process) write ~/.ray/auth_token.
+        os.environ.pop(_AUTH_MODE_ENV, None)
         _state.token_set = False
         _reset_token_cache()
 
