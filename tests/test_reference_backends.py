@@ -244,6 +244,8 @@ def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=180,
         cwd=cwd,
+        # torchrun keeps a torchelastic_* log directory in the temp dir and never removes it.
+        env={**os.environ, "TMPDIR": str(cwd)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
