@@ -211,6 +211,27 @@ class ExecutorConformanceTests:
         assert not any(t.is_alive() for t in threads), "a caller thread hung"
         assert not errors, errors[0]
 
+    def test_concurrent_callers_reach_every_rank_in_the_same_order(
+        self, executor: Executor
+    ) -> None:
+        # Worker methods may run collectives (all-reduce): every rank must see calls from
+        # several threads in one and the same order, or they would wait on each other.
+        executor.collective_rpc("clear_recorded")
+
+        def caller(thread_index: int) -> None:
+            for call in range(20):
+                executor.collective_rpc("record", args=((thread_index, call),), timeout=60)
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a caller thread hung"
+        recorded = executor.collective_rpc("get_recorded")
+        assert len(recorded[0]) == 80
+        assert all(seen == recorded[0] for seen in recorded)
+
     # --- errors ------------------------------------------------------------------------------
 
     def test_worker_exception_carries_rank_and_traceback(self, executor: Executor) -> None:

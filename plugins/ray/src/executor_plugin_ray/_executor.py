@@ -87,6 +87,7 @@ class RayExecutor(Executor):
         self._compiled: CompiledStep | None = None
         self._compiled_lock = threading.Lock()
         self._graph_submit_lock = threading.Lock()
+        self._actor_submit_lock = threading.Lock()
         self._graph_read_lock = threading.Lock()
         self._use_compiled = options.compiled_graph and compiled_graphs_available()
         # Ordered completion of non-blocking calls: one thread resolves them in turn.
@@ -235,7 +236,10 @@ class RayExecutor(Executor):
         call: Any = (wire, args, kwargs, unique_reply_rank)
         if self.world_size > 1 and _approx_nbytes(args, kwargs) >= _PUT_ONCE_BYTES:
             call = ray.put(call)  # Ray resolves a top-level ObjectRef argument in each actor
-        refs = [actor.execute.remote(call) for actor in self._actors]
+        # One lock around the submissions: calls from several threads then reach every actor
+        # in the same order, so collectives inside worker methods cannot cross and deadlock.
+        with self._actor_submit_lock:
+            refs = [actor.execute.remote(call) for actor in self._actors]
 
         def wait() -> list[Any]:
             replies = self._gather(refs, name, deadline, timeout)
