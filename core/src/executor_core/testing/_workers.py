@@ -40,81 +40,104 @@ class ConformanceWorker(WorkerBase):
         self.loaded = False
 
     def init_device(self) -> None:
+        """Fail on purpose on ``fail_init_on_rank``; otherwise mark the device ready."""
         if self.rank == self.fail_init_on_rank:
             raise RuntimeError(f"init_device failed on purpose on rank {self.rank}")
         self.initialised = True
 
     def load_model(self) -> None:
+        """Mark the model loaded."""
         self.loaded = True
 
     def get_rank(self) -> int:
+        """This worker's rank."""
         return self.rank
 
     def get_context(self) -> WorkerContext:
+        """This worker's WorkerContext."""
         return self.context
 
     def get_env(self, name: str) -> str | None:
+        """An environment variable as this worker's process sees it."""
         return os.environ.get(name)
 
     def get_pid(self) -> int:
+        """The pid of the process hosting this worker."""
         return os.getpid()
 
     def get_tag(self) -> str:
+        """The ``tag`` worker kwarg."""
         return self.tag
 
     def is_ready(self) -> bool:
+        """True once init_device and load_model have run."""
         return self.initialised and self.loaded
 
     def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
+        """Return the rank with the arguments received."""
         return self.rank, args, kwargs
 
     def slow(self, seconds: float, value: Any = None) -> tuple[int, Any]:
+        """Sleep ``seconds``, then return the rank and ``value``."""
         time.sleep(seconds)
         return self.rank, value
 
     def fail(self, message: str, on_rank: int | None = None) -> int:
+        """Raise ValueError (on every rank, or only on ``on_rank``)."""
         if on_rank is None or on_rank == self.rank:
             raise ValueError(f"{message} (rank {self.rank})")
         return self.rank
 
     def fail_unpicklable(self, message: str) -> None:
+        """Raise an exception that cannot be pickled."""
         raise UnpicklableError(message)
 
     def record(self, item: Any) -> int:
+        """Append ``item`` to this worker's record; return the record's length."""
         self.recorded.append(item)
         return len(self.recorded)
 
     def get_recorded(self) -> list[Any]:
+        """What :meth:`record` has seen, in order."""
         return list(self.recorded)
 
     def clear_recorded(self) -> None:
+        """Empty the record."""
         self.recorded.clear()
 
     def payload_size(self, data: bytes) -> int:
+        """The length of ``data`` (checks large arguments arrive whole)."""
         return len(data)
 
     def make_bytes(self, size: int, on_rank: int | None = None) -> bytes | None:
+        """``size`` bytes of this rank's number (``None`` on ranks other than ``on_rank``)."""
         if on_rank is not None and on_rank != self.rank:
             return None
         return bytes([self.rank % 256]) * size
 
     def execute_model(self, batch: Any) -> dict[str, Any]:
+        """Return the rank and the batch."""
         return {"rank": self.rank, "batch": batch}
 
     def sleep(self, level: int = 1) -> None:
+        """Mark every sleep tag asleep."""
         self.asleep = set(SLEEP_TAGS)
         self.sleep_level = level
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake ``tags`` (all when ``None``)."""
         self.asleep.difference_update(SLEEP_TAGS if tags is None else tags)
 
     def sleep_state(self) -> list[str]:
+        """The tags asleep, sorted."""
         return sorted(self.asleep)
 
     def set_healthy(self, healthy: bool, on_rank: int | None = None) -> None:
+        """Set health (on every rank, or only on ``on_rank``)."""
         if on_rank is None or on_rank == self.rank:
             self.healthy = healthy
 
     def check_health(self) -> None:
+        """Raise RuntimeError while unhealthy."""
         if not self.healthy:
             raise RuntimeError(f"rank {self.rank} is unhealthy")
