@@ -190,10 +190,14 @@ def _plain(obj: Any, depth: int = 2) -> bool:
     return False
 
 
+#: ``None`` pickled once: most replies (and every no-op's) are ``None``.
+_PICKLED_NONE = pickle.dumps(None, protocol=5)
+
+
 def encode(kind: int, ok: bool, rank: int, seq: int, body: Any) -> Frame:
     """Encode ``body`` behind a header. Bulk buffers are referenced, not copied."""
-    if type(body) in _SCALARS or _plain(body):
-        data: Any = pickle.dumps(body, protocol=5)
+    if body is None or type(body) in _SCALARS or _plain(body):
+        data: Any = _PICKLED_NONE if body is None else pickle.dumps(body, protocol=5)
         head = _HEADER.pack(kind, ok, rank, seq, 0, len(data))
         return [head, data], len(head) + len(data)
     stream = io.BytesIO()

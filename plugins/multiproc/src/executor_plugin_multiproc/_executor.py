@@ -116,7 +116,10 @@ class MultiprocExecutor(Executor):
         self._table = CallTable()
         self._send_lock = threading.Lock()
         self._next_seq = 1  # 0 is the ready handshake
-        self._cv = threading.Condition()
+        # The condition's lock, used directly where no wait/notify is needed: ``with`` on a
+        # Condition goes through two Python-level methods, on the lock it does not (hot path).
+        self._cv_lock = threading.RLock()
+        self._cv = threading.Condition(self._cv_lock)
         self._leading = False
         self._leader = 0  # thread id of the last leader
         self._waiters = 0
@@ -463,7 +466,7 @@ class MultiprocExecutor(Executor):
 
     def _try_lead(self) -> bool:
         """Become the thread that reads replies, if no other thread is."""
-        with self._cv:
+        with self._cv_lock:
             if self._leading:
                 return False
             self._leading = True
@@ -471,7 +474,7 @@ class MultiprocExecutor(Executor):
             return True
 
     def _release_lead(self) -> None:
-        with self._cv:
+        with self._cv_lock:
             self._leading = False
             if self._waiters:
                 self._cv.notify_all()

@@ -150,11 +150,13 @@ def _decode_call(view: memoryview) -> tuple[int, int, int, Any]:
     return kind, seq, reply_rank, body
 
 
-def _reply_frame(rank: int, seq: int, method: str, ok: bool, value: Any) -> Frame:
+def _reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame:
     try:
         return encode(KIND_REPLY, ok, rank, seq, value)
     except Exception as exc:  # noqa: BLE001 - an unpicklable result becomes the call's error
-        failure = RemoteFailure.capture(rank, method, exc)
+        # The method's name is only needed here, so it is not worked out on every call.
+        name = method if isinstance(method, str) else "<callable>"
+        failure = RemoteFailure.capture(rank, name, exc)
         return encode(KIND_REPLY, False, rank, seq, failure)
 
 
@@ -175,8 +177,7 @@ def serve(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None
         ok, value = execute(method, args, kwargs)
         if ok and reply_rank >= 0 and reply_rank != rank:
             continue  # only the chosen rank answers, unless this one failed
-        name = method if isinstance(method, str) else "<callable>"
-        write(*_reply_frame(rank, seq, name, ok, value))
+        write(*_reply_frame(rank, seq, method, ok, value))
 
 
 def worker_main(spec: WorkerSpec) -> None:

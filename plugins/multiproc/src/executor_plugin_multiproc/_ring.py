@@ -181,22 +181,26 @@ class Ring:
         regardless of the deadline (readers would otherwise wait for its end), bounded only
         by ``abort``.
         """
-        layout = self._layout
-        slot_data = self._slot_data
-        nchunks = max(1, -(-nbytes // slot_data))
-        if not self._wait_for_space(min(nchunks, layout.slots), deadline, abort):
-            return False
         buf = self._buf
-        if nchunks == 1:  # the common case, kept short
-            slot = self._slot_offs[self._count % self._nslots]
+        if nbytes <= self._slot_data:  # the common case, kept short (no extra calls)
+            if self._free_slots() < 1 and not self._wait_for_space(1, deadline, abort):
+                return False
+            count = self._count
+            slot = self._slot_offs[count % self._nslots]
             _CHUNK.pack_into(buf, slot, nbytes, nbytes)
             pos = slot + _SLOT_HEADER
             for part in parts:
                 end = pos + len(part)
                 buf[pos:end] = part
                 pos = end
-            self._publish(1)
+            self._count = count = count + 1
+            _U64.pack_into(buf, self._written_off, count)  # publish, then ring
+            for bell in self._data_bells:
+                bell.ring()
             return True
+        nchunks = -(-nbytes // self._slot_data)
+        if not self._wait_for_space(min(nchunks, self._nslots), deadline, abort):
+            return False
         try:
             self._stream(parts, nbytes, nchunks, abort)
         except BaseException:
