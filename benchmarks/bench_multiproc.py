@@ -1,7 +1,7 @@
 """Multiproc backend benchmark: round trips against multiprocessing.Pipe and raw pyzmq ipc.
 
     .venv/bin/python benchmarks/bench_multiproc.py [--workers 1 2 4] [--calls 2000]
-        [--blocks 4] [--startup-repeats 5]
+        [--blocks 4] [--startup-repeats 5] [--noop-rounds 0]
 
 For 1, 2 and 4 workers, in one run, each workload is measured on the ``mp`` executor and on
 two baselines that do the same request/reply with the same number of worker processes:
@@ -18,6 +18,12 @@ install also registers test fixtures, among them an observer hook that runs on e
 Workloads: ``noop`` (a method that returns None), ``1MB bytes`` (an argument every worker
 receives), ``16MB tensor`` (a CPU float32 tensor argument), ``16MB result`` (rank 0 returns
 16 MiB of bytes; ``unique_reply_rank=0`` on mp, the other baseline workers answer None).
+
+``--noop-rounds R``: the no-op against ``mp.Pipe`` again in R rounds, each with fresh
+processes (the creation order alternating), reporting the median and range of the per-round
+ratios. On a shared 2-core machine one set of processes can land on the cores well or badly
+for the whole of its life, so a single run's no-op ratio swings far more than its noise
+within the run suggests.
 
 Then: CPU time used by idle mp workers over 1 s, starting 50 ms after the last call; and the
 time from ``create_executor`` to ready with 2 workers that import torch, against spawning 2
@@ -273,6 +279,23 @@ def measure(
     return samples
 
 
+def noop_rounds(workers: int, rounds: int, calls: int) -> list[tuple[float, float]]:
+    """(mp p50, Pipe p50) of the no-op in ``rounds`` rounds of fresh processes."""
+    results = []
+    for round_ in range(rounds):
+        makers: list[Callable[[int], Any]] = [MpTransport, PipeBaseline]
+        if round_ % 2:
+            makers.reverse()
+        transports = [make(workers) for make in makers]
+        try:
+            samples = measure(transports, calls, 6, only="noop")["noop"]
+        finally:
+            for transport in transports:
+                transport.close()
+        results.append((statistics.median(samples["mp"]), statistics.median(samples["mp.Pipe"])))
+    return results
+
+
 def idle_cpu_percent(executor: Any) -> list[float]:
     import psutil
 
@@ -336,6 +359,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="no-op calls per transport")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--startup-repeats", type=int, default=5)
+    parser.add_argument(
+        "--noop-rounds", type=int, default=0, help="extra no-op rounds with fresh processes"
+    )
     args = parser.parse_args()
 
     print(f"cores: {os.cpu_count()}; times in µs; ratio = mp median / baseline median\n")
@@ -393,6 +419,19 @@ def main() -> None:
     print("\nidle mp worker CPU over 1 s (from 50 ms after the last call):")
     for workers, percents in idle.items():
         print(f"  {workers} worker(s): " + ", ".join(f"{p:.2f}%" for p in percents))
+
+    if args.noop_rounds:
+        print(f"\nnoop in {args.noop_rounds} rounds of fresh processes (mp p50 / Pipe p50):")
+    for workers in args.workers if args.noop_rounds else []:
+        rounds = noop_rounds(workers, args.noop_rounds, args.calls)
+        ratios = sorted(m / p for m, p in rounds)
+        print(
+            f"  {workers} worker(s): median ratio {statistics.median(ratios):.2f} "
+            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); median p50 mp "
+            f"{fmt(statistics.median(m for m, _ in rounds))} µs, Pipe "
+            f"{fmt(statistics.median(p for _, p in rounds))} µs",
+            flush=True,
+        )
 
     bare_spawn_seconds(2)  # warm the page cache for torch's files, untimed
     bare, ready = [], []

@@ -36,6 +36,7 @@ from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT, InheritedFd, SegmentLayout, WorkerSpec, worker_main
 from ._ring import MAX_SLEEP_S, Ring, RingAbortedError
 from ._shm import SharedSegment
+from ._spin import Spinner
 
 __all__ = ["MultiprocExecutor"]
 
@@ -142,15 +143,15 @@ class MultiprocExecutor(Executor):
             self.add_cleanup(bell.close)
         self._reply_bell = reply_bell
         self._call_space = call_space
-        spin = options.spin_s
-        self._spin_s = spin
+        spin = Spinner(options.spin_s)  # one budget for the driver's waits
+        self._spinner = spin
         self._calls_ring = Ring(
             segment.buf,
             layout.broadcast,
             reader=None,
             data_bells=call_bells,
             space_bell=call_space,
-            spin_s=spin,
+            spin=spin,
         )
         self._reply_rings = [
             Ring(
@@ -159,7 +160,7 @@ class MultiprocExecutor(Executor):
                 reader=0,
                 data_bells=[reply_bell],
                 space_bell=reply_spaces[rank],
-                spin_s=spin,
+                spin=spin,
             )
             for rank, ring in enumerate(layout.replies)
         ]
@@ -199,7 +200,7 @@ class MultiprocExecutor(Executor):
                 reply_space_bell=InheritedFd(reply_spaces[rank].fd),
                 death_pipe=InheritedFd(death_r),
                 parent_pid=parent_pid,
-                spin_s=spin,
+                spin_s=options.spin_s,
                 close_fds=(death_w,) if options.start_method == "fork" else (),
             )
             processes.append(
@@ -395,7 +396,8 @@ class MultiprocExecutor(Executor):
         later: list[Reply] = []  # replies to calls sent after this one: dispatched after it
         rings = self._reply_rings
         bell = self._reply_bell
-        spin_until = 0.0
+        spinner = self._spinner
+        spin_until = -1.0  # not started
         try:
             while True:
                 got = False
@@ -426,11 +428,11 @@ class MultiprocExecutor(Executor):
                 if deadline is not None and now >= deadline:
                     missing = [r for r in expected if r not in results]
                     raise RPCTimeoutError(name, missing, timeout or 0.0)
-                if spin_until == 0.0:
-                    spin_until = now + self._spin_s
-                if now < spin_until:
-                    os.sched_yield()
+                if spin_until < 0.0:
+                    spin_until = spinner.start()
+                if now < spin_until and spinner.pause():
                     continue
+                spin_until = 0.0
                 bell.wait(None if deadline is None else deadline - now)
         except RingAbortedError:
             raise self._abort_error or ExecutorClosedError("executor closed") from None
@@ -523,7 +525,8 @@ class MultiprocExecutor(Executor):
         non-blocking call is pending or a blocking caller waits), or ``deadline``."""
         bell = self._reply_bell
         table = self._table
-        spin_until = 0.0
+        spinner = self._spinner
+        spin_until = -1.0  # not started
         try:
             while True:
                 if call is not None:
@@ -539,11 +542,11 @@ class MultiprocExecutor(Executor):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return
-                if spin_until == 0.0:
-                    spin_until = now + self._spin_s
-                if now < spin_until:
-                    os.sched_yield()  # a reply is often only microseconds away
-                    continue
+                if spin_until < 0.0:
+                    spin_until = spinner.start()
+                if now < spin_until and spinner.pause():
+                    continue  # a reply is often only microseconds away
+                spin_until = 0.0
                 # Replies, failure and shutdown all ring this doorbell: no timeout is needed
                 # unless the caller has a deadline.
                 bell.wait(None if deadline is None else deadline - now)

@@ -37,7 +37,8 @@ class MultiprocOptions:
     #: Seconds a waiting reader or writer spins (yielding the CPU) before it sleeps. A
     #: short spin catches a reply that is microseconds away without two context switches;
     #: measured on 2 cores it halves the 1-worker no-op round trip and helps with 2 and 4
-    #: workers too (``sched_yield`` lets the other processes run), see docs/benchmarks.md.
+    #: workers too. A process stops spinning for a while when its yields lose the CPU to
+    #: other busy processes (see ``_spin.Spinner``), see docs/benchmarks.md.
     spin_s: float = 50e-6
     #: Seconds to wait for every worker to report ready (``init_device`` + ``load_model``).
     startup_timeout: float = 600.0

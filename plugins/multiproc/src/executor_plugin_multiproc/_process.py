@@ -19,6 +19,7 @@ from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, DecodeError, Frame, decod
 from ._doorbell import Doorbell
 from ._ring import Ring, RingLayout
 from ._shm import SharedSegment
+from ._spin import Spinner
 
 __all__ = ["PARENT_DIED_EXIT", "InheritedFd", "SegmentLayout", "WorkerSpec", "worker_main"]
 
@@ -193,13 +194,14 @@ def worker_main(spec: WorkerSpec) -> None:
     watch_death_pipe(spec.death_pipe.fd)
     rank = spec.context.rank
     segment = SharedSegment.attach(spec.segment.fd, spec.layout.nbytes)
+    spin = Spinner(spec.spin_s)  # one budget for the process: contention is per machine
     calls = Ring(
         segment.buf,
         spec.layout.broadcast,
         reader=rank,
         data_bells=[Doorbell(spec.call_bell.fd, blocking=True)],
         space_bell=Doorbell(spec.call_space_bell.fd),
-        spin_s=spec.spin_s,
+        spin=spin,
     )
     replies = Ring(
         segment.buf,
@@ -207,7 +209,7 @@ def worker_main(spec: WorkerSpec) -> None:
         reader=None,
         data_bells=[Doorbell(spec.reply_bell.fd)],
         space_bell=Doorbell(spec.reply_space_bell.fd),
-        spin_s=spec.spin_s,
+        spin=spin,
     )
     wrapper = WorkerWrapper(spec.worker_cls, spec.worker_kwargs, spec.context, env=spec.config_env)
     try:

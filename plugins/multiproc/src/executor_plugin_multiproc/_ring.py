@@ -14,17 +14,17 @@ larger one streams (the writer waits for readers to free slots while it writes),
 payload is too big and none is truncated. Readers copy out what they read before releasing
 its slots.
 
-Waiting: a reader or writer first spins for ``spin_s`` (yielding the CPU each round), then
-sleeps on a :class:`Doorbell`. The writer rings each reader's data doorbell after every
-publish, so readers never miss a message. Readers ring the shared space doorbell after a
-release only while the writer says it is waiting (a full ring is rare; this saves a system
-call per message). That flag is written and read without a memory fence, so in a rare race
-the ring is missed: the writer therefore naps for a bounded, growing interval and re-checks.
+Waiting: a reader or writer first spins briefly if its :class:`Spinner` allows (yielding the
+CPU each round), then sleeps on a :class:`Doorbell`. The writer rings each reader's data
+doorbell after every publish, so readers never miss a message. Readers ring the shared
+space doorbell after a release only while the writer says it is waiting (a full ring is
+rare; this saves a system call per message). That flag is written and read without a
+memory fence, so in a rare race the ring is missed: the writer therefore naps for a
+bounded, growing interval and re-checks.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +33,7 @@ from typing import TypeVar
 import attrs
 
 from ._doorbell import Doorbell
+from ._spin import Spinner
 
 __all__ = ["MAX_SLEEP_S", "Ring", "RingAbortedError", "RingLayout"]
 
@@ -99,12 +100,12 @@ class Ring:
         reader: int | None,
         data_bells: Sequence[Doorbell],
         space_bell: Doorbell,
-        spin_s: float = 0.0,
+        spin: Spinner | None = None,
     ) -> None:
         self._buf = buf
         self._layout = layout
         self._reader = reader
-        self._spin_s = spin_s
+        self._spin = spin
         self._data_bells = list(data_bells)
         self._space_bell = space_bell
         self._written_off = layout.offset
@@ -146,7 +147,8 @@ class Ring:
         if self._free_slots() >= needed:
             return True
         bell = self._space_bell
-        spin_until = time.monotonic() + self._spin_s
+        spin = self._spin
+        spin_until = spin.start() if spin is not None else 0.0
         nap = _FIRST_NAP_S
         try:
             while True:
@@ -156,9 +158,9 @@ class Ring:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                if now < spin_until:
-                    os.sched_yield()
+                if now < spin_until and spin is not None and spin.pause():
                     continue
+                spin_until = 0.0
                 _U64.pack_into(self._buf, self._waiting_off, 1)
                 if self._free_slots() >= needed:
                     return True
@@ -274,15 +276,15 @@ class Ring:
         if _U64.unpack_from(buf, off)[0] > count:
             return True
         bell = self._data_bells[0]
-        spin_until = time.monotonic() + self._spin_s if self._spin_s else 0.0
+        spin = self._spin
+        spin_until = spin.start() if spin is not None else 0.0
         while True:
             if abort is not None:
                 abort()
             if _U64.unpack_from(buf, off)[0] > count:
                 return True
             if spin_until:
-                if time.monotonic() < spin_until:
-                    os.sched_yield()
+                if time.monotonic() < spin_until and spin is not None and spin.pause():
                     continue
                 spin_until = 0.0
             if deadline is None:

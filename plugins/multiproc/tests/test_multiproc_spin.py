@@ -1,0 +1,42 @@
+"""The spin budget: bounded spinning that stops when yielding loses the CPU."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from executor_plugin_multiproc import _spin
+from executor_plugin_multiproc._spin import Spinner
+
+
+def test_zero_spin_never_spins() -> None:
+    assert Spinner(0.0).start() == 0.0
+
+
+def test_spin_window_starts_now() -> None:
+    before = time.monotonic()
+    until = Spinner(0.001).start()
+    assert before + 0.001 <= until <= time.monotonic() + 0.001
+
+
+def test_quick_yield_keeps_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A yield that gets the CPU straight back (no other process wanted it).
+    monkeypatch.setattr(os, "sched_yield", lambda: None)
+    spinner = Spinner(0.001)
+    assert spinner.pause()
+    assert spinner.start() > 0.0
+
+
+def test_lost_cpu_stops_spinning_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A yield that returns a time slice later (another busy process ran) is simulated by
+    # sleeping past the threshold.
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(2 * _spin.LOST_CPU_S))
+    spinner = Spinner(0.001)
+    assert spinner.start() > 0.0
+    assert not spinner.pause()
+    assert spinner.start() == 0.0  # quiet: waits sleep at once
+    monkeypatch.setattr(_spin, "QUIET_S", 0.0)
+    assert not spinner.pause()
+    assert spinner.start() > 0.0  # spinning again once the quiet time is over
