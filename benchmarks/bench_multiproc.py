@@ -1,7 +1,7 @@
 """Multiproc backend benchmark: round trips against multiprocessing.Pipe and raw pyzmq ipc.
 
     .venv/bin/python benchmarks/bench_multiproc.py [--workers 1 2 4] [--calls 2000]
-        [--blocks 4] [--startup-repeats 5] [--noop-rounds 0]
+        [--blocks 4] [--startup-repeats 5] [--noop-rounds 0] [--busy 0]
 
 For 1, 2 and 4 workers, in one run, each workload is measured on the ``mp`` executor and on
 two baselines that do the same request/reply with the same number of worker processes:
@@ -23,7 +23,8 @@ receives), ``16MB tensor`` (a CPU float32 tensor argument), ``16MB result`` (ran
 processes (the creation order alternating), reporting the median and range of the per-round
 ratios. On a shared 2-core machine one set of processes can land on the cores well or badly
 for the whole of its life, so a single run's no-op ratio swings far more than its noise
-within the run suggests.
+within the run suggests. ``--busy N`` runs those rounds a second time next to N processes
+that spin on the CPU (other jobs on a shared machine).
 
 Then: CPU time used by idle mp workers over 1 s, starting 50 ms after the last call; and the
 time from ``create_executor`` to ready with 2 workers that import torch, against spawning 2
@@ -279,6 +280,11 @@ def measure(
     return samples
 
 
+def busy_loop() -> None:
+    while True:
+        pass
+
+
 def noop_rounds(workers: int, rounds: int, calls: int) -> list[tuple[float, float]]:
     """(mp p50, Pipe p50) of the no-op in ``rounds`` rounds of fresh processes."""
     results = []
@@ -362,6 +368,9 @@ def main() -> None:
     parser.add_argument(
         "--noop-rounds", type=int, default=0, help="extra no-op rounds with fresh processes"
     )
+    parser.add_argument(
+        "--busy", type=int, default=0, help="repeat the no-op rounds next to N busy processes"
+    )
     args = parser.parse_args()
 
     print(f"cores: {os.cpu_count()}; times in µs; ratio = mp median / baseline median\n")
@@ -420,18 +429,32 @@ def main() -> None:
     for workers, percents in idle.items():
         print(f"  {workers} worker(s): " + ", ".join(f"{p:.2f}%" for p in percents))
 
-    if args.noop_rounds:
-        print(f"\nnoop in {args.noop_rounds} rounds of fresh processes (mp p50 / Pipe p50):")
-    for workers in args.workers if args.noop_rounds else []:
-        rounds = noop_rounds(workers, args.noop_rounds, args.calls)
-        ratios = sorted(m / p for m, p in rounds)
+    for busy in sorted({0, args.busy}) if args.noop_rounds else []:
         print(
-            f"  {workers} worker(s): median ratio {statistics.median(ratios):.2f} "
-            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); median p50 mp "
-            f"{fmt(statistics.median(m for m, _ in rounds))} µs, Pipe "
-            f"{fmt(statistics.median(p for _, p in rounds))} µs",
-            flush=True,
+            f"\nnoop in {args.noop_rounds} rounds of fresh processes next to {busy} busy "
+            "process(es) (mp p50 / Pipe p50):"
         )
+        hogs = [
+            multiprocessing.get_context("spawn").Process(target=busy_loop, daemon=True)
+            for _ in range(busy)
+        ]
+        for hog in hogs:
+            hog.start()
+        try:
+            for workers in args.workers:
+                rounds = noop_rounds(workers, args.noop_rounds, args.calls)
+                ratios = sorted(m / p for m, p in rounds)
+                print(
+                    f"  {workers} worker(s): median ratio {statistics.median(ratios):.2f} "
+                    f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); median p50 mp "
+                    f"{fmt(statistics.median(m for m, _ in rounds))} µs, Pipe "
+                    f"{fmt(statistics.median(p for _, p in rounds))} µs",
+                    flush=True,
+                )
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.join(10)
 
     bare_spawn_seconds(2)  # warm the page cache for torch's files, untimed
     bare, ready = [], []
