@@ -37,6 +37,21 @@ def test_lost_cpu_stops_spinning_for_a_while(monkeypatch: pytest.MonkeyPatch) ->
     assert spinner.start() > 0.0
     assert not spinner.pause()
     assert spinner.start() == 0.0  # quiet: waits sleep at once
-    monkeypatch.setattr(_spin, "QUIET_S", 0.0)
-    assert not spinner.pause()
+    time.sleep(_spin.QUIET_MIN_S)
     assert spinner.start() > 0.0  # spinning again once the quiet time is over
+
+
+def test_quiet_time_grows_while_losses_continue(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(2 * _spin.LOST_CPU_S))
+    monkeypatch.setattr(_spin, "QUIET_MIN_S", 0.02)
+    monkeypatch.setattr(_spin, "QUIET_MAX_S", 0.08)
+    spinner = Spinner(0.001)
+    quiet = []
+    for _ in range(4):  # each loss right after the previous quiet time
+        assert not spinner.pause()
+        quiet.append(spinner._quiet_s)
+        time.sleep(max(0.0, spinner._quiet_until - time.monotonic()))
+    assert quiet == [0.02, 0.04, 0.08, 0.08]
+    time.sleep(0.2)  # calm for longer than the quiet time: back to the shortest
+    assert not spinner.pause()
+    assert spinner._quiet_s == 0.02

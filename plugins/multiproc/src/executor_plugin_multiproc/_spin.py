@@ -21,8 +21,11 @@ __all__ = ["Spinner"]
 #: A yield that returns later than this lost the CPU for a time slice, not to a peer's
 #: short turn (a no-op call takes tens of µs).
 LOST_CPU_S = 0.0005
-#: How long a process that saw contention waits before it spins again.
-QUIET_S = 1.0
+#: How long a process that saw contention waits before it spins again: from the shortest
+#: (a one-off, such as other processes starting up) doubling to the longest while losses
+#: keep coming (busy cores cost one time slice per try, at most once per ``QUIET_MAX_S``).
+QUIET_MIN_S = 0.01
+QUIET_MAX_S = 1.0
 
 
 class Spinner:
@@ -31,6 +34,7 @@ class Spinner:
     def __init__(self, spin_s: float) -> None:
         self.spin_s = spin_s
         self._quiet_until = 0.0
+        self._quiet_s = QUIET_MIN_S
 
     def start(self) -> float:
         """Monotonic time until which a wait that starts now may spin (0.0: do not spin)."""
@@ -48,5 +52,9 @@ class Spinner:
         after = time.monotonic()
         if after - before < LOST_CPU_S:
             return True
-        self._quiet_until = after + QUIET_S
+        if after - self._quiet_until > self._quiet_s:  # calm since the last quiet time
+            self._quiet_s = QUIET_MIN_S
+        else:
+            self._quiet_s = min(QUIET_MAX_S, 2 * self._quiet_s)
+        self._quiet_until = after + self._quiet_s
         return False
