@@ -78,9 +78,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
         return 0
     rows = [["NAME", "ALIASES", "DISTRIBUTION", "VERSION", "CAPABILITIES", "DESCRIPTION"]]
-    for b in payload["backends"]:
-        spec = registry.get(b["name"]) if not b["conflict"] else None
-        caps = spec.capabilities.describe() if spec else "CONFLICT"
+    # The payload lists the registry's backends in order: read capabilities off the specs.
+    for spec, b in zip(registry.backends(), payload["backends"], strict=True):
+        caps = "CONFLICT" if b["conflict"] else spec.capabilities.describe()
         rows.append(
             [
                 b["name"],
