@@ -4,7 +4,7 @@ The driver writes each batch once into the graph's input channel (shared memory 
 every rank reads it, runs ``execute_model`` and answers on its own output channel. Stage ``p``
 holds the tensor-parallel ranks of pipeline rank ``p``, so outputs come back in rank order and
 the output rank (first TP rank of the last stage) carries the result; the others answer
-``(True, None)``. Hidden states between stages travel between the workers themselves
+``None`` (or a failure). Hidden states between stages travel between the workers themselves
 (torch.distributed send/recv), as they do on every backend.
 """
 

@@ -29,7 +29,6 @@ from executor_core import (
     ExecutorClosedError,
     ExecutorError,
     ExecutorFailedError,
-    RemoteFailure,
     RPCTimeoutError,
     WorkerContext,
     WorkerDiedError,
@@ -39,7 +38,7 @@ from executor_core import (
     tcp_init_method,
 )
 
-from ._actor import RayWorkerActor
+from ._actor import Failed, RayWorkerActor
 from ._cluster import acquire_ray
 from ._compiled import CompiledStep, compiled_graphs_available
 from ._monitor import DeathMonitor
@@ -58,8 +57,6 @@ _WAIT_SLICE_S = 0.5
 _PUT_ONCE_BYTES = 100 * 1024
 #: Seconds the graceful part of shutdown may take before the actors are killed.
 _GRACEFUL_S = 5.0
-
-_Reply = tuple[bool, Any]
 
 
 class RayExecutor(Executor):
@@ -233,7 +230,7 @@ class RayExecutor(Executor):
         name = method_name(method)
         wire = dumps_method(method)
         self._drain("compiled", name, deadline, timeout)
-        call: Any = (wire, args, kwargs, unique_reply_rank)
+        call: Any = [wire, list(args), kwargs, unique_reply_rank]  # lists: see _actor.Call
         if self.world_size > 1 and _approx_nbytes(args, kwargs) >= _PUT_ONCE_BYTES:
             call = ray.put(call)  # Ray resolves a top-level ObjectRef argument in each actor
         # One lock around the submissions: calls from several threads then reach every actor
@@ -361,7 +358,7 @@ class RayExecutor(Executor):
     def _gather_compiled(
         self, refs: list[Any], deadline: float | None, timeout: float | None
     ) -> Any:
-        replies: list[_Reply] = []
+        replies: list[Any] = []
         try:
             for ref in refs:
                 remaining = _remaining(deadline, default=-1)
@@ -465,12 +462,12 @@ def _death_reporter(executor: RayExecutor) -> Callable[[int, BaseException], Non
     return report
 
 
-def _unpack(replies: Sequence[_Reply]) -> list[Any]:
-    for ok, value in replies:
-        if not ok:
-            failure: RemoteFailure = value
-            raise failure.to_error()
-    return [value for _ok, value in replies]
+def _unpack(replies: list[Any]) -> list[Any]:
+    """The replies, or the first rank's failure raised as its error."""
+    for reply in replies:
+        if isinstance(reply, Failed):
+            raise reply.failure.to_error()
+    return replies
 
 
 def _remaining(deadline: float | None, default: float | None = None) -> float | None:
