@@ -374,3 +374,28 @@ def test_main_job_gives_the_same_tokens_on_every_backend(
     )
     assert data["summary"]["backend"] == backend
     assert data["tokens"] == cli_reference["tokens"]
+
+
+def test_every_rank_reports_its_step_times(executor: Executor) -> None:
+    """Each rank times each step it runs; generate() takes them all to account for the
+    executor's share (see test_reference_model for the accounting itself)."""
+    from executor_core.reference import StepInput
+
+    executor.collective_rpc("take_step_times")
+    step = StepInput(batch_id=7, slots=[0], token_ids=[PROMPTS[0]], start_pos=0)
+    executor.execute_model(step)
+    times = executor.collective_rpc("take_step_times")
+    config = executor.config
+    assert sorted((t["pp_rank"], t["tp_rank"]) for t in times) == sorted(
+        (pp, tp)
+        for pp in range(config.pipeline_parallel_size)
+        for tp in range(config.tensor_parallel_size)
+    )
+    for rank_times in times:
+        [(batch_id, start_pos, started, ended)] = rank_times["steps"]
+        assert (batch_id, start_pos) == (7, 0)
+        assert started <= ended
+    result = _generate(executor, logits=False)
+    assert all(not t["steps"] for t in executor.collective_rpc("take_step_times"))
+    for record in result.steps:
+        assert 0 <= record.executor_time_s <= record.latency_s

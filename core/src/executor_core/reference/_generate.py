@@ -41,8 +41,10 @@ class StepRecord:
     done_at: float
     #: Seconds the output rank spent inside execute_model.
     model_time_s: float
-    #: Seconds the step spent in the executor: getting to the worker after the worker was
-    #: free for it, and getting back (same-host clocks).
+    #: Seconds the step spent in the executor: how late the latest rank started it (after
+    #: the step was submitted, that rank had finished its previous step and, on a later
+    #: pipeline stage, the previous stage had finished this one), plus the way back from the
+    #: output rank to the driver. Same-host clocks (``time.perf_counter``).
     executor_time_s: float
 
     @property
@@ -139,6 +141,52 @@ def _make_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[_Ba
     return batches
 
 
+@attrs.frozen
+class _RankStep:
+    """One rank's run of one step (``time.perf_counter`` on that rank)."""
+
+    pp_rank: int
+    tp_rank: int
+    started: float
+    ended: float
+    #: When this rank finished the step it ran before this one (0.0: none).
+    previous_end: float
+
+
+def _with_executor_times(
+    finished: list[tuple[StepRecord, StepInput, StepOutput]], rank_times: list[dict[str, Any]]
+) -> list[StepRecord]:
+    """Fill in each step's executor time from every rank's own start and finish times.
+
+    The way in is the delay of the latest rank: how long after it could have started the
+    step (submitted, its previous step done and, on a later pipeline stage, the previous
+    stage done with this step) it did. A later stage that starts while the previous stage is
+    still computing would wait for that stage anyway, so its delay is not on the step's path.
+    The way back is from the output rank's finish to the driver's receipt.
+    """
+    by_step: dict[tuple[int, int], list[_RankStep]] = {}
+    for times in rank_times:
+        previous_end = 0.0
+        for batch_id, start_pos, started, ended in times["steps"]:
+            by_step.setdefault((batch_id, start_pos), []).append(
+                _RankStep(times["pp_rank"], times["tp_rank"], started, ended, previous_end)
+            )
+            previous_end = ended
+    records: list[StepRecord] = []
+    for record, step, output in finished:
+        ranks = by_step.get((step.batch_id, step.start_pos), [])
+        ends = {(r.pp_rank, r.tp_rank): r.ended for r in ranks}
+        # Without the ranks' times (dropped, or a worker that keeps none): the output rank's.
+        late = 0.0 if ranks else max(0.0, output.started_at - record.submitted_at)
+        for r in ranks:
+            upstream_end = ends.get((r.pp_rank - 1, r.tp_rank), 0.0) if r.pp_rank > 0 else 0.0
+            could_start = max(record.submitted_at, r.previous_end, upstream_end)
+            late = max(late, r.started - could_start)
+        back = max(0.0, record.done_at - output.finished_at)
+        records.append(attrs.evolve(record, executor_time_s=late + back))
+    return records
+
+
 def generate(
     executor: Executor,
     prompts: Sequence[Sequence[int]],
@@ -193,9 +241,10 @@ def generate(
     in_flight: collections.deque[tuple[_Batch, StepInput, float, Future[Any] | None]] = (
         collections.deque()
     )
-    records: list[StepRecord] = []
     arrivals: dict[int, float] = {}
-    last_worker_end = 0.0
+    # Per step, in order; executor times are filled in from the ranks' own step times.
+    finished: list[tuple[StepRecord, StepInput, StepOutput]] = []
+    executor.collective_rpc("take_step_times", timeout=timeout)  # drop earlier steps' times
 
     def submit(batch: _Batch) -> None:
         step = batch.next_step(return_logits)
@@ -234,20 +283,19 @@ def generate(
                 f"the output rank returned {type(output).__name__}, not a StepOutput; "
                 "is the worker a ReferenceWorker?"
             )
-        # Transport: from when the worker could have started (submitted, or done with the
-        # previous step) to when it did, plus the way back.
-        ready = max(submitted, last_worker_end)
-        executor_time = max(0.0, output.started_at - ready) + max(0.0, done - output.finished_at)
-        last_worker_end = output.finished_at
-        records.append(
-            StepRecord(
-                batch_id=batch.batch_id,
-                prefill=step.start_pos == 0,
-                tokens=len(output.next_tokens),
-                submitted_at=submitted,
-                done_at=done,
-                model_time_s=output.model_time_s,
-                executor_time_s=executor_time,
+        finished.append(
+            (
+                StepRecord(
+                    batch_id=batch.batch_id,
+                    prefill=step.start_pos == 0,
+                    tokens=len(output.next_tokens),
+                    submitted_at=submitted,
+                    done_at=done,
+                    model_time_s=output.model_time_s,
+                    executor_time_s=0.0,
+                ),
+                step,
+                output,
             )
         )
         batch.position = step.start_pos + len(step.token_ids[0])
@@ -266,6 +314,8 @@ def generate(
             if pending:
                 start_next()
     wall = time.perf_counter() - begin
+    rank_times: list[dict[str, Any]] = executor.collective_rpc("take_step_times", timeout=timeout)
+    records = _with_executor_times(finished, rank_times)
 
     tokens: list[list[int]] = [[] for _ in prompts]
     logits: list[torch.Tensor] | None = [] if return_logits else None

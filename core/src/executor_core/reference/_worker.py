@@ -3,6 +3,7 @@ sleep/wake that really release memory."""
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,9 @@ __all__ = ["SPMD_BACKENDS", "ReferenceWorker", "StepInput", "StepOutput"]
 
 #: Backends where every rank runs its own driver loop, so every rank needs the step output.
 SPMD_BACKENDS: frozenset[str] = frozenset({"external_launcher"})
+
+#: Steps whose timing a worker keeps until the driver takes them (the oldest are dropped).
+STEP_TIMES_KEPT = 16384
 
 
 def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
@@ -128,6 +132,10 @@ class ReferenceWorker(WorkerBase):
         self.loaded_bytes = 0
         self._asleep: set[str] = set()
         self._sleep_level = 0
+        #: ``(batch_id, start_pos, started_at, finished_at)`` of each step this rank ran.
+        self._step_times: collections.deque[tuple[int, int, float, float]] = collections.deque(
+            maxlen=STEP_TIMES_KEPT
+        )
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -207,6 +215,15 @@ class ReferenceWorker(WorkerBase):
             "pid": os.getpid(),
         }
 
+    def take_step_times(self) -> dict[str, Any]:
+        """This rank's pipeline and TP rank, and ``(batch_id, start_pos, started_at,
+        finished_at)`` (``time.perf_counter``) of each step it ran since the last call (up to
+        the last :data:`STEP_TIMES_KEPT`); clears them. :func:`generate` uses them to find
+        which rank's start was late."""
+        state = self._require_state()
+        steps, self._step_times = list(self._step_times), collections.deque(maxlen=STEP_TIMES_KEPT)
+        return {"pp_rank": state.pp_rank, "tp_rank": state.tp_rank, "steps": steps}
+
     def execute_model(self, batch: Any) -> StepOutput | None:
         """Run one step of ``batch`` (a :class:`StepInput`) through this rank's stage."""
         started = time.perf_counter()
@@ -253,9 +270,10 @@ class ReferenceWorker(WorkerBase):
                 tokens = logits.argmax(dim=-1)
             if self.spmd:
                 logits, tokens = self._share_output(step, logits, tokens)
+        finished = time.perf_counter()
+        self._step_times.append((step.batch_id, step.start_pos, started, finished))
         if tokens is None or not (self.spmd or self.rank == state.output_rank):
             return None
-        finished = time.perf_counter()
         return StepOutput(
             batch_id=step.batch_id,
             next_tokens=tuple(int(t) for t in tokens.tolist()),
