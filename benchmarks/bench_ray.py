@@ -1,14 +1,20 @@
 """Ray backend benchmark: this backend against raw Ray on the same kind of actor, side by side.
 
-    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25]
+    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 4]
 
-For 1 and 2 workers, in one Ray instance, interleaving the two sides in rounds so that the
-machine's noise hits both alike:
+For 1 and 2 workers, in one Ray instance:
 
 * no-op ``collective_rpc("get_rank")`` against ``ray.get([a.get_rank.remote() ...])``;
 * a 1 MB argument (``payload_size``) against the same raw call with the same bytes;
-* ``execute_model`` through the compiled-graph path against a raw Ray Compiled Graph
-  (``InputNode -> one bind per actor -> MultiOutputNode``).
+* ``execute_model`` on the default path (an actor call per rank) against the same raw calls;
+
+interleaving the two sides in rounds so that the machine's noise hits both alike, with no
+compiled graph alive; then
+
+* ``execute_model`` through the compiled-graph path (``compiled_graph=True``) against a raw
+  Ray Compiled Graph (``InputNode -> one bind per actor -> MultiOutputNode``), in
+  alternating phases with only one graph alive at a time: Ray's graph loops spin while
+  idle, so a graph left alive would take a core from the side being measured.
 
 The raw actors are threaded actors with a second concurrency group, as the backend's are.
 Prints median and p99 per call in microseconds and the ratio of medians (target <= 1.1).
@@ -17,6 +23,7 @@ Prints median and p99 per call in microseconds and the ratio of medians (target 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -92,17 +99,25 @@ def row(case: str, workers: int, ours: list[float], raw: list[float]) -> str:
     )
 
 
-def bench(workers: int, rounds: int, calls: int) -> list[str]:
+def _executor(workers: int, compiled_graph: bool) -> RayExecutor:
     executor = create_executor(
-        conformance_config("ray", world_size=workers, backend_options={"log_to_driver": False})
+        conformance_config(
+            "ray",
+            world_size=workers,
+            backend_options={"log_to_driver": False, "compiled_graph": compiled_graph},
+        )
     )
     assert isinstance(executor, RayExecutor)
-    assert executor.uses_compiled_graph
+    assert executor.uses_compiled_graph == compiled_graph
+    return executor
+
+
+def bench_calls(workers: int, rounds: int, calls: int) -> list[str]:
+    """Actor calls, no compiled graph alive on either side (its loops spin and would steal
+    the cores from whichever side is measured)."""
+    executor = _executor(workers, compiled_graph=False)
     actors = [RawActor.remote(rank) for rank in range(workers)]
     ray.get([a.get_rank.remote() for a in actors])
-    with InputNode() as inp:
-        dag = MultiOutputNode([a.step.bind(inp) for a in actors])
-    graph = dag.experimental_compile()
     rows = []
     try:
         ours, raw = compare(
@@ -121,23 +136,59 @@ def bench(workers: int, rounds: int, calls: int) -> list[str]:
         rows.append(row("1 MB argument", workers, ours, raw))
         ours, raw = compare(
             lambda: executor.execute_model(1),
-            lambda: ray.get(graph.execute(1)),
+            lambda: ray.get([a.step.remote(1) for a in actors]),
             rounds,
-            calls * 4,
+            calls,
         )
-        rows.append(row("execute_model (compiled graph)", workers, ours, raw))
+        rows.append(row("execute_model (actor calls, default)", workers, ours, raw))
     finally:
-        graph.teardown()
         for actor in actors:
             ray.kill(actor)
         executor.shutdown()
     return rows
 
 
+def _raw_graph_step(graph: Any) -> Any:
+    return ray.get(graph.execute(1))
+
+
+def bench_compiled(workers: int, phases: int, calls: int) -> list[str]:
+    """The compiled-graph path against a raw compiled graph, one graph alive at a time (both
+    spin while idle), in alternating phases with fresh actors each (a phase's actors may land
+    on a better or worse core pairing than the next's)."""
+    ours: list[float] = []
+    raw: list[float] = []
+    for phase in range(phases):
+        for side in ("ours", "raw") if phase % 2 == 0 else ("raw", "ours"):
+            if side == "ours":
+                executor = _executor(workers, compiled_graph=True)
+                try:
+                    step = functools.partial(executor.execute_model, 1)
+                    timed(step, calls, [])  # compiles the graph, then warms up
+                    timed(step, calls * 4, ours)
+                finally:
+                    executor.shutdown()
+            else:
+                actors = [RawActor.remote(rank) for rank in range(workers)]
+                with InputNode() as inp:
+                    dag = MultiOutputNode([a.step.bind(inp) for a in actors])
+                graph = dag.experimental_compile()
+                try:
+                    raw_step = functools.partial(_raw_graph_step, graph)
+                    timed(raw_step, calls, [])
+                    timed(raw_step, calls * 4, raw)
+                finally:
+                    graph.teardown()
+                    for actor in actors:
+                        ray.kill(actor)
+    return [row("execute_model (compiled graph)", workers, ours, raw)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=25)
+    parser.add_argument("--phases", type=int, default=4, help="compiled-graph phases per side")
     args = parser.parse_args()
     # One local instance for the whole run, started the way the backend starts one.
     lease = acquire_ray(RayOptions(local_num_cpus=4, log_to_driver=False), world_size=4)
@@ -148,7 +199,9 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|")
         for workers in (1, 2):
-            for line in bench(workers, args.rounds, args.calls):
+            for line in bench_calls(workers, args.rounds, args.calls):
+                print(line, flush=True)
+            for line in bench_compiled(workers, args.phases, args.calls):
                 print(line, flush=True)
     finally:
         lease.release()

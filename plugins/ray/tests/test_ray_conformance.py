@@ -1,4 +1,5 @@
-"""The Ray backend runs the core's whole conformance suite: tp2, and tp1 x pp2."""
+"""The Ray backend runs the core's whole conformance suite: tp2 with execute_model as actor
+calls (the default), and tp1 x pp2 through a Ray Compiled Graph."""
 
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ class TestRayPipelineConformance(ExecutorConformanceTests):
     @classmethod
     def executor_factory(cls, ray_local: None) -> ExecutorFactory:
         def make(**overrides: Any) -> Executor:
+            options = {"compiled_graph": True, **overrides.pop("backend_options", {})}
             return create_executor(
-                conformance_config("ray", world_size=2, pipeline_parallel_size=2, **overrides)
+                conformance_config(
+                    "ray",
+                    world_size=2,
+                    pipeline_parallel_size=2,
+                    backend_options=options,
+                    **overrides,
+                )
             )
 
         return make

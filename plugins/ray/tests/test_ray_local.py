@@ -33,8 +33,13 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def make(**overrides: Any) -> RayExecutor:
-    # Actor output is not forwarded, to keep the test log readable.
-    options = {"log_to_driver": False, **overrides.pop("backend_options", {})}
+    # Actor output is not forwarded, to keep the test log readable. The compiled graph is
+    # on unless a test turns it off: most tests here are about that path.
+    options = {
+        "log_to_driver": False,
+        "compiled_graph": True,
+        **overrides.pop("backend_options", {}),
+    }
     executor = create_executor(
         conformance_config("ray", world_size=2, backend_options=options, **overrides)
     )
@@ -143,13 +148,27 @@ def test_compiled_graph_timeout_names_busy_ranks_and_recovers() -> None:
         executor.shutdown()
 
 
-def test_actor_path_when_compiled_graph_is_off() -> None:
-    executor = make(backend_options={"compiled_graph": False}, pipeline_parallel_size=2)
+def test_actor_path_by_default_and_idle_workers_use_no_cpu() -> None:
+    # The defaults, but for the log: execute_model as actor calls, so that nothing spins.
+    executor = create_executor(
+        conformance_config(
+            "ray", world_size=2, pipeline_parallel_size=2, backend_options={"log_to_driver": False}
+        )
+    )
+    assert isinstance(executor, RayExecutor)
     try:
         assert not executor.uses_compiled_graph
         assert executor.execute_model([7]) == {"rank": 1, "batch": [7]}
         futures = [executor.execute_model(i, non_block=True) for i in range(3)]
         assert [f.result(timeout=30)["batch"] for f in futures] == [0, 1, 2]
+        workers = [psutil.Process(p.pid) for p in executor.placements]
+        before = [w.cpu_times() for w in workers]
+        driver_before = time.process_time()
+        time.sleep(1.0)
+        for worker, start in zip(workers, before, strict=True):
+            used = sum(worker.cpu_times()[:2]) - sum(start[:2])
+            assert used < 0.1, f"an idle worker used {used:.2f} s of CPU in 1 s"
+        assert time.process_time() - driver_before < 0.1
     finally:
         executor.shutdown()
 

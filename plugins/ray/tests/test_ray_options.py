@@ -43,7 +43,7 @@ def test_defaults() -> None:
     options = RayOptions.from_backend_options({})
     assert options.placement_strategy == "PACK"
     assert options.num_cpus_per_worker == 1.0
-    assert options.compiled_graph is True
+    assert options.compiled_graph is False  # opt-in: Ray's graph channels busy-wait
     assert options.address is None
 
 

@@ -62,8 +62,8 @@ _GRACEFUL_S = 5.0
 class RayExecutor(Executor):
     """Runs each rank's worker in a Ray actor; see the distribution's README for options.
 
-    Calls are actor tasks (one per rank, in order). With ``compiled_graph`` enabled (the
-    default) ``execute_model`` goes through a Ray Compiled Graph instead. A monitor fails the
+    Calls are actor tasks (one per rank, in order). With ``compiled_graph`` enabled
+    ``execute_model`` goes through a Ray Compiled Graph instead. A monitor fails the
     executor with :class:`WorkerDiedError` (rank and node) as soon as Ray reports an actor or
     its node dead; pending and later calls then raise that error.
     """

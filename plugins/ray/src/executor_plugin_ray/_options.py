@@ -78,8 +78,10 @@ class RayOptions:
     placement_timeout: float = 60.0
     #: Seconds to wait for the actors to start and run init_device + load_model.
     startup_timeout: float = 600.0
-    #: Use a Ray Compiled Graph for execute_model when Ray provides one.
-    compiled_graph: bool = True
+    #: Use a Ray Compiled Graph for execute_model when Ray provides one. Off by default: the
+    #: graph's channels busy-wait (each worker spins a core while idle, the driver while it
+    #: waits for a step); see the README before turning it on.
+    compiled_graph: bool = False
     #: Logical CPUs of a local instance this backend starts (default: the machine's count).
     local_num_cpus: float | None = None
     #: GPUs of a local instance this backend starts (default: Ray's detection).
