@@ -243,6 +243,7 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
     ]
     [record] = _with_executor_times([step], pp_times)
     assert record.executor_time_s == pytest.approx(0.5 + 1.0)
+    assert record.model_time_s == pytest.approx(30.0 - 13.0)  # the late start was no wait
 
     # The same, but stage 1 starts 2 ms after stage 0 finished: those 2 ms are the executor's.
     late_stage = _timed_step(submitted=10.0, done=31.0, started=22.0, finished=30.0)
@@ -258,6 +259,9 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
     ]
     [record] = _with_executor_times([tp_step], tp_times)
     assert record.executor_time_s == pytest.approx(0.7 + 0.5)
+    # Rank 0 (the output rank) spent 10.1..10.7 waiting for rank 1: not model time too.
+    assert record.model_time_s == pytest.approx(9.9 - 0.6)
+    assert record.model_time_s + record.executor_time_s <= record.latency_s + 1e-9
 
     # A rank busy with its previous step until 12.0 could not start before then.
     busy_times = [{"pp_rank": 0, "tp_rank": 0, "steps": [(5, 3, 9.0, 12.0), (0, 0, 12.2, 20.0)]}]

@@ -39,7 +39,8 @@ class StepRecord:
     #: ``perf_counter`` when the driver submitted the step and when its result arrived.
     submitted_at: float
     done_at: float
-    #: Seconds the output rank spent inside execute_model.
+    #: Seconds the output rank spent inside execute_model, less any part of it spent waiting
+    #: for a rank that the executor was late to start (that is executor time).
     model_time_s: float
     #: Seconds the step spent in the executor: how late the latest rank started it (after
     #: the step was submitted, that rank had finished its previous step and, on a later
@@ -177,13 +178,26 @@ def _with_executor_times(
         ranks = by_step.get((step.batch_id, step.start_pos), [])
         ends = {(r.pp_rank, r.tp_rank): r.ended for r in ranks}
         # Without the ranks' times (dropped, or a worker that keeps none): the output rank's.
-        late = 0.0 if ranks else max(0.0, output.started_at - record.submitted_at)
+        late_from, late_to = record.submitted_at, output.started_at
+        if ranks:
+            late_from = late_to = 0.0
         for r in ranks:
             upstream_end = ends.get((r.pp_rank - 1, r.tp_rank), 0.0) if r.pp_rank > 0 else 0.0
             could_start = max(record.submitted_at, r.previous_end, upstream_end)
-            late = max(late, r.started - could_start)
+            if r.started - could_start > late_to - late_from:
+                late_from, late_to = could_start, r.started
+        late = max(0.0, late_to - late_from)
         back = max(0.0, record.done_at - output.finished_at)
-        records.append(attrs.evolve(record, executor_time_s=late + back))
+        # The output rank spent that delay waiting inside execute_model (for the late rank's
+        # collective): executor time, so not also model time.
+        waited = max(0.0, min(late_to, output.finished_at) - max(late_from, output.started_at))
+        records.append(
+            attrs.evolve(
+                record,
+                executor_time_s=late + back,
+                model_time_s=max(0.0, record.model_time_s - waited),
+            )
+        )
     return records
 
 
