@@ -207,18 +207,8 @@ def test_main_job_explains_bad_options(
 
 
 def _timed_step(submitted: float, done: float, started: float, finished: float) -> Any:
-    from executor_core.reference._generate import StepRecord
     from executor_core.reference._worker import StepOutput
 
-    record = StepRecord(
-        batch_id=0,
-        prefill=True,
-        tokens=1,
-        submitted_at=submitted,
-        done_at=done,
-        model_time_s=finished - started,
-        executor_time_s=0.0,
-    )
     step = StepInput(batch_id=0, slots=[0], token_ids=[[1]], start_pos=0)
     output = StepOutput(
         batch_id=0,
@@ -228,11 +218,11 @@ def _timed_step(submitted: float, done: float, started: float, finished: float) 
         started_at=started,
         finished_at=finished,
     )
-    return record, step, output
+    return step, output, submitted, done
 
 
 def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
-    from executor_core.reference._generate import _with_executor_times
+    from executor_core.reference._generate import _step_records
 
     # pp2: stage 0 starts 0.5 ms after submit and computes until 20.0; stage 1 (the output
     # rank) starts 3 ms late, but stage 0 is still computing then: only 0.5 ms in + 1 ms back.
@@ -241,14 +231,14 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
         {"pp_rank": 0, "tp_rank": 0, "steps": [(0, 0, 10.5, 20.0)]},
         {"pp_rank": 1, "tp_rank": 0, "steps": [(0, 0, 13.0, 30.0)]},
     ]
-    [record] = _with_executor_times([step], pp_times)
+    [record] = _step_records([step], pp_times)
     assert record.executor_time_s == pytest.approx(0.5 + 1.0)
     assert record.model_time_s == pytest.approx(30.0 - 13.0)  # the late start was no wait
 
     # The same, but stage 1 starts 2 ms after stage 0 finished: those 2 ms are the executor's.
     late_stage = _timed_step(submitted=10.0, done=31.0, started=22.0, finished=30.0)
     pp_times[1] = {"pp_rank": 1, "tp_rank": 0, "steps": [(0, 0, 22.0, 30.0)]}
-    [record] = _with_executor_times([late_stage], pp_times)
+    [record] = _step_records([late_stage], pp_times)
     assert record.executor_time_s == pytest.approx(2.0 + 1.0)
 
     # tp2: the latest rank gates the first all-reduce, whichever rank returns the output.
@@ -257,7 +247,7 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
         {"pp_rank": 0, "tp_rank": 0, "steps": [(0, 0, 10.1, 20.0)]},
         {"pp_rank": 0, "tp_rank": 1, "steps": [(0, 0, 10.7, 20.0)]},
     ]
-    [record] = _with_executor_times([tp_step], tp_times)
+    [record] = _step_records([tp_step], tp_times)
     assert record.executor_time_s == pytest.approx(0.7 + 0.5)
     # Rank 0 (the output rank) spent 10.1..10.7 waiting for rank 1: not model time too.
     assert record.model_time_s == pytest.approx(9.9 - 0.6)
@@ -265,9 +255,9 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
 
     # A rank busy with its previous step until 12.0 could not start before then.
     busy_times = [{"pp_rank": 0, "tp_rank": 0, "steps": [(5, 3, 9.0, 12.0), (0, 0, 12.2, 20.0)]}]
-    [record] = _with_executor_times([tp_step], busy_times)
+    [record] = _step_records([tp_step], busy_times)
     assert record.executor_time_s == pytest.approx(0.2 + 0.5)
 
     # No rank kept times for the step: fall back to the output rank's own start.
-    [record] = _with_executor_times([tp_step], [{"pp_rank": 0, "tp_rank": 0, "steps": []}])
+    [record] = _step_records([tp_step], [{"pp_rank": 0, "tp_rank": 0, "steps": []}])
     assert record.executor_time_s == pytest.approx(0.1 + 0.5)

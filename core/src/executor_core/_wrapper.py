@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._qualname import resolve_qualname
@@ -89,7 +89,7 @@ class WorkerWrapper:
     def run_method(
         self,
         method: str | bytes | Callable[..., Any],
-        args: tuple[Any, ...] = (),
+        args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         """Run ``method`` (a name, a callable taking the worker, or a cloudpickled callable)."""
@@ -115,7 +115,7 @@ class WorkerWrapper:
     def execute(
         self,
         method: str | bytes | Callable[..., Any],
-        args: tuple[Any, ...] = (),
+        args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[bool, Any]:
         """Like :meth:`run_method`, but returns ``(True, result)`` or ``(False, RemoteFailure)``.

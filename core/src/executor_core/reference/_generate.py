@@ -154,10 +154,11 @@ class _RankStep:
     previous_end: float
 
 
-def _with_executor_times(
-    finished: list[tuple[StepRecord, StepInput, StepOutput]], rank_times: list[dict[str, Any]]
+def _step_records(
+    finished: list[tuple[StepInput, StepOutput, float, float]], rank_times: list[dict[str, Any]]
 ) -> list[StepRecord]:
-    """Fill in each step's executor time from every rank's own start and finish times.
+    """One record per ``(step, output, submitted_at, done_at)``, its executor time taken
+    from every rank's own start and finish times.
 
     The way in is the delay of the latest rank: how long after it could have started the
     step (submitted, its previous step done and, on a later pipeline stage, the previous
@@ -174,28 +175,32 @@ def _with_executor_times(
             )
             previous_end = ended
     records: list[StepRecord] = []
-    for record, step, output in finished:
+    for step, output, submitted, done in finished:
         ranks = by_step.get((step.batch_id, step.start_pos), [])
-        ends = {(r.pp_rank, r.tp_rank): r.ended for r in ranks}
-        # Without the ranks' times (dropped, or a worker that keeps none): the output rank's.
-        late_from, late_to = record.submitted_at, output.started_at
         if ranks:
             late_from = late_to = 0.0
+        else:  # no rank kept times for it (dropped, or another worker): the output rank's
+            late_from, late_to = submitted, output.started_at
+        ends = {(r.pp_rank, r.tp_rank): r.ended for r in ranks}
         for r in ranks:
             upstream_end = ends.get((r.pp_rank - 1, r.tp_rank), 0.0) if r.pp_rank > 0 else 0.0
-            could_start = max(record.submitted_at, r.previous_end, upstream_end)
+            could_start = max(submitted, r.previous_end, upstream_end)
             if r.started - could_start > late_to - late_from:
                 late_from, late_to = could_start, r.started
         late = max(0.0, late_to - late_from)
-        back = max(0.0, record.done_at - output.finished_at)
+        back = max(0.0, done - output.finished_at)
         # The output rank spent that delay waiting inside execute_model (for the late rank's
         # collective): executor time, so not also model time.
         waited = max(0.0, min(late_to, output.finished_at) - max(late_from, output.started_at))
         records.append(
-            attrs.evolve(
-                record,
+            StepRecord(
+                batch_id=step.batch_id,
+                prefill=step.start_pos == 0,
+                tokens=len(output.next_tokens),
+                submitted_at=submitted,
+                done_at=done,
+                model_time_s=max(0.0, output.model_time_s - waited),
                 executor_time_s=late + back,
-                model_time_s=max(0.0, record.model_time_s - waited),
             )
         )
     return records
@@ -256,8 +261,8 @@ def generate(
         collections.deque()
     )
     arrivals: dict[int, float] = {}
-    # Per step, in order; executor times are filled in from the ranks' own step times.
-    finished: list[tuple[StepRecord, StepInput, StepOutput]] = []
+    # (step, output, submitted_at, done_at) in order; recorded once the ranks' times are in.
+    finished: list[tuple[StepInput, StepOutput, float, float]] = []
     executor.collective_rpc("take_step_times", timeout=timeout)  # drop earlier steps' times
 
     def submit(batch: _Batch) -> None:
@@ -297,21 +302,7 @@ def generate(
                 f"the output rank returned {type(output).__name__}, not a StepOutput; "
                 "is the worker a ReferenceWorker?"
             )
-        finished.append(
-            (
-                StepRecord(
-                    batch_id=batch.batch_id,
-                    prefill=step.start_pos == 0,
-                    tokens=len(output.next_tokens),
-                    submitted_at=submitted,
-                    done_at=done,
-                    model_time_s=output.model_time_s,
-                    executor_time_s=0.0,
-                ),
-                step,
-                output,
-            )
-        )
+        finished.append((step, output, submitted, done))
         batch.position = step.start_pos + len(step.token_ids[0])
         for seq, token in zip(batch.generated, output.next_tokens, strict=True):
             seq.append(token)
@@ -329,7 +320,7 @@ def generate(
                 start_next()
     wall = time.perf_counter() - begin
     rank_times: list[dict[str, Any]] = executor.collective_rpc("take_step_times", timeout=timeout)
-    records = _with_executor_times(finished, rank_times)
+    records = _step_records(finished, rank_times)
 
     tokens: list[list[int]] = [[] for _ in prompts]
     logits: list[torch.Tensor] | None = [] if return_logits else None

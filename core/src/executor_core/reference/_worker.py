@@ -221,7 +221,8 @@ class ReferenceWorker(WorkerBase):
         the last :data:`STEP_TIMES_KEPT`); clears them. :func:`generate` uses them to find
         which rank's start was late."""
         state = self._require_state()
-        steps, self._step_times = list(self._step_times), collections.deque(maxlen=STEP_TIMES_KEPT)
+        steps = list(self._step_times)
+        self._step_times.clear()
         return {"pp_rank": state.pp_rank, "tp_rank": state.tp_rank, "steps": steps}
 
     def execute_model(self, batch: Any) -> StepOutput | None:

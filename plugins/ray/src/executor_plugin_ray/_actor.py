@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import ray
 
 from executor_core import (
@@ -31,16 +32,11 @@ MONITOR_GROUP = "executor_monitor"
 Call = list[Any]
 
 
+@attrs.frozen
 class Failed:
     """A worker's failure as a reply; any other reply is the method's result."""
 
-    __slots__ = ("failure",)
-
-    def __init__(self, failure: RemoteFailure) -> None:
-        self.failure = failure
-
-    def __reduce__(self) -> tuple[type[Failed], tuple[RemoteFailure]]:
-        return Failed, (self.failure,)
+    failure: RemoteFailure
 
 
 class RayWorker:
@@ -134,7 +130,7 @@ class RayWorker:
         with self._lock:
             self._running = method_name(method)
             try:
-                ok, value = wrapper.execute(method, tuple(args), kwargs)
+                ok, value = wrapper.execute(method, args, kwargs)
             finally:
                 self._running = None
         return value if ok else Failed(value)
