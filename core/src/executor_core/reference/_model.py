@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch import ParallelState
+from ..torch import ParallelState, mapped_zeros
 from ._config import ModelConfig, stage_layers
 
 __all__ = ["KVCache", "StageModel"]
@@ -107,10 +107,13 @@ class KVCache:
     ) -> None:
         local_heads = config.num_heads // tp_size
         self.num_slots = num_slots
-        self.tensor = torch.zeros(
-            (num_layers, 2, num_slots, local_heads, config.max_seq_len, config.head_dim),
-            dtype=getattr(torch, config.dtype),
-            device=device,
+        shape = (num_layers, 2, num_slots, local_heads, config.max_seq_len, config.head_dim)
+        dtype = getattr(torch, config.dtype)
+        # On the CPU in a mapping of its own, so that sleep gives it back to the OS.
+        self.tensor = (
+            mapped_zeros(shape, dtype)
+            if device.type == "cpu"
+            else torch.zeros(shape, dtype=dtype, device=device)
         )
 
     @property

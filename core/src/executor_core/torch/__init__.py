@@ -11,7 +11,7 @@ from ._distributed import (
     seed_everything,
     select_device,
 )
-from ._memory import device_memory_bytes, host_memory_bytes, trim_host_memory
+from ._memory import device_memory_bytes, host_memory_bytes, mapped_zeros, trim_host_memory
 from ._offload import TensorOffloader
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "device_memory_bytes",
     "host_memory_bytes",
     "init_distributed",
+    "mapped_zeros",
     "seed_everything",
     "select_device",
     "trim_host_memory",

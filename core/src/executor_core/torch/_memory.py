@@ -5,12 +5,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from collections.abc import Callable
+import math
+import mmap
+from collections.abc import Callable, Sequence
 
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 import torch
 
-__all__ = ["device_memory_bytes", "host_memory_bytes", "trim_host_memory"]
+__all__ = ["device_memory_bytes", "host_memory_bytes", "mapped_zeros", "trim_host_memory"]
 
 
 def host_memory_bytes() -> int:
@@ -58,3 +60,21 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     return host_memory_bytes()
+
+
+def mapped_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in an anonymous mapping of its own, resident from the start.
+
+    Freeing it unmaps it, so its memory goes back to the OS at once, whatever the state of
+    the C allocator. A tensor from ``torch.zeros`` may not: after a large block is freed,
+    glibc raises its mmap threshold and serves later large blocks from its arenas, and
+    :func:`trim_host_memory` did not return such a block freed by a worker thread (measured:
+    a 16 MB tensor allocated again after a free released nothing when freed). For buffers
+    that :meth:`~executor_core.WorkerBase.sleep` must give back, such as a KV cache.
+    """
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps it alive
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(tuple(shape))
+    return tensor.zero_()  # touch every page: the memory is held now, as with torch.zeros
