@@ -147,16 +147,17 @@ print(size, before - asleep, awake - asleep)
 """
 
 
-def test_offloading_releases_host_memory() -> None:
-    # A fresh interpreter: the test process's own allocations would blur the measurement.
+def _run_memory_script(script: str) -> list[int]:
+    """The integers ``script`` prints, run in a fresh interpreter: the test process's own
+    allocations would blur the measurement."""
     out = subprocess.run(
-        [sys.executable, "-c", _RELEASE_SCRIPT],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=60
     ).stdout
-    size, released, regained = map(int, out.split())
+    return [int(word) for word in out.split()]
+
+
+def test_offloading_releases_host_memory() -> None:
+    size, released, regained = _run_memory_script(_RELEASE_SCRIPT)
     assert released >= 0.8 * size
     assert regained >= 0.8 * size
 
@@ -189,14 +190,7 @@ print(size, *released)
 
 
 def test_mapped_zeros_are_released_on_every_reallocation() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _REALLOCATION_SCRIPT],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    size, *released = map(int, out.split())
+    size, *released = _run_memory_script(_REALLOCATION_SCRIPT)
     assert all(r >= 0.9 * size for r in released), released
     tensor = mapped_zeros((2, 3), torch.bfloat16)
     assert tensor.shape == (2, 3)
