@@ -7,7 +7,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import ray
 
 from executor_core import (
@@ -18,25 +17,21 @@ from executor_core import (
     method_name,
 )
 
+from ._encoding import Failed, decode_call, encode_reply
 from ._ranks import ActorInfo
 
-__all__ = ["MONITOR_GROUP", "Call", "Failed", "RayWorker", "RayWorkerActor"]
+__all__ = ["MONITOR_GROUP", "Call", "RayWorker", "RayWorkerActor"]
 
 #: The actor's second thread: the liveness watch and the "what are you running" query, so
 #: both answer while the worker is busy in a long call.
 MONITOR_GROUP = "executor_monitor"
 
-#: What :meth:`RayWorker.execute` takes: ``[method, args, kwargs, unique_reply_rank]``. Lists,
-#: not tuples, here and in replies: Ray encodes lists with msgpack but pickles tuples, which
-#: costs about 7 µs more per message each way (measured in an actor, Ray 2.60).
+#: What :meth:`RayWorker.execute` takes: ``[method, args, kwargs, unique_reply_rank,
+#: lifted_positions]``, pickled to bytes by :func:`~._encoding.pack` or, when Ray's serializer
+#: carries it, as a list (not a tuple: Ray encodes lists with msgpack but pickles tuples,
+#: about 7 µs more per message). ``args[i]`` for each lifted position arrives as an argument
+#: of the Ray call of its own (large buffers; see ``RayExecutor._encode_call``).
 Call = list[Any]
-
-
-@attrs.frozen
-class Failed:
-    """A worker's failure as a reply; any other reply is the method's result."""
-
-    failure: RemoteFailure
 
 
 class RayWorker:
@@ -95,27 +90,29 @@ class RayWorker:
 
     # --- calls -----------------------------------------------------------------------------
 
-    def execute(self, call: Call) -> Any:
-        """Run ``call = [method, args, kwargs, unique_reply_rank]``; the result or
-        :class:`Failed`.
+    def execute(self, call: Call | bytes, *lifted: Any) -> Any:
+        """Run a :data:`Call`; the reply encoded by :func:`~._encoding.encode_reply` (the
+        result, or :class:`Failed`).
 
-        One argument, the same for every rank, so that Ray serialises it once per actor call
-        (each actor-call argument costs tens of microseconds) and a large one can be put into
-        the object store once for all ranks. The result is returned only by the replying
-        rank(s).
+        The call is one argument, the same for every rank, so that Ray serialises it once per
+        actor call (each actor-call argument costs tens of microseconds); only large buffers
+        come as arguments of their own (``lifted``). The result is returned only by the
+        replying rank(s).
         """
-        method, args, kwargs, reply_rank = call
+        method, args, kwargs, reply_rank, positions = decode_call(call)
+        for position, value in zip(positions, lifted, strict=True):
+            args[position] = value
         reply = self._run(method, args, kwargs)
         if reply_rank is not None and reply_rank != self._rank and not isinstance(reply, Failed):
             return None
-        return reply
+        return encode_reply(reply)
 
     def execute_model_compiled(self, batch: Any) -> Any:
         """``execute_model`` as a compiled-graph stage: only the output rank returns a result."""
         reply = self._run("execute_model", (batch,), None)
         if not self._is_output_rank and not isinstance(reply, Failed):
             return None
-        return reply
+        return encode_reply(reply)
 
     def _run(
         self,

@@ -38,9 +38,10 @@ from executor_core import (
     tcp_init_method,
 )
 
-from ._actor import Failed, RayWorkerActor
+from ._actor import RayWorkerActor
 from ._cluster import acquire_ray
 from ._compiled import CompiledStep, compiled_graphs_available
+from ._encoding import Failed, decode_reply, pack
 from ._monitor import DeathMonitor
 from ._options import RayOptions
 from ._placement import bundle_for, reserve_placement_group
@@ -52,9 +53,9 @@ logger = logging.getLogger("executor_plugin_ray")
 
 #: Longest uninterrupted wait on Ray; between slices a waiter notices failure or shutdown.
 _WAIT_SLICE_S = 0.5
-#: Arguments at least this large are put into the object store once for all workers,
-#: rather than serialised once per worker (Ray inlines smaller ones into the call).
-_PUT_ONCE_BYTES = 100 * 1024
+#: Arguments at least this large cross as arguments of their own, put into the object store
+#: once for all workers rather than serialised once per worker (Ray inlines smaller ones).
+_LIFT_BYTES = 100 * 1024
 #: Seconds the graceful part of shutdown may take before the actors are killed.
 _GRACEFUL_S = 5.0
 
@@ -230,13 +231,11 @@ class RayExecutor(Executor):
         name = method_name(method)
         wire = dumps_method(method)
         self._drain("compiled", name, deadline, timeout)
-        call: Any = [wire, list(args), kwargs, unique_reply_rank]  # lists: see _actor.Call
-        if self.world_size > 1 and _approx_nbytes(args, kwargs) >= _PUT_ONCE_BYTES:
-            call = ray.put(call)  # Ray resolves a top-level ObjectRef argument in each actor
+        call, lifted = self._encode_call(wire, args, kwargs, unique_reply_rank)
         # One lock around the submissions: calls from several threads then reach every actor
         # in the same order, so collectives inside worker methods cannot cross and deadlock.
         with self._actor_submit_lock:
-            refs = [actor.execute.remote(call) for actor in self._actors]
+            refs = [actor.execute.remote(call, *lifted) for actor in self._actors]
 
         def wait() -> list[Any]:
             replies = self._gather(refs, name, deadline, timeout)
@@ -247,6 +246,37 @@ class RayExecutor(Executor):
         if non_block:
             return self._submit_ordered("actor", wait)
         return wait()
+
+    def _encode_call(
+        self,
+        wire: str | bytes,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        reply_rank: int | None,
+    ) -> tuple[Any, list[Any]]:
+        """The call for :meth:`RayWorker.execute` and the arguments lifted out of it.
+
+        Positional arguments of ``_LIFT_BYTES`` or more (bytes, arrays, tensors) become
+        arguments of the Ray call itself, which Ray stores as it would for a plain actor
+        call (bytes without a copy into a message); with several workers each is put into
+        the object store once for all of them. The rest is pickled to bytes when it can be
+        (see ``_encoding``), else left to Ray's serializer, and put once too when large.
+        """
+        positions = [i for i, value in enumerate(args) if _nbytes(value) >= _LIFT_BYTES]
+        rest: list[Any] = list(args)
+        lifted: list[Any] = []
+        for i in positions:
+            lifted.append(rest[i])
+            rest[i] = None
+        if self.world_size > 1:
+            lifted = [ray.put(value) for value in lifted]  # Ray resolves top-level refs
+        call: Any = [wire, rest, kwargs, reply_rank, positions]  # lists: see _actor.Call
+        kwargs_nbytes = sum(_nbytes(v) for v in (kwargs or {}).values())
+        if kwargs_nbytes < _LIFT_BYTES:
+            return pack(call) or call, lifted
+        if self.world_size > 1:
+            call = ray.put(call)
+        return call, lifted
 
     def execute_model(self, batch: Any, non_block: bool = False) -> Any:
         """Run one step; through the compiled graph when enabled (see :class:`CompiledStep`)."""
@@ -463,11 +493,12 @@ def _death_reporter(executor: RayExecutor) -> Callable[[int, BaseException], Non
 
 
 def _unpack(replies: list[Any]) -> list[Any]:
-    """The replies, or the first rank's failure raised as its error."""
-    for reply in replies:
-        if isinstance(reply, Failed):
-            raise reply.failure.to_error()
-    return replies
+    """The results in the replies, or the first rank's failure raised as its error."""
+    results = [decode_reply(reply) for reply in replies]
+    for result in results:
+        if isinstance(result, Failed):
+            raise result.failure.to_error()
+    return results
 
 
 def _remaining(deadline: float | None, default: float | None = None) -> float | None:
@@ -482,17 +513,12 @@ def _max_inflight() -> int:
     return MAX_INFLIGHT
 
 
-def _approx_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
-    """A cheap lower bound of the size of the arguments: buffers at the top level only."""
-    total = 0
-    for value in (*args, *(kwargs or {}).values()):
-        if isinstance(value, bytes | bytearray | str):
-            total += len(value)
-        else:
-            nbytes = getattr(value, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
-            if isinstance(nbytes, int):
-                total += nbytes
-    return total
+def _nbytes(value: Any) -> int:
+    """The size of a buffer (bytes, str, array, tensor, memoryview); 0 for anything else."""
+    if isinstance(value, bytes | bytearray | str):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
+    return nbytes if isinstance(nbytes, int) else 0
 
 
 def _teardown_quietly(step: CompiledStep) -> None:
