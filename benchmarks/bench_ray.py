@@ -2,12 +2,13 @@
 
     .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 4]
 
-For 1 and 2 workers, in one Ray instance:
+For 1 and 2 workers, in one Ray instance, on each of the backend's call paths (direct calls,
+the default on one node, and Ray actor calls, ``direct_calls=False``, as across nodes):
 
 * no-op ``collective_rpc("get_rank")`` against ``ray.get([a.get_rank.remote() ...])``;
 * a 1 MB argument (``payload_size``) against the same raw call with the same bytes;
-* ``execute_model`` on the default path (an actor call per rank) against the same raw calls,
-  back to back and after 30 ms of sleep (every process idle, as between model steps);
+* ``execute_model`` (not through a compiled graph) against the same raw calls, back to back
+  and after 30 ms of sleep (every process idle, as between model steps);
 
 interleaving the two sides in rounds so that the machine's noise hits both alike, with no
 compiled graph alive; then
@@ -119,23 +120,26 @@ def row(case: str, workers: int, ours: list[float], raw: list[float]) -> str:
     )
 
 
-def _executor(workers: int, compiled_graph: bool) -> RayExecutor:
+def _executor(workers: int, compiled_graph: bool, direct_calls: bool = True) -> RayExecutor:
+    options = {
+        "log_to_driver": False,
+        "compiled_graph": compiled_graph,
+        "direct_calls": direct_calls,
+    }
     executor = create_executor(
-        conformance_config(
-            "ray",
-            world_size=workers,
-            backend_options={"log_to_driver": False, "compiled_graph": compiled_graph},
-        )
+        conformance_config("ray", world_size=workers, backend_options=options)
     )
     assert isinstance(executor, RayExecutor)
     assert executor.uses_compiled_graph == compiled_graph
+    assert executor.uses_direct_calls == direct_calls
     return executor
 
 
-def bench_calls(workers: int, rounds: int, calls: int) -> list[str]:
-    """Actor calls, no compiled graph alive on either side (its loops spin and would steal
-    the cores from whichever side is measured)."""
-    executor = _executor(workers, compiled_graph=False)
+def bench_calls(workers: int, rounds: int, calls: int, direct_calls: bool) -> list[str]:
+    """Calls on one path, no compiled graph alive on either side (its loops spin and would
+    steal the cores from whichever side is measured)."""
+    path = "direct" if direct_calls else "actor calls"
+    executor = _executor(workers, compiled_graph=False, direct_calls=direct_calls)
     actors = [RawActor.remote(rank) for rank in range(workers)]
     ray.get([a.get_rank.remote() for a in actors])
     rows = []
@@ -146,21 +150,21 @@ def bench_calls(workers: int, rounds: int, calls: int) -> list[str]:
             rounds,
             calls,
         )
-        rows.append(row("no-op collective_rpc", workers, ours, raw))
+        rows.append(row(f"no-op collective_rpc ({path})", workers, ours, raw))
         ours, raw = compare(
             lambda: executor.collective_rpc("payload_size", args=(MB,)),
             lambda: ray.get([a.payload_size.remote(MB) for a in actors]),
             rounds,
             max(1, calls // 2),
         )
-        rows.append(row("1 MB argument", workers, ours, raw))
+        rows.append(row(f"1 MB argument ({path})", workers, ours, raw))
         ours, raw = compare(
             lambda: executor.execute_model(1),
             lambda: ray.get([a.step.remote(1) for a in actors]),
             rounds,
             calls,
         )
-        rows.append(row("execute_model (actor calls, default)", workers, ours, raw))
+        rows.append(row(f"execute_model ({path})", workers, ours, raw))
         # What a model step pays: the call after the workers and the driver slept 30 ms.
         ours, raw = compare(
             lambda: executor.execute_model(1),
@@ -169,7 +173,7 @@ def bench_calls(workers: int, rounds: int, calls: int) -> list[str]:
             max(2, calls // 2),
             pause=0.03,
         )
-        rows.append(row("execute_model after 30 ms idle", workers, ours, raw))
+        rows.append(row(f"execute_model after 30 ms idle ({path})", workers, ours, raw))
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -245,8 +249,9 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|")
         for workers in (1, 2):
-            for line in bench_calls(workers, args.rounds, args.calls):
-                print(line, flush=True)
+            for direct_calls in (True, False):
+                for line in bench_calls(workers, args.rounds, args.calls, direct_calls):
+                    print(line, flush=True)
             for line in bench_compiled(workers, args.phases, args.calls):
                 print(line, flush=True)
     finally:

@@ -237,8 +237,10 @@ def _kill_during(executor: RayExecutor, pending: Future[Any]) -> WorkerDiedError
     return err
 
 
-def test_killing_an_actor_during_a_call_fails_it_with_rank_and_node() -> None:
-    executor = make(backend_options={"compiled_graph": False})
+@pytest.mark.parametrize("direct_calls", [True, False], ids=["direct", "actor-calls"])
+def test_killing_an_actor_during_a_call_fails_it_with_rank_and_node(direct_calls: bool) -> None:
+    executor = make(backend_options={"compiled_graph": False, "direct_calls": direct_calls})
+    assert executor.uses_direct_calls == direct_calls
     try:
         _kill_during(executor, executor.collective_rpc("slow", args=(60.0,), non_block=True))
     finally:

@@ -49,6 +49,8 @@ def test_spread_puts_workers_on_different_nodes(ray_cluster: Cluster) -> None:
         contexts = executor.collective_rpc("get_context")
         assert [ctx.node_id for ctx in contexts] == [p.node_id for p in placements]
         assert executor.collective_rpc(_node_of) == [p.node_id for p in placements]
+        # Workers on other nodes than the driver's: calls go as Ray actor tasks.
+        assert not executor.uses_direct_calls
         assert [(ctx.local_rank, ctx.local_world_size) for ctx in contexts] == [(0, 1), (0, 1)]
         # Two nodes: the rendezvous is on rank 0's node address, not loopback.
         init = contexts[0].distributed_init_method

@@ -17,6 +17,7 @@ from executor_core import (
     method_name,
 )
 
+from ._direct import DirectServer
 from ._encoding import Failed, decode_call, encode_reply
 from ._ranks import ActorInfo
 
@@ -45,6 +46,7 @@ class RayWorker:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._running: str | None = None
+        self._direct: DirectServer | None = None
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -88,7 +90,18 @@ class RayWorker:
 
         _ = ChannelContext.get_current().torch_available
 
+    def open_channel(self, authkey: bytes) -> str:
+        """Listen for the driver's direct calls (see ``_direct``); the socket's address."""
+        self._direct = DirectServer(authkey, self._execute_direct)
+        return self._direct.address
+
     # --- calls -----------------------------------------------------------------------------
+
+    def _execute_direct(self, call: bytes) -> Any:
+        try:
+            return self.execute(call)
+        except Exception as exc:  # noqa: BLE001 - a call that cannot be read: the driver's error
+            return Failed(RemoteFailure.capture(self._rank, "<direct call>", exc))
 
     def execute(self, call: Call | bytes, *lifted: Any) -> Any:
         """Run a :data:`Call`; the reply encoded by :func:`~._encoding.encode_reply` (the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -41,6 +42,7 @@ from executor_core import (
 from ._actor import RayWorkerActor
 from ._cluster import acquire_ray
 from ._compiled import CompiledStep, compiled_graphs_available
+from ._direct import ChannelClosedError, DirectChannels
 from ._encoding import Failed, decode_reply, pack
 from ._monitor import DeathMonitor
 from ._options import RayOptions
@@ -93,9 +95,10 @@ class RayExecutor(Executor):
             max_workers=1, thread_name_prefix="executor-ray-collector"
         )
         self.add_cleanup(functools.partial(self._collector.shutdown, wait=False))
-        # The last non-blocking future of each path; a call on the other path waits for it,
-        # so that workers see actor calls and compiled-graph steps in submission order.
-        self._last_future: dict[str, Future[Any] | None] = {"actor": None, "compiled": None}
+        self._gate = _PathGate()
+        self._direct: DirectChannels | None = None
+        self._direct_seq = 0
+        self._direct_last: threading.Event | None = None  # set when the last call is read
         self._compiled_slots = threading.BoundedSemaphore(_max_inflight())
 
         lease = acquire_ray(options, world_size=config.world_size)
@@ -125,6 +128,20 @@ class RayExecutor(Executor):
             for actor, ctx, placement in zip(self._actors, contexts, self._placements, strict=True)
         ]
         self._gather_startup(init_refs, "init_worker", deadline)
+        if options.direct_calls and all(p.node_id == driver_node for p in self._placements):
+            self._open_direct_channels(deadline)
+
+    def _open_direct_channels(self, deadline: float) -> None:
+        authkey = os.urandom(32)
+        opened = [actor.open_channel.remote(authkey) for actor in self._actors]
+        addresses = self._gather_startup(opened, "open_channel", deadline, raw=True)
+        try:
+            channels = DirectChannels(addresses, authkey)
+        except OSError as exc:  # e.g. the workers run in another network namespace
+            logger.info("direct calls unavailable, using Ray actor calls: %s", exc)
+            return
+        self._direct = channels
+        self.add_cleanup(channels.close)
 
     def _create_actors(self, group: PlacementGroup, options: RayOptions) -> list[Any]:
         bundle = bundle_for(options, self.config.device)
@@ -209,6 +226,11 @@ class RayExecutor(Executor):
         return self._options
 
     @property
+    def uses_direct_calls(self) -> bool:
+        """True if small calls go on the executor's own sockets (see ``_direct``)."""
+        return self._direct is not None
+
+    @property
     def uses_compiled_graph(self) -> bool:
         """True if ``execute_model`` goes through a Ray Compiled Graph."""
         return self._use_compiled
@@ -230,22 +252,118 @@ class RayExecutor(Executor):
         deadline = None if timeout is None else time.monotonic() + timeout
         name = method_name(method)
         wire = dumps_method(method)
-        self._drain("compiled", name, deadline, timeout)
         call, lifted = self._encode_call(wire, args, kwargs, unique_reply_rank)
-        # One lock around the submissions: calls from several threads then reach every actor
-        # in the same order, so collectives inside worker methods cannot cross and deadlock.
-        with self._actor_submit_lock:
-            refs = [actor.execute.remote(call, *lifted) for actor in self._actors]
+        direct = self._direct
+        if direct is not None and type(call) is bytes and not lifted:
+            wait = self._direct_call(direct, call, name, deadline, timeout)
+        else:
+            wait = self._actor_call(call, lifted, name, deadline, timeout)
 
-        def wait() -> list[Any]:
-            replies = self._gather(refs, name, deadline, timeout)
+        def replies() -> list[Any]:
+            results = wait()
             if unique_reply_rank is not None:
-                return [replies[unique_reply_rank]]
-            return replies
+                return [results[unique_reply_rank]]
+            return results
 
         if non_block:
-            return self._submit_ordered("actor", wait)
-        return wait()
+            return self._collector.submit(replies)  # one thread: futures complete in order
+        return replies()
+
+    def _actor_call(
+        self,
+        call: Any,
+        lifted: list[Any],
+        name: str,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Callable[[], list[Any]]:
+        """Submit ``call`` as one Ray actor task per rank; the function that gathers it."""
+        self._enter("actor", name, deadline, timeout)
+        try:
+            # One lock around the submissions: calls from several threads then reach every
+            # actor in the same order, so collectives inside worker methods cannot cross.
+            with self._actor_submit_lock:
+                refs = [actor.execute.remote(call, *lifted) for actor in self._actors]
+        except BaseException:
+            self._gate.leave()
+            raise
+
+        def wait() -> list[Any]:
+            try:
+                return self._gather(refs, name, deadline, timeout)
+            finally:
+                self._gate.leave()
+
+        return wait
+
+    def _direct_call(
+        self,
+        channels: DirectChannels,
+        call: bytes,
+        name: str,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Callable[[], list[Any]]:
+        """Send ``call`` on every rank's socket; the function that reads the replies.
+
+        Replies are read in the order the calls were sent: a call's reader first waits for
+        the previous call's reader to finish (so two never read one socket at once).
+        """
+        self._enter("direct", name, deadline, timeout)
+        try:
+            with self._actor_submit_lock:
+                self._direct_seq += 1
+                seq = self._direct_seq
+                previous, done = self._direct_last, threading.Event()
+                self._direct_last = done
+                try:
+                    channels.send(seq, call)
+                except ChannelClosedError as exc:
+                    done.set()
+                    raise self._await_monitor(exc.rank, exc) from None
+        except BaseException:
+            self._gate.leave()
+            raise
+
+        def wait() -> list[Any]:
+            try:
+                return self._gather_direct(channels, seq, previous, name, deadline, timeout)
+            finally:
+                done.set()
+                self._gate.leave()
+
+        return wait
+
+    def _gather_direct(
+        self,
+        channels: DirectChannels,
+        seq: int,
+        previous: threading.Event | None,
+        name: str,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> list[Any]:
+        while previous is not None and not previous.is_set():
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                raise RPCTimeoutError(name, range(self.world_size), timeout or 0.0)
+            wait_s = _WAIT_SLICE_S if remaining is None else min(_WAIT_SLICE_S, remaining)
+            if not previous.wait(wait_s):
+                self._raise_if_stopped()
+        results = []
+        for rank in range(self.world_size):
+            try:
+                ok, result = channels.read(
+                    rank, seq, deadline, _WAIT_SLICE_S, self._raise_if_stopped
+                )
+            except ChannelClosedError as exc:
+                raise self._await_monitor(exc.rank, exc) from None
+            if not ok:
+                late = range(rank + 1, self.world_size)
+                missing = [rank, *(r for r in late if not channels.answered(r))]
+                raise RPCTimeoutError(name, missing, timeout or 0.0)
+            results.append(result)
+        return _raise_failures(results)
 
     def _encode_call(
         self,
@@ -286,14 +404,16 @@ class RayExecutor(Executor):
         timeout = self.resolve_timeout(None)
         step = self._compiled_step()  # the first call compiles (outside the call's timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._drain("actor", "execute_model", deadline, timeout)
+        self._enter("compiled", "execute_model", deadline, timeout)
         if not self._compiled_slots.acquire(timeout=_remaining(deadline, default=-1)):
+            self._gate.leave()
             raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0)
         try:
             with self._graph_submit_lock:
                 refs = step.submit(batch)
         except BaseException:
             self._compiled_slots.release()
+            self._gate.leave()
             raise
 
         def wait() -> Any:
@@ -304,9 +424,10 @@ class RayExecutor(Executor):
                     return self._gather_compiled(refs, deadline, timeout)
             finally:
                 self._compiled_slots.release()
+                self._gate.leave()
 
         if non_block:
-            return self._submit_ordered("compiled", wait)
+            return self._collector.submit(wait)
         return wait()
 
     def _compiled_step(self) -> CompiledStep:
@@ -321,20 +442,9 @@ class RayExecutor(Executor):
                 self.add_cleanup(functools.partial(_teardown_quietly, step))
             return self._compiled
 
-    def _submit_ordered(self, path: str, wait: Callable[[], Any]) -> Future[Any]:
-        future = self._collector.submit(wait)
-        self._last_future[path] = future
-        return future
-
-    def _drain(self, other: str, name: str, deadline: float | None, timeout: float | None) -> None:
-        """Wait until the other path's non-blocking calls have completed."""
-        future = self._last_future[other]
-        if future is None:
-            return
-        done, _ = concurrent.futures.wait([future], timeout=_remaining(deadline))
-        if not done:
+    def _enter(self, path: str, name: str, deadline: float | None, timeout: float | None) -> None:
+        if not self._gate.enter(path, _remaining(deadline)):
             raise RPCTimeoutError(name, range(self.world_size), timeout or 0.0)
-        self._last_future[other] = None
 
     # --- waiting ---------------------------------------------------------------------------
 
@@ -385,6 +495,21 @@ class RayExecutor(Executor):
             return self._report_death(-1, exc)
         return ExecutorError(f"Ray failed during {name!r}: {exc}")
 
+    def _monitors_verdict(self) -> ExecutorError | None:
+        """After a transport noticed a worker gone: the error to raise if the executor was
+        shut down or the monitor reports the death within a moment (its error names the rank,
+        node and Ray's reason; it notices about when the transport does), else None."""
+        give_up = time.monotonic() + 2.0
+        while not self._closed and self._failure is None and time.monotonic() < give_up:
+            time.sleep(0.05)
+        if self._closed:
+            return ExecutorClosedError("the executor was shut down during the call")
+        return self._failure
+
+    def _await_monitor(self, rank: int, exc: ChannelClosedError) -> ExecutorError:
+        """A worker's direct channel closed: report its death."""
+        return self._monitors_verdict() or self._report_death(rank, exc)
+
     def _gather_compiled(
         self, refs: list[Any], deadline: float | None, timeout: float | None
     ) -> Any:
@@ -403,15 +528,9 @@ class RayExecutor(Executor):
 
     def _compiled_failure(self, exc: BaseException) -> ExecutorError:
         """A compiled-graph read failed: report the dead worker if the monitor names one."""
-        if self._closed:
-            return ExecutorClosedError("the executor was shut down during the call")
-        # The graph notices a dead actor (closed channel) about when the monitor does; give
-        # the monitor a moment so the error names the rank and node.
-        give_up = time.monotonic() + 2.0
-        while self._failure is None and time.monotonic() < give_up:
-            time.sleep(0.05)
-        if self._failure is not None:
-            return self._failure
+        verdict = self._monitors_verdict()
+        if verdict is not None:
+            return verdict
         error = ExecutorFailedError(f"the compiled graph of execute_model failed: {exc}")
         self.fail(error)
         return self._failure or error
@@ -468,6 +587,9 @@ class RayExecutor(Executor):
         monitor = getattr(self, "_monitor", None)
         if monitor is not None:
             monitor.stop()
+        direct = getattr(self, "_direct", None)
+        if direct is not None:
+            direct.close()  # wakes a thread waiting for a reply; the workers' threads exit
         step = getattr(self, "_compiled", None)
         if step is not None:
             _teardown_quietly(step)
@@ -494,11 +616,44 @@ def _death_reporter(executor: RayExecutor) -> Callable[[int, BaseException], Non
 
 def _unpack(replies: list[Any]) -> list[Any]:
     """The results in the replies, or the first rank's failure raised as its error."""
-    results = [decode_reply(reply) for reply in replies]
+    return _raise_failures([decode_reply(reply) for reply in replies])
+
+
+def _raise_failures(results: list[Any]) -> list[Any]:
     for result in results:
         if isinstance(result, Failed):
             raise result.failure.to_error()
     return results
+
+
+class _PathGate:
+    """Calls go by one of three paths: the direct sockets, Ray actor tasks, the compiled
+    graph. Calls on one path may overlap (each path keeps its own order); a call on another
+    path waits until none is in flight, so that every worker sees all calls in one order and
+    collectives inside worker methods cannot cross."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._path = ""
+        self._inflight = 0
+
+    def enter(self, path: str, timeout: float | None) -> bool:
+        """Wait (up to ``timeout``) until ``path`` may be used; False on timeout."""
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._inflight == 0 or self._path == path, timeout=timeout
+            ):
+                return False
+            self._path = path
+            self._inflight += 1
+            return True
+
+    def leave(self) -> None:
+        """A call entered with :meth:`enter` completed (or failed)."""
+        with self._cond:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._cond.notify_all()
 
 
 def _remaining(deadline: float | None, default: float | None = None) -> float | None:

@@ -82,6 +82,9 @@ class RayOptions:
     #: graph's channels busy-wait (each worker spins a core while idle, the driver while it
     #: waits for a step); see the README before turning it on.
     compiled_graph: bool = False
+    #: Send small calls on a socket of the executor's own to each worker when every worker
+    #: is on the driver's node (one wake-up each way instead of Ray's task path).
+    direct_calls: bool = True
     #: Logical CPUs of a local instance this backend starts (default: the machine's count).
     local_num_cpus: float | None = None
     #: GPUs of a local instance this backend starts (default: Ray's detection).
@@ -126,6 +129,7 @@ _VALIDATORS: dict[str, Any] = {
     "placement_timeout": lambda k, v: _number(k, v, minimum=0.0, strict=True),
     "startup_timeout": lambda k, v: _number(k, v, minimum=0.0, strict=True),
     "compiled_graph": _bool,
+    "direct_calls": _bool,
     "local_num_cpus": _optional_number,
     "local_num_gpus": _optional_number,
     "temp_dir": _optional_str,

@@ -1,0 +1,104 @@
+"""Direct calls: the executor's own authenticated sockets to the workers on its node."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+from typing import Any
+
+import pytest
+import ray
+
+from executor_core import ExecutorClosedError, create_executor
+from executor_core.testing import conformance_config
+from executor_plugin_ray._direct import DirectChannels, DirectServer
+from executor_plugin_ray._encoding import Failed, pack
+from executor_plugin_ray._executor import RayExecutor
+
+BIG = 200 * 1024  # large enough to go as a Ray actor call (lifted into the object store)
+
+
+def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one() -> None:
+    seen: list[Any] = []
+
+    def handle(call: bytes) -> Any:
+        seen.append(pickle.loads(call))
+        return pack(("result", len(seen)))
+
+    key = os.urandom(32)
+    server = DirectServer(key, handle)
+    with pytest.raises(AuthenticationError):
+        Client(server.address, family="AF_UNIX", authkey=os.urandom(32))
+    assert seen == []  # nothing from the refused peer was read, let alone unpickled
+    channels = DirectChannels([server.address], key)
+    try:
+        channels.send(1, pickle.dumps(["get_rank", [], None, None, []]))
+        assert channels.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (
+            True,
+            ("result", 1),
+        )
+        assert seen == [["get_rank", [], None, None, []]]
+    finally:
+        channels.close()
+
+
+def test_replies_of_every_kind_cross_the_channel() -> None:
+    failure = Failed(failure=None)  # type: ignore[arg-type]  # only its identity matters here
+    replies = iter([pack(b"\x80\x05raw"), None, failure])
+    server = DirectServer(b"k" * 32, lambda call: next(replies))
+    channels = DirectChannels([server.address], b"k" * 32)
+    try:
+        results = []
+        for seq in (1, 2, 3):
+            channels.send(seq, b"call")
+            results.append(channels.read(0, seq, time.monotonic() + 10, 0.5, lambda: None)[1])
+        assert results == [b"\x80\x05raw", None, failure]
+    finally:
+        channels.close()
+
+
+@pytest.fixture(scope="module")
+def executor(ray_local: None) -> Iterator[RayExecutor]:
+    created = create_executor(
+        conformance_config("ray", world_size=2, backend_options={"log_to_driver": False})
+    )
+    assert isinstance(created, RayExecutor)
+    assert created.uses_direct_calls
+    try:
+        yield created
+    finally:
+        created.shutdown()
+
+
+def test_calls_keep_one_order_across_paths(executor: RayExecutor) -> None:
+    executor.collective_rpc("clear_recorded")
+    big = b"b" * BIG
+    ref = ray.put("stored")  # an object ref goes through Ray's serializer: an actor call
+    first = executor.collective_rpc("record", args=(1,), non_block=True)
+    executor.collective_rpc("record", args=(big,), non_block=True)
+    executor.collective_rpc("record", args=(ref,), non_block=True)
+    last = executor.collective_rpc("record", args=(4,), non_block=True)
+    assert last.result(timeout=30) == [4, 4]
+    assert first.result(timeout=0) == [1, 1]
+    for recorded in executor.collective_rpc("get_recorded"):
+        assert recorded[0] == 1
+        assert recorded[1] == big
+        assert isinstance(recorded[2], ray.ObjectRef)
+        assert recorded[3] == 4
+
+
+def test_shutdown_wakes_a_call_waiting_on_the_channel(ray_local: None) -> None:
+    executor = create_executor(
+        conformance_config("ray", world_size=2, backend_options={"log_to_driver": False})
+    )
+    pending = executor.collective_rpc("slow", args=(60.0,), non_block=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    executor.shutdown()
+    with pytest.raises(ExecutorClosedError):
+        pending.result(timeout=15)
+    assert time.monotonic() - start < 10
