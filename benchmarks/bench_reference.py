@@ -10,6 +10,11 @@ against the baseline. Then measures sleep/wake: time and memory released per lev
 The default model (medium, 31M parameters) gives each step enough work for pipeline overlap
 to show; with the small one, per-step fixed costs (gloo latency, process wake-ups) dominate.
 
+The executor share is the executor's time on each step's path over the step's latency,
+summed over steps (``GenerationResult.executor_share``). With batches in flight at once the
+steps overlap, so the table also gives executor seconds per wall second
+(``executor_time_per_wall_s``), which adds up the executor time of overlapping steps.
+
 Layouts whose backend is not installed are skipped (and said so).
 """
 
@@ -97,6 +102,7 @@ def bench_generation(checkpoint: Path, args: argparse.Namespace) -> list[dict[st
                 "p50_ms": statistics.median(r.latency_percentile(50) for r in results) * 1e3,
                 "p99_ms": statistics.median(r.latency_percentile(99) for r in results) * 1e3,
                 "executor_share": statistics.median(r.executor_share for r in results),
+                "executor_per_wall": statistics.median(r.executor_time_per_wall_s for r in results),
                 "same_tokens": best.tokens == reference_tokens,
             }
         )
@@ -148,14 +154,15 @@ def _print_tables(gen: list[dict[str, Any]], sleep: list[dict[str, Any]]) -> Non
     sync_pp = next((r for r in gen if r["layout"] == "mp pp2"), None)
     print(
         "| layout | batches in flight | tokens/s | vs uni tp1 | step p50 (ms) | step p99 (ms) "
-        "| executor share | same tokens |"
+        "| executor share | executor s per wall s | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in gen:
         print(
             f"| {r['layout']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
             f"{r['tokens_per_s'] / base:.2f}x | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-            f"{r['executor_share']:.1%} | {'yes' if r['same_tokens'] else 'NO'} |"
+            f"{r['executor_share']:.1%} | {r['executor_per_wall']:.3f} | "
+            f"{'yes' if r['same_tokens'] else 'NO'} |"
         )
     overlap = next((r for r in gen if r["layout"] == "mp pp2 overlap"), None)
     if sync_pp and overlap:

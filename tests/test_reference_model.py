@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 from executor_core import ConfigError, Executor, ExecutorConfig, WorkerError, create_executor
 from executor_core.reference import (
     MODEL_SIZES,
+    GenerationResult,
     ModelConfig,
     Split,
     StepInput,
+    StepRecord,
     checkpoint_layout,
     create_checkpoint,
     ensure_checkpoint,
@@ -134,6 +136,33 @@ def test_async_overlap_gives_the_same_tokens(uni: Executor) -> None:
     assert overlapped.max_concurrent_batches == 2
     assert overlapped.tokens == serial.tokens
     assert len(serial.steps) == len(overlapped.steps) == 3 * 5
+
+
+def test_shares_are_of_each_steps_own_time_when_steps_overlap() -> None:
+    def step(batch_id: int, submitted: float, done: float, executor_s: float) -> StepRecord:
+        return StepRecord(
+            batch_id=batch_id,
+            prefill=False,
+            tokens=1,
+            submitted_at=submitted,
+            done_at=done,
+            model_time_s=(done - submitted) - executor_s,
+            executor_time_s=executor_s,
+        )
+
+    # Two batches in flight: two 1 s steps overlap in 1.5 s of wall time, each with 0.1 s of
+    # executor time: 10% of each step's time, 0.2 executor seconds in 1.5 wall seconds.
+    result = GenerationResult(
+        tokens=[[1], [2]],
+        logits=None,
+        steps=[step(0, 0.0, 1.0, 0.1), step(1, 0.5, 1.5, 0.1)],
+        wall_time_s=1.5,
+        max_concurrent_batches=2,
+    )
+    assert result.step_time_s == pytest.approx(2.0)
+    assert result.executor_share == pytest.approx(0.1)
+    assert result.model_share == pytest.approx(0.9)
+    assert result.executor_time_per_wall_s == pytest.approx(0.2 / 1.5)
 
 
 def test_prompts_of_different_lengths_are_batched_by_length(uni: Executor) -> None:

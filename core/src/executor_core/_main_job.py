@@ -159,7 +159,7 @@ def _print_summary(s: dict[str, Any], out: TextIO) -> None:
         f"step latency: p50 {s['step_latency_p50_ms']:.2f} ms, p99 {s['step_latency_p99_ms']:.2f} "
         f"ms over {s['steps']} steps",
         f"time split: executor {s['executor_share']:.1%}, model {s['model_share']:.1%}, "
-        f"driver and waiting {other:.1%}",
+        f"driver and waiting {other:.1%} (of each step's time)",
     ]
     print("\n".join(lines), file=out)
 

@@ -85,18 +85,37 @@ class GenerationResult:
         return latencies[index]
 
     @property
+    def step_time_s(self) -> float:
+        """The steps' latencies summed. Without batches in flight at once this is about the
+        wall time; with several, steps overlap and it is up to that many times more."""
+        return sum(s.latency_s for s in self.steps)
+
+    @property
     def executor_share(self) -> float:
-        """Share of the wall time steps spent in the executor (transport, not the model)."""
+        """Share of the steps' time spent in the executor (transport, not the model): each
+        step's executor time over its latency, weighted by latency. With batches in flight at
+        once every step still counts its own executor time against its own latency."""
+        step_time = self.step_time_s
+        if step_time <= 0:
+            return 0.0
+        return sum(s.executor_time_s for s in self.steps) / step_time
+
+    @property
+    def executor_time_per_wall_s(self) -> float:
+        """Executor seconds per second of wall time, summed over steps in flight at once. The
+        same as :attr:`executor_share` with one batch in flight; with ``n`` it can be up to
+        ``n`` times that, though no step lost more than its own share."""
         if self.wall_time_s <= 0:
             return 0.0
         return sum(s.executor_time_s for s in self.steps) / self.wall_time_s
 
     @property
     def model_share(self) -> float:
-        """Share of the wall time the output rank spent in the model."""
-        if self.wall_time_s <= 0:
+        """Share of the steps' time the output rank spent in the model."""
+        step_time = self.step_time_s
+        if step_time <= 0:
             return 0.0
-        return min(1.0, sum(s.model_time_s for s in self.steps) / self.wall_time_s)
+        return min(1.0, sum(s.model_time_s for s in self.steps) / step_time)
 
 
 @attrs.define

@@ -6,6 +6,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -99,7 +100,10 @@ class RayExecutor(Executor):
         self._direct: DirectChannels | None = None
         self._direct_seq = 0
         self._direct_last: threading.Event | None = None  # set when the last call is read
-        self._compiled_slots = threading.BoundedSemaphore(_max_inflight())
+        # Tokens for the steps the graph may have in flight (a C queue: cheap per step).
+        self._compiled_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(_max_inflight()):
+            self._compiled_slots.put(None)
 
         lease = acquire_ray(options, world_size=config.world_size)
         self.add_cleanup(lease.release)
@@ -405,14 +409,16 @@ class RayExecutor(Executor):
         step = self._compiled_step()  # the first call compiles (outside the call's timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._enter("compiled", "execute_model", deadline, timeout)
-        if not self._compiled_slots.acquire(timeout=_remaining(deadline, default=-1)):
+        try:
+            self._compiled_slots.get(timeout=_remaining(deadline))
+        except queue.Empty:
             self._gate.leave()
-            raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0)
+            raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0) from None
         try:
             with self._graph_submit_lock:
                 refs = step.submit(batch)
         except BaseException:
-            self._compiled_slots.release()
+            self._compiled_slots.put(None)
             self._gate.leave()
             raise
 
@@ -423,7 +429,7 @@ class RayExecutor(Executor):
                 with self._graph_read_lock:
                     return self._gather_compiled(refs, deadline, timeout)
             finally:
-                self._compiled_slots.release()
+                self._compiled_slots.put(None)
                 self._gate.leave()
 
         if non_block:
@@ -431,6 +437,9 @@ class RayExecutor(Executor):
         return wait()
 
     def _compiled_step(self) -> CompiledStep:
+        compiled = self._compiled
+        if compiled is not None:
+            return compiled
         with self._compiled_lock:
             if self._compiled is None:
                 self.check_open()
@@ -636,14 +645,20 @@ class _PathGate:
         self._cond = threading.Condition()
         self._path = ""
         self._inflight = 0
+        self._waiting = 0
 
     def enter(self, path: str, timeout: float | None) -> bool:
         """Wait (up to ``timeout``) until ``path`` may be used; False on timeout."""
         with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._inflight == 0 or self._path == path, timeout=timeout
-            ):
-                return False
+            if self._inflight and self._path != path:
+                self._waiting += 1
+                try:
+                    if not self._cond.wait_for(
+                        lambda: self._inflight == 0 or self._path == path, timeout=timeout
+                    ):
+                        return False
+                finally:
+                    self._waiting -= 1
             self._path = path
             self._inflight += 1
             return True
@@ -652,7 +667,7 @@ class _PathGate:
         """A call entered with :meth:`enter` completed (or failed)."""
         with self._cond:
             self._inflight -= 1
-            if self._inflight == 0:
+            if self._inflight == 0 and self._waiting:
                 self._cond.notify_all()
 
 
