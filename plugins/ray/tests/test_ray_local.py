@@ -23,6 +23,7 @@ from executor_core import (
     create_executor,
 )
 from executor_core.testing import conformance_config
+from executor_plugin_ray._compiled import MAX_INFLIGHT
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._placement import PlacementTimeoutError
 
@@ -144,6 +145,17 @@ def test_compiled_graph_timeout_names_busy_ranks_and_recovers() -> None:
         assert set(info.value.ranks) == {0, 1}
         time.sleep(1.6)  # let the late step finish; its result is dropped
         assert executor.execute_model(0.01) == {"slept": 0.01}
+    finally:
+        executor.shutdown()
+
+
+def test_more_steps_in_flight_than_the_graph_holds_wait_for_a_slot() -> None:
+    executor = make()  # no rpc_timeout: a step waits for a free slot as long as it takes
+    try:
+        executor.collective_rpc(_slow_steps)
+        steps = MAX_INFLIGHT + 8
+        futures = [executor.execute_model(0.01, non_block=True) for _ in range(steps)]
+        assert [f.result(timeout=60) for f in futures] == [{"slept": 0.01}] * steps
     finally:
         executor.shutdown()
 
