@@ -91,6 +91,7 @@ class RayExecutor(Executor):
         self._actor_submit_lock = threading.Lock()
         self._graph_read_lock = threading.Lock()
         self._use_compiled = options.compiled_graph and compiled_graphs_available()
+        self._output_rank = config.output_rank
         # Ordered completion of non-blocking calls: one thread resolves them in turn.
         self._collector = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="executor-ray-collector"
@@ -533,7 +534,10 @@ class RayExecutor(Executor):
             ) from None
         except RayError as exc:
             raise self._compiled_failure(exc) from None
-        return _unpack(replies)[self.output_rank]
+        for reply in replies:  # only the output rank's reply needs decoding
+            if isinstance(reply, Failed):
+                raise reply.failure.to_error()
+        return decode_reply(replies[self._output_rank])
 
     def _compiled_failure(self, exc: BaseException) -> ExecutorError:
         """A compiled-graph read failed: report the dead worker if the monitor names one."""
@@ -642,14 +646,17 @@ class _PathGate:
     collectives inside worker methods cannot cross."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # The plain lock guards the counts; the condition on it is used only to wait (the
+        # common case, a call on the path already in use, costs one C-level lock round).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._path = ""
         self._inflight = 0
         self._waiting = 0
 
     def enter(self, path: str, timeout: float | None) -> bool:
         """Wait (up to ``timeout``) until ``path`` may be used; False on timeout."""
-        with self._cond:
+        with self._lock:
             if self._inflight and self._path != path:
                 self._waiting += 1
                 try:
@@ -665,7 +672,7 @@ class _PathGate:
 
     def leave(self) -> None:
         """A call entered with :meth:`enter` completed (or failed)."""
-        with self._cond:
+        with self._lock:
             self._inflight -= 1
             if self._inflight == 0 and self._waiting:
                 self._cond.notify_all()
