@@ -7,7 +7,7 @@ import pickle
 import time
 from collections.abc import Iterator
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Listener
 from typing import Any
 
 import pytest
@@ -34,7 +34,7 @@ def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one() -> None:
     with pytest.raises(AuthenticationError):
         Client(server.address, family="AF_UNIX", authkey=os.urandom(32))
     assert seen == []  # nothing from the refused peer was read, let alone unpickled
-    channels = DirectChannels([server.address], key)
+    channels = DirectChannels([server.address], key, timeout_s=10)
     try:
         channels.send(1, pickle.dumps(["get_rank", [], None, None, []]))
         assert channels.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (
@@ -50,7 +50,7 @@ def test_replies_of_every_kind_cross_the_channel() -> None:
     failure = Failed(failure=None)  # type: ignore[arg-type]  # only its identity matters here
     replies = iter([pack(b"\x80\x05raw"), None, failure])
     server = DirectServer(b"k" * 32, lambda call: next(replies))
-    channels = DirectChannels([server.address], b"k" * 32)
+    channels = DirectChannels([server.address], b"k" * 32, timeout_s=10)
     try:
         results = []
         for seq in (1, 2, 3):
@@ -59,6 +59,19 @@ def test_replies_of_every_kind_cross_the_channel() -> None:
         assert results == [b"\x80\x05raw", None, failure]
     finally:
         channels.close()
+
+
+def test_a_stalled_handshake_times_out_instead_of_hanging() -> None:
+    # A listener that never accepts: the connection is queued, and its handshake never comes.
+    address = f"\0executor-ray-test-{os.urandom(8).hex()}"
+    listener = Listener(address, family="AF_UNIX", authkey=b"k" * 32)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="handshake"):
+            DirectChannels([address], b"k" * 32, timeout_s=0.5)
+        assert time.monotonic() - start < 5
+    finally:
+        listener.close()
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,31 @@ _RESULT = b"\x00"  # the payload is the result, pickled
 _OTHER = b"\x01"  # the payload is a pickled reply object (None, Failed, Carried)
 
 
+def _connect(address: str, authkey: bytes, timeout_s: float) -> Connection:
+    """``Client(address)`` with a time limit: its handshake has none, and a local process that
+    connected to the worker first and stalls would hold ours forever. On timeout the helper
+    thread stays blocked until that process lets go; the executor goes on without it."""
+    outcome: list[Connection | BaseException] = []
+
+    def connect() -> None:
+        try:
+            outcome.append(Client(address, family="AF_UNIX", authkey=authkey))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect, name="executor-ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(
+            f"the worker's direct channel did not complete the handshake in {timeout_s:g} s"
+        )
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 class ChannelClosedError(Exception):
     """A worker's socket closed: its actor stopped or died."""
 
@@ -97,11 +122,13 @@ class DirectServer:
 class DirectChannels:
     """The driver's end: one authenticated socket per rank."""
 
-    def __init__(self, addresses: list[str], authkey: bytes) -> None:
+    def __init__(self, addresses: list[str], authkey: bytes, timeout_s: float) -> None:
+        """Connect to every rank; ``OSError`` (``TimeoutError`` after ``timeout_s`` seconds
+        for one rank) if one cannot be reached or does not complete the handshake."""
         self._conns: list[Connection] = []
         try:
             for address in addresses:
-                self._conns.append(Client(address, family="AF_UNIX", authkey=authkey))
+                self._conns.append(_connect(address, authkey, timeout_s))
         except BaseException:
             self.close()
             raise

@@ -59,6 +59,8 @@ _WAIT_SLICE_S = 0.5
 #: Arguments at least this large cross as arguments of their own, put into the object store
 #: once for all workers rather than serialised once per worker (Ray inlines smaller ones).
 _LIFT_BYTES = 100 * 1024
+#: Longest wait for a worker's direct channel to accept the driver (it takes milliseconds).
+_CONNECT_S = 30.0
 #: Seconds the graceful part of shutdown may take before the actors are killed.
 _GRACEFUL_S = 5.0
 
@@ -141,8 +143,9 @@ class RayExecutor(Executor):
         opened = [actor.open_channel.remote(authkey) for actor in self._actors]
         addresses = self._gather_startup(opened, "open_channel", deadline, raw=True)
         try:
-            channels = DirectChannels(addresses, authkey)
-        except OSError as exc:  # e.g. the workers run in another network namespace
+            timeout_s = min(_CONNECT_S, max(1.0, deadline - time.monotonic()))
+            channels = DirectChannels(addresses, authkey, timeout_s)
+        except OSError as exc:  # another network namespace, or a stalled handshake
             logger.info("direct calls unavailable, using Ray actor calls: %s", exc)
             return
         self._direct = channels
