@@ -68,10 +68,11 @@ _GRACEFUL_S = 5.0
 class RayExecutor(Executor):
     """Runs each rank's worker in a Ray actor; see the distribution's README for options.
 
-    Calls are actor tasks (one per rank, in order). With ``compiled_graph`` enabled
-    ``execute_model`` goes through a Ray Compiled Graph instead. A monitor fails the
-    executor with :class:`WorkerDiedError` (rank and node) as soon as Ray reports an actor or
-    its node dead; pending and later calls then raise that error.
+    Small calls go on the executor's own socket to each worker when all are on the driver's
+    node (``_direct``), and as Ray actor tasks (one per rank, in order) otherwise. With
+    ``compiled_graph`` enabled ``execute_model`` goes through a Ray Compiled Graph. A monitor
+    fails the executor with :class:`WorkerDiedError` (rank and node) as soon as Ray reports an
+    actor or its node dead; pending and later calls then raise that error.
     """
 
     supports_pp = True
@@ -537,10 +538,8 @@ class RayExecutor(Executor):
             ) from None
         except RayError as exc:
             raise self._compiled_failure(exc) from None
-        for reply in replies:  # only the output rank's reply needs decoding
-            if isinstance(reply, Failed):
-                raise reply.failure.to_error()
-        return decode_reply(replies[self._output_rank])
+        # A Failed reply crosses as itself; only the output rank's result needs decoding.
+        return decode_reply(_raise_failures(replies)[self._output_rank])
 
     def _compiled_failure(self, exc: BaseException) -> ExecutorError:
         """A compiled-graph read failed: report the dead worker if the monitor names one."""
