@@ -1,6 +1,6 @@
 """Ray backend benchmark: this backend against raw Ray on the same kind of actor, side by side.
 
-    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 10]
+    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 20]
 
 For 1 and 2 workers, in one Ray instance, on each of the backend's call paths (direct calls,
 the default on one node, and Ray actor calls, ``direct_calls=False``, as across nodes):
@@ -19,13 +19,14 @@ compiled graph alive; then
   idle, so a graph left alive would take a core from the side being measured.
 
 The raw actors are threaded actors with a second concurrency group, as the backend's are.
+Only the plugin under test is loaded (``EXECUTOR_PLUGINS=ray``): the development install also
+registers test fixtures, among them an observer hook that runs on every call.
 Prints median and p99 per call in microseconds and the ratio of medians (target <= 1.1).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics
@@ -33,7 +34,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
@@ -44,11 +44,13 @@ from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._options import RayOptions
 
 MB = b"x" * (1 << 20)
-#: Seconds a compiled-graph phase waits after its warm-up. Without it, on a 2-core machine,
-#: this backend's phases after the first ran about 3x slower (about 330 µs a step against
-#: 100 µs in the first) while raw Ray's did not; the cause was not found (Ray starts no new
-#: processes then). Both sides wait alike.
-SETTLE_S = 2.0
+#: Only the plugin under test is loaded, in the driver and the workers: the development
+#: install also registers test fixtures, among them an observer hook that runs on every call
+#: (about 4 µs a call here).
+PLUGINS_ENV = "EXECUTOR_PLUGINS"
+#: Seconds a compiled-graph phase waits after compiling and warming up, before it measures:
+#: compiling keeps Ray's own processes busy for a moment. Both sides wait alike.
+SETTLE_S = 1.0
 
 
 @ray.remote(num_cpus=1, concurrency_groups={"monitor": 2})
@@ -127,7 +129,9 @@ def _executor(workers: int, compiled_graph: bool, direct_calls: bool = True) -> 
         "direct_calls": direct_calls,
     }
     executor = create_executor(
-        conformance_config("ray", world_size=workers, backend_options=options)
+        conformance_config(
+            "ray", world_size=workers, backend_options=options, env={PLUGINS_ENV: "ray"}
+        )
     )
     assert isinstance(executor, RayExecutor)
     assert executor.uses_compiled_graph == compiled_graph
@@ -186,52 +190,65 @@ def _raw_graph_step(graph: Any) -> Any:
 
 
 def bench_compiled(workers: int, phases: int, calls: int) -> list[str]:
-    """The compiled-graph path against a raw compiled graph, one graph alive at a time (both
-    spin while idle), in alternating phases with fresh actors each (a phase's actors may land
-    on a better or worse core pairing than the next's)."""
+    """The compiled-graph path against a raw compiled graph on the same executor and the same
+    raw actors for the whole run, in alternating phases with one graph live at a time: a
+    live graph's loops spin while idle and would take a core from the side being measured.
+    Between phases this backend's graph is released (``release_compiled_graph``) and the raw
+    one torn down; each phase compiles its graph again.
+
+    A phase's median moves by up to 2x from one phase to the next on 2 cores (which threads
+    share a core is luck), so the row pools many short phases; the per-pair ratios are
+    printed too."""
+    executor = _executor(workers, compiled_graph=True)
+    actors = [RawActor.remote(rank) for rank in range(workers)]
+    ray.get([a.pid.remote() for a in actors])
+
+    def ours_phase(out: list[float]) -> None:
+        step = functools.partial(executor.execute_model, 1)
+        try:
+            timed(step, calls, [])  # compiles the graph, then warms up
+            time.sleep(SETTLE_S)
+            timed(step, calls * 4, out)
+        finally:
+            executor.release_compiled_graph()
+
+    def raw_phase(out: list[float]) -> None:
+        with InputNode() as inp:
+            dag = MultiOutputNode([a.step.bind(inp) for a in actors])
+        graph = dag.experimental_compile()
+        try:
+            raw_step = functools.partial(_raw_graph_step, graph)
+            timed(raw_step, calls, [])
+            time.sleep(SETTLE_S)
+            timed(raw_step, calls * 4, out)
+        finally:
+            graph.teardown()
+
     ours: list[float] = []
     raw: list[float] = []
-    for phase in range(phases):
-        for side in ("ours", "raw") if phase % 2 == 0 else ("raw", "ours"):
-            if side == "ours":
-                executor = _executor(workers, compiled_graph=True)
-                pids = [p.pid for p in executor.placements]
-                try:
-                    step = functools.partial(executor.execute_model, 1)
-                    timed(step, calls, [])  # compiles the graph, then warms up
-                    time.sleep(SETTLE_S)
-                    timed(step, calls * 4, ours)
-                finally:
-                    executor.shutdown()
-            else:
-                actors = [RawActor.remote(rank) for rank in range(workers)]
-                with InputNode() as inp:
-                    dag = MultiOutputNode([a.step.bind(inp) for a in actors])
-                graph = dag.experimental_compile()
-                pids = ray.get([a.pid.remote() for a in actors])
-                try:
-                    raw_step = functools.partial(_raw_graph_step, graph)
-                    timed(raw_step, calls, [])
-                    time.sleep(SETTLE_S)
-                    timed(raw_step, calls * 4, raw)
-                finally:
-                    graph.teardown()
-                    for actor in actors:
-                        ray.kill(actor)
-            _wait_gone(pids)
-    return [row("execute_model (compiled graph)", workers, ours, raw)]
-
-
-def _wait_gone(pids: list[int]) -> None:
-    """Wait for a phase's actor processes to exit: ray.kill returns at once, and a graph loop
-    that is still spinning would slow the next phase down."""
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):  # already gone
-            procs.append(psutil.Process(pid))
-    _gone, alive = psutil.wait_procs(procs, timeout=10)
-    if alive:
-        raise RuntimeError(f"actor processes {[p.pid for p in alive]} outlived their phase")
+    ratios: list[float] = []
+    try:
+        for phase in range(phases):
+            ours_phase_s: list[float] = []
+            raw_phase_s: list[float] = []
+            for side in ("ours", "raw") if phase % 2 == 0 else ("raw", "ours"):
+                if side == "ours":
+                    ours_phase(ours_phase_s)
+                else:
+                    raw_phase(raw_phase_s)
+            ours += ours_phase_s
+            raw += raw_phase_s
+            ratios.append(statistics.median(ours_phase_s) / statistics.median(raw_phase_s))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        executor.shutdown()
+    quartiles = statistics.quantiles(ratios, n=4)
+    note = (
+        f"<!-- {workers} worker(s), per-phase-pair ratios: median {statistics.median(ratios):.2f}, "
+        f"quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, {len(ratios)} pairs -->"
+    )
+    return [row("execute_model (compiled graph)", workers, ours, raw), note]
 
 
 def main() -> None:
@@ -241,10 +258,11 @@ def main() -> None:
     parser.add_argument(
         "--phases",
         type=int,
-        default=10,
+        default=20,
         help="compiled-graph phases per side (single phases vary by 2x on 2 cores)",
     )
     args = parser.parse_args()
+    os.environ[PLUGINS_ENV] = "ray"
     # One local instance for the whole run, started the way the backend starts one.
     lease = acquire_ray(RayOptions(local_num_cpus=4, log_to_driver=False), world_size=4)
     try:

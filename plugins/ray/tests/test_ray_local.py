@@ -122,6 +122,56 @@ def test_compiled_graph_worker_error_keeps_executor_usable(shared: RayExecutor) 
     assert shared.execute_model("y") == {"rank": 0, "batch": "y"}
 
 
+def _cpu_seconds_over(pids: list[int], wall_s: float) -> float:
+    """CPU seconds the processes ``pids`` used (all threads) during ``wall_s`` of waiting."""
+    procs = [psutil.Process(pid) for pid in pids]
+
+    def used() -> float:
+        return sum(sum(proc.cpu_times()[:2]) for proc in procs)
+
+    before = used()
+    time.sleep(wall_s)
+    return used() - before
+
+
+def test_release_compiled_graph_stops_the_polling_loops_until_the_next_step(
+    shared: RayExecutor,
+) -> None:
+    assert shared.execute_model("a") == {"rank": 0, "batch": "a"}
+    assert shared.compiled_graph_live
+    pids = [placement.pid for placement in shared.placements]
+    polling = _cpu_seconds_over(pids, 1.0)
+    assert shared.release_compiled_graph() is True
+    assert not shared.compiled_graph_live
+    assert shared.release_compiled_graph() is False
+    idle = _cpu_seconds_over(pids, 1.0)
+    # Live, Ray's loops poll on both workers (each takes a large part of a core); released,
+    # the workers wait without using the CPU.
+    assert polling > 0.3, f"the live graph's loops used {polling:.3f} CPU s in 1 s"
+    assert idle < 0.1, f"the released workers used {idle:.3f} CPU s in 1 s"
+    assert shared.execute_model("b") == {"rank": 0, "batch": "b"}  # compiles again
+    assert shared.compiled_graph_live
+    assert shared.collective_rpc("get_rank") == [0, 1]
+
+
+def test_release_compiled_graph_waits_for_steps_in_flight_and_sleep_releases(
+    shared: RayExecutor,
+) -> None:
+    shared.collective_rpc(_slow_steps)
+    try:
+        steps = [shared.execute_model(0.3, non_block=True) for _ in range(2)]
+        assert shared.release_compiled_graph() is True
+        assert [step.result(timeout=0) for step in steps] == [{"slept": 0.3}] * 2
+    finally:
+        shared.collective_rpc(lambda w: w.__dict__.pop("execute_model", None))
+    assert shared.execute_model("c") == {"rank": 0, "batch": "c"}
+    shared.sleep()
+    assert not shared.compiled_graph_live
+    shared.wake_up()
+    assert shared.execute_model("d") == {"rank": 0, "batch": "d"}
+    assert shared.compiled_graph_live
+
+
 def _slow_steps(worker: Any) -> None:
     import time
 

@@ -121,11 +121,15 @@ class RayWorker:
         return encode_reply(reply)
 
     def execute_model_compiled(self, batch: Any) -> Any:
-        """``execute_model`` as a compiled-graph stage: only the output rank returns a result."""
+        """``execute_model`` as a compiled-graph stage: only the output rank returns a result
+        (or a :class:`Failed`). Unlike :meth:`execute`, the result is not pickled to bytes
+        first: a graph's channel serialises a small value in about 2 µs, less than pickling
+        it here would add (a Ray task result costs ~100 µs more than bytes, hence the bytes
+        there)."""
         reply = self._run("execute_model", (batch,), None)
         if not self._is_output_rank and not isinstance(reply, Failed):
             return None
-        return encode_reply(reply)
+        return reply
 
     def _run(
         self,

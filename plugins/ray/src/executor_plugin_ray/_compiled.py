@@ -31,39 +31,64 @@ def compiled_graphs_available() -> bool:
 
 
 class CompiledStep:
-    """The compiled graph of one executor. Not thread-safe: the executor serialises use."""
+    """The compiled graph of one executor. Not thread-safe: the executor serialises use.
+
+    Ray's graph loops poll their input channels while idle (a spin that yields the CPU), so
+    the graph can be released while no steps are wanted (:meth:`release`) and compiled again
+    (:meth:`compile`, a fraction of a second once Ray's graph code is imported).
+    """
 
     def __init__(self, actors: Sequence[Any], tensor_parallel_size: int) -> None:
+        self._actors = list(actors)
+        self._tensor_parallel_size = tensor_parallel_size
+        self._graph: Any = None
+        self._torn_down = False
+
+    @property
+    def compiled(self) -> bool:
+        """True while a graph is compiled (its loops running on the actors)."""
+        return self._graph is not None
+
+    def compile(self) -> None:
+        """Compile the graph unless it is compiled; an error after :meth:`teardown`."""
+        if self._torn_down:
+            raise RuntimeError("the compiled graph was torn down with its executor")
+        if self._graph is not None:
+            return
         from ray.dag import InputNode, MultiOutputNode
 
-        stages = [
-            actors[start : start + tensor_parallel_size]
-            for start in range(0, len(actors), tensor_parallel_size)
-        ]
+        size = self._tensor_parallel_size
+        stages = [self._actors[start : start + size] for start in range(0, len(self._actors), size)]
         with InputNode() as batch:
             outputs = [
                 actor.execute_model_compiled.bind(batch) for stage in stages for actor in stage
             ]
             graph = MultiOutputNode(outputs)
-        self._graph: Any = graph.experimental_compile(_max_inflight_executions=MAX_INFLIGHT)
-        self._torn_down = False
+        self._graph = graph.experimental_compile(_max_inflight_executions=MAX_INFLIGHT)
 
     def submit(self, batch: Any) -> list[Any]:
         """Start one step; returns one CompiledDAGRef per rank, in rank order."""
         refs: list[Any] = self._graph.execute(batch)
         return refs
 
-    def teardown(self, *, quiet: bool = False) -> None:
-        """Stop the actors' graph loops and release the channels. Idempotent.
+    def release(self, *, quiet: bool = False) -> bool:
+        """Stop the actors' graph loops and release the channels; True if a graph was
+        compiled. :meth:`compile` builds it again.
 
         ``quiet`` hides Ray's error log about loops it cannot cancel on dead actors: after a
         worker died that is expected, and the executor has already reported the death.
         """
-        if self._torn_down:
-            return
-        self._torn_down = True
+        graph, self._graph = self._graph, None
+        if graph is None:
+            return False
         with _silenced("ray.dag.compiled_dag_node") if quiet else contextlib.nullcontext():
-            self._graph.teardown()
+            graph.teardown()
+        return True
+
+    def teardown(self, *, quiet: bool = False) -> None:
+        """:meth:`release` for good (the executor is shutting down or failed). Idempotent."""
+        self._torn_down = True
+        self.release(quiet=quiet)
 
 
 @contextlib.contextmanager

@@ -411,14 +411,24 @@ class RayExecutor(Executor):
             return super().execute_model(batch, non_block)
         self.check_open()
         timeout = self.resolve_timeout(None)
-        step = self._compiled_step()  # the first call compiles (outside the call's timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._enter("compiled", "execute_model", deadline, timeout)
         try:
+            step = self._compiled
+            if step is None or not step.compiled:
+                # The first step (and the first after a release) compiles the graph, outside
+                # the call's timeout.
+                started = time.monotonic()
+                step = self._compile()
+                if deadline is not None:
+                    deadline += time.monotonic() - started
             self._compiled_slots.get(timeout=_remaining(deadline))
         except queue.Empty:
             self._gate.leave()
             raise RPCTimeoutError("execute_model", range(self.world_size), timeout or 0.0) from None
+        except BaseException:
+            self._gate.leave()
+            raise
         try:
             with self._graph_submit_lock:
                 refs = step.submit(batch)
@@ -441,20 +451,58 @@ class RayExecutor(Executor):
             return self._collector.submit(wait)
         return wait()
 
-    def _compiled_step(self) -> CompiledStep:
-        compiled = self._compiled
-        if compiled is not None:
-            return compiled
+    @property
+    def compiled_graph_live(self) -> bool:
+        """True while ``execute_model``'s compiled graph is compiled: its loops then poll on
+        every worker (see :meth:`release_compiled_graph`)."""
+        step = self._compiled
+        return step is not None and step.compiled
+
+    def release_compiled_graph(self, timeout: float | None = None) -> bool:
+        """Tear down ``execute_model``'s compiled graph until the next step compiles it again.
+
+        While a compiled graph is live, Ray's loop on each worker polls its input channel
+        (spinning, though it yields the CPU), so an idle engine keeps a core per worker busy.
+        Call this before a long idle spell; :meth:`sleep` calls it too. The next
+        ``execute_model`` compiles the graph again (a fraction of a second). Waits for the
+        steps in flight (up to ``timeout``; the executor's ``rpc_timeout`` when ``None``).
+        Returns True if a graph was torn down, False if none was live.
+        """
+        self.check_open()
+        timeout = self.resolve_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._enter("release", "release_compiled_graph", deadline, timeout)
+        try:
+            with self._compiled_lock:
+                step = self._compiled
+                return step is not None and step.release()
+        finally:
+            self._gate.leave()
+
+    def sleep(self, level: int = 1) -> None:
+        """As :meth:`Executor.sleep`; first releases the compiled graph (see
+        :meth:`release_compiled_graph`), so that a sleeping engine's workers stay idle."""
+        self.check_open()
+        if self._use_compiled and not self.sleeping_tags:
+            self.release_compiled_graph()
+        super().sleep(level)
+
+    def _compile(self) -> CompiledStep:
+        """The compiled graph, compiled now if it is not live."""
         with self._compiled_lock:
-            if self._compiled is None:
-                self.check_open()
+            self.check_open()
+            step = self._compiled
+            if step is None:
+                # Ray's graph code (and torch, if installed) is imported by each actor's loop:
+                # seconds, once; done here, with the startup timeout.
                 deadline = time.monotonic() + self._options.startup_timeout
                 prepared = [actor.prepare_compiled.remote() for actor in self._actors]
                 self._gather_startup(prepared, "prepare_compiled", deadline, raw=True)
                 step = CompiledStep(self._actors, self.config.tensor_parallel_size)
                 self._compiled = step
                 self.add_cleanup(functools.partial(_teardown_quietly, step))
-            return self._compiled
+            step.compile()
+            return step
 
     def _enter(self, path: str, name: str, deadline: float | None, timeout: float | None) -> None:
         if not self._gate.enter(path, _remaining(deadline)):
@@ -538,8 +586,8 @@ class RayExecutor(Executor):
             ) from None
         except RayError as exc:
             raise self._compiled_failure(exc) from None
-        # A Failed reply crosses as itself; only the output rank's result needs decoding.
-        return decode_reply(_raise_failures(replies)[self._output_rank])
+        # Replies cross as they are (see RayWorker.execute_model_compiled).
+        return _raise_failures(replies)[self._output_rank]
 
     def _compiled_failure(self, exc: BaseException) -> ExecutorError:
         """A compiled-graph read failed: report the dead worker if the monitor names one."""
