@@ -23,7 +23,7 @@ from executor_core import (
     create_executor,
 )
 from executor_core.testing import conformance_config
-from executor_plugin_ray._compiled import MAX_INFLIGHT
+from executor_plugin_ray._compiled import max_inflight_steps
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._placement import PlacementTimeoutError
 
@@ -203,7 +203,7 @@ def test_more_steps_in_flight_than_the_graph_holds_wait_for_a_slot() -> None:
     executor = make()  # no rpc_timeout: a step waits for a free slot as long as it takes
     try:
         executor.collective_rpc(_slow_steps)
-        steps = MAX_INFLIGHT + 8
+        steps = max_inflight_steps() + 8
         futures = [executor.execute_model(0.01, non_block=True) for _ in range(steps)]
         assert [f.result(timeout=60) for f in futures] == [{"slept": 0.01}] * steps
     finally:

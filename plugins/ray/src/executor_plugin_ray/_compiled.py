@@ -15,10 +15,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["CompiledStep", "compiled_graphs_available"]
-
-#: How many steps may be submitted before their results are read (Ray raises beyond it).
-MAX_INFLIGHT = 32
+__all__ = ["CompiledStep", "compiled_graphs_available", "max_inflight_steps"]
 
 
 def compiled_graphs_available() -> bool:
@@ -30,6 +27,15 @@ def compiled_graphs_available() -> bool:
     return hasattr(MultiOutputNode, "experimental_compile") and InputNode is not None
 
 
+def max_inflight_steps() -> int:
+    """How many steps may be submitted before their results are read: Ray's own limit
+    (``RAY_CGRAPH_max_inflight_executions``, 10 by default). Each step in flight holds a
+    shared-memory buffer in every channel of the graph."""
+    from ray.dag import DAGContext
+
+    return int(DAGContext.get_current().max_inflight_executions)
+
+
 class CompiledStep:
     """The compiled graph of one executor. Not thread-safe: the executor serialises use.
 
@@ -38,9 +44,10 @@ class CompiledStep:
     (:meth:`compile`, a fraction of a second once Ray's graph code is imported).
     """
 
-    def __init__(self, actors: Sequence[Any], tensor_parallel_size: int) -> None:
+    def __init__(self, actors: Sequence[Any], tensor_parallel_size: int, max_inflight: int) -> None:
         self._actors = list(actors)
         self._tensor_parallel_size = tensor_parallel_size
+        self._max_inflight = max_inflight
         self._graph: Any = None
         self._torn_down = False
 
@@ -64,7 +71,7 @@ class CompiledStep:
                 actor.execute_model_compiled.bind(batch) for stage in stages for actor in stage
             ]
             graph = MultiOutputNode(outputs)
-        self._graph = graph.experimental_compile(_max_inflight_executions=MAX_INFLIGHT)
+        self._graph = graph.experimental_compile(_max_inflight_executions=self._max_inflight)
 
     def submit(self, batch: Any) -> list[Any]:
         """Start one step; returns one CompiledDAGRef per rank, in rank order."""

@@ -42,7 +42,7 @@ from executor_core import (
 
 from ._actor import RayWorkerActor
 from ._cluster import acquire_ray
-from ._compiled import CompiledStep, compiled_graphs_available
+from ._compiled import CompiledStep, compiled_graphs_available, max_inflight_steps
 from ._direct import ChannelClosedError, DirectChannels
 from ._encoding import Failed, decode_reply, pack
 from ._monitor import DeathMonitor
@@ -105,8 +105,9 @@ class RayExecutor(Executor):
         self._direct_seq = 0
         self._direct_last: threading.Event | None = None  # set when the last call is read
         # Tokens for the steps the graph may have in flight (a C queue: cheap per step).
+        self._max_inflight = max_inflight_steps() if self._use_compiled else 0
         self._compiled_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
-        for _ in range(_max_inflight()):
+        for _ in range(self._max_inflight):
             self._compiled_slots.put(None)
 
         lease = acquire_ray(options, world_size=config.world_size)
@@ -498,7 +499,9 @@ class RayExecutor(Executor):
                 deadline = time.monotonic() + self._options.startup_timeout
                 prepared = [actor.prepare_compiled.remote() for actor in self._actors]
                 self._gather_startup(prepared, "prepare_compiled", deadline, raw=True)
-                step = CompiledStep(self._actors, self.config.tensor_parallel_size)
+                step = CompiledStep(
+                    self._actors, self.config.tensor_parallel_size, self._max_inflight
+                )
                 self._compiled = step
                 self.add_cleanup(functools.partial(_teardown_quietly, step))
             step.compile()
@@ -732,12 +735,6 @@ def _remaining(deadline: float | None, default: float | None = None) -> float | 
     if deadline is None:
         return default
     return max(0.0, deadline - time.monotonic())
-
-
-def _max_inflight() -> int:
-    from ._compiled import MAX_INFLIGHT
-
-    return MAX_INFLIGHT
 
 
 def _nbytes(value: Any) -> int:
