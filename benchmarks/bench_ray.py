@@ -1,6 +1,6 @@
 """Ray backend benchmark: this backend against raw Ray on the same kind of actor, side by side.
 
-    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 20]
+    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 60]
 
 For 1 and 2 workers, in one Ray instance, on each of the backend's call paths (direct calls,
 the default on one node, and Ray actor calls, ``direct_calls=False``, as across nodes):
@@ -16,7 +16,12 @@ compiled graph alive; then
 * ``execute_model`` through the compiled-graph path (``compiled_graph=True``) against a raw
   Ray Compiled Graph (``InputNode -> one bind per actor -> MultiOutputNode``), in
   alternating phases with only one graph alive at a time: Ray's graph loops spin while
-  idle, so a graph left alive would take a core from the side being measured.
+  idle, so a graph left alive would take a core from the side being measured. Each phase
+  compiles its graph again on the same actors; a phase's median moves by up to 2x from one
+  compile to the next here, so the row pools ``--phases`` phases per side, and a 95%
+  bootstrap interval over the phase pairs is printed under the table. And, free of that
+  noise, the executor's ``execute_model`` against Ray's own ``execute`` on the executor's
+  live graph: what the executor adds on the driver.
 
 The raw actors are threaded actors with a second concurrency group, as the backend's are.
 Only the plugin under test is loaded (``EXECUTOR_PLUGINS=ray``): the development install also
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +56,7 @@ MB = b"x" * (1 << 20)
 PLUGINS_ENV = "EXECUTOR_PLUGINS"
 #: Seconds a compiled-graph phase waits after compiling and warming up, before it measures:
 #: compiling keeps Ray's own processes busy for a moment. Both sides wait alike.
-SETTLE_S = 1.0
+SETTLE_S = 0.3
 
 
 @ray.remote(num_cpus=1, concurrency_groups={"monitor": 2})
@@ -189,16 +195,16 @@ def _raw_graph_step(graph: Any) -> Any:
     return ray.get(graph.execute(1))
 
 
-def bench_compiled(workers: int, phases: int, calls: int) -> list[str]:
+def bench_compiled(workers: int, phases: int, calls: int) -> tuple[str, str]:
     """The compiled-graph path against a raw compiled graph on the same executor and the same
     raw actors for the whole run, in alternating phases with one graph live at a time: a
     live graph's loops spin while idle and would take a core from the side being measured.
     Between phases this backend's graph is released (``release_compiled_graph``) and the raw
     one torn down; each phase compiles its graph again.
 
-    A phase's median moves by up to 2x from one phase to the next on 2 cores (which threads
-    share a core is luck), so the row pools many short phases; the per-pair ratios are
-    printed too."""
+    A phase's median moves by up to 2x from one compile to the next on 2 cores, on either
+    side, so the row pools many short phases, and the returned note gives a 95% bootstrap
+    interval of the ratio over the phase pairs. Returns (table row, note)."""
     executor = _executor(workers, compiled_graph=True)
     actors = [RawActor.remote(rank) for rank in range(workers)]
     ray.get([a.pid.remote() for a in actors])
@@ -224,9 +230,7 @@ def bench_compiled(workers: int, phases: int, calls: int) -> list[str]:
         finally:
             graph.teardown()
 
-    ours: list[float] = []
-    raw: list[float] = []
-    ratios: list[float] = []
+    pairs: list[tuple[list[float], list[float]]] = []
     try:
         for phase in range(phases):
             ours_phase_s: list[float] = []
@@ -236,19 +240,85 @@ def bench_compiled(workers: int, phases: int, calls: int) -> list[str]:
                     ours_phase(ours_phase_s)
                 else:
                     raw_phase(raw_phase_s)
-            ours += ours_phase_s
-            raw += raw_phase_s
-            ratios.append(statistics.median(ours_phase_s) / statistics.median(raw_phase_s))
+            pairs.append((ours_phase_s, raw_phase_s))
     finally:
         for actor in actors:
             ray.kill(actor)
         executor.shutdown()
-    quartiles = statistics.quantiles(ratios, n=4)
+    ours = [s for pair in pairs for s in pair[0]]
+    raw = [s for pair in pairs for s in pair[1]]
+    low, high = _bootstrap_ratio_interval(pairs)
     note = (
-        f"<!-- {workers} worker(s), per-phase-pair ratios: median {statistics.median(ratios):.2f}, "
-        f"quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, {len(ratios)} pairs -->"
+        f"compiled graph, {workers} worker(s): median ratio "
+        f"{statistics.median(ours) / statistics.median(raw):.2f}x, 95% interval {low:.2f}-"
+        f"{high:.2f}x (bootstrap over {len(pairs)} phase pairs)"
     )
-    return [row("execute_model (compiled graph)", workers, ours, raw), note]
+    return row("execute_model (compiled graph)", workers, ours, raw), note
+
+
+def bench_compiled_driver(workers: int, rounds: int, calls: int) -> str:
+    """What the executor adds on the driver, free of the compile-to-compile noise: its
+    ``execute_model`` against ``ray.get(graph.execute(batch))`` on the very same live graph
+    (so the same actors, channels and worker code), in alternating blocks."""
+    executor = _executor(workers, compiled_graph=True)
+    try:
+        executor.execute_model(1)  # compiles the graph
+        # A private attribute: the only way to drive the executor's own graph directly.
+        graph = executor._compiled._graph  # type: ignore[union-attr]
+        ours, raw = compare(
+            functools.partial(executor.execute_model, 1),
+            functools.partial(_raw_graph_step, graph),
+            rounds,
+            calls,
+        )
+    finally:
+        executor.shutdown()
+    return row("execute_model (compiled graph), same graph driven raw", workers, ours, raw)
+
+
+def compiled_worker_cost() -> str:
+    """What the executor adds in the worker per compiled step, timed inside the actor."""
+
+    # Nested, so that Ray ships it by value even when this module is imported.
+    def time_in_actor(actor: Any, calls: int = 20_000) -> tuple[float, float]:
+        """Seconds per call of the actor's compiled-graph stage method and of the worker's
+        own ``execute_model`` (the best of 5 loops of ``calls`` calls)."""
+        import timeit
+
+        worker = actor._wrapper.worker
+
+        def best(fn: Callable[[], Any]) -> float:
+            return min(timeit.repeat(fn, number=calls, repeat=5)) / calls
+
+        return best(lambda: actor.execute_model_compiled(1)), best(lambda: worker.execute_model(1))
+
+    executor = _executor(1, compiled_graph=True)
+    try:
+        # A private attribute: the actor handle, to time its method where it runs.
+        actor = executor._actors[0]
+        stage_s, worker_s = ray.get(actor.__ray_call__.remote(time_in_actor))
+    finally:
+        executor.shutdown()
+    return (
+        f"compiled graph, in the worker: the stage method takes {stage_s * 1e6:.1f} µs a call, "
+        f"the worker's own execute_model {worker_s * 1e6:.1f} µs (best of 5 x 20,000 calls)"
+    )
+
+
+def _bootstrap_ratio_interval(
+    pairs: list[tuple[list[float], list[float]]], resamples: int = 1000
+) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the ratio of pooled medians when the phase pairs
+    are drawn again with replacement (fixed seed: the same data gives the same interval)."""
+    draw = random.Random(0)
+    ratios = []
+    for _ in range(resamples):
+        chosen = [draw.choice(pairs) for _ in pairs]
+        ours = [s for pair in chosen for s in pair[0]]
+        raw = [s for pair in chosen for s in pair[1]]
+        ratios.append(statistics.median(ours) / statistics.median(raw))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def main() -> None:
@@ -258,7 +328,7 @@ def main() -> None:
     parser.add_argument(
         "--phases",
         type=int,
-        default=20,
+        default=60,
         help="compiled-graph phases per side (single phases vary by 2x on 2 cores)",
     )
     args = parser.parse_args()
@@ -271,12 +341,19 @@ def main() -> None:
             "raw Ray p99 µs | median ratio |"
         )
         print("|---|---|---|---|---|---|---|")
+        notes = []
         for workers in (1, 2):
             for direct_calls in (True, False):
                 for line in bench_calls(workers, args.rounds, args.calls, direct_calls):
                     print(line, flush=True)
-            for line in bench_compiled(workers, args.phases, args.calls):
-                print(line, flush=True)
+            compiled_row, note = bench_compiled(workers, args.phases, args.calls)
+            print(compiled_row, flush=True)
+            print(bench_compiled_driver(workers, args.rounds, args.calls), flush=True)
+            notes.append(note)
+        notes.append(compiled_worker_cost())
+        print()
+        for note in notes:
+            print(f"* {note}")
     finally:
         lease.release()
 
