@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import time
 from collections.abc import Iterator
 from multiprocessing import AuthenticationError
@@ -15,6 +16,7 @@ import ray
 
 from executor_core import ExecutorClosedError, create_executor
 from executor_core.testing import conformance_config
+from executor_plugin_ray import _direct
 from executor_plugin_ray._direct import DirectChannels, DirectServer
 from executor_plugin_ray._encoding import Failed, pack
 from executor_plugin_ray._executor import RayExecutor
@@ -22,7 +24,8 @@ from executor_plugin_ray._executor import RayExecutor
 BIG = 200 * 1024  # large enough to go as a Ray actor call (lifted into the object store)
 
 
-def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one() -> None:
+@pytest.mark.parametrize("host", [None, "127.0.0.1"], ids=["unix", "tcp"])
+def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one(host: str | None) -> None:
     seen: list[Any] = []
 
     def handle(call: bytes) -> Any:
@@ -30,9 +33,11 @@ def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one() -> None:
         return pack(("result", len(seen)))
 
     key = os.urandom(32)
-    server = DirectServer(key, handle)
+    server = DirectServer(key, handle, host)
+    assert isinstance(server.address, str if host is None else tuple)
+    family = "AF_UNIX" if host is None else "AF_INET"
     with pytest.raises(AuthenticationError):
-        Client(server.address, family="AF_UNIX", authkey=os.urandom(32))
+        Client(server.address, family=family, authkey=os.urandom(32))
     assert seen == []  # nothing from the refused peer was read, let alone unpickled
     channels = DirectChannels([server.address], key, timeout_s=10)
     try:
@@ -72,6 +77,47 @@ def test_a_stalled_handshake_times_out_instead_of_hanging() -> None:
         assert time.monotonic() - start < 5
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"], ids=["unix", "tcp"])
+def test_a_peer_that_connects_and_stalls_neither_locks_the_driver_out_nor_stays(
+    host: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_direct, "HANDSHAKE_S", 1.0)
+    server = DirectServer(b"k" * 32, lambda call: pack("served"), host)
+    family = socket.AF_UNIX if host is None else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as stalled:
+        stalled.connect(server.address)  # connects first, then never answers the challenge
+        start = time.monotonic()
+        channels = DirectChannels([server.address], b"k" * 32, timeout_s=10)
+        try:
+            assert time.monotonic() - start < 0.9  # not after the stalled peer was dropped
+            channels.send(1, b"call")
+            assert channels.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (
+                True,
+                "served",
+            )
+        finally:
+            channels.close()
+        # The worker dropped the stalled peer at the handshake's time limit.
+        stalled.settimeout(10)
+        while stalled.recv(4096):  # the challenge, then end of stream
+            pass
+        assert 0.8 < time.monotonic() - start < 8
+
+
+def test_the_worker_serves_only_the_first_peer_to_pass_the_handshake() -> None:
+    server = DirectServer(b"k" * 32, lambda call: pack("served"), "127.0.0.1")
+    first = DirectChannels([server.address], b"k" * 32, timeout_s=10)
+    try:
+        # The worker stopped listening once the driver was in: a second peer, even with the
+        # key, cannot connect.
+        with pytest.raises((OSError, EOFError)):  # refused, or reset if it was queued
+            DirectChannels([server.address], b"k" * 32, timeout_s=2)
+        first.send(1, b"call")
+        assert first.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (True, "served")
+    finally:
+        first.close()
 
 
 @pytest.fixture(scope="module")

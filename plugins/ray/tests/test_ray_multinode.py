@@ -11,7 +11,7 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from conftest import remove_node_cleanly
-from executor_core import WorkerDiedError, create_executor
+from executor_core import WorkerDiedError, WorkerError, create_executor
 from executor_core.testing import conformance_config
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._placement import PlacementTimeoutError
@@ -73,9 +73,31 @@ def test_strict_pack_that_cannot_fit_times_out_clearly(ray_cluster: Cluster) -> 
         assert node.node_id[:12] in text
 
 
-def test_removing_a_node_during_a_call_fails_it_with_that_rank(ray_cluster: Cluster) -> None:
-    executor = make(placement_strategy="SPREAD")
+def test_direct_calls_across_nodes_when_turned_on(ray_cluster: Cluster) -> None:
+    executor = make(placement_strategy="SPREAD", direct_calls_across_nodes=True)
     try:
+        placements = executor.placements
+        assert len({p.node_id for p in placements}) == 2  # neither on the driver's (head) node
+        assert executor.uses_direct_calls  # over TCP at each worker's node IP
+        assert executor.collective_rpc(_node_of) == [p.node_id for p in placements]
+        assert executor.collective_rpc("echo", args=(b"x" * 1000,)) == [
+            (rank, (b"x" * 1000,), {}) for rank in (0, 1)
+        ]
+        with pytest.raises(WorkerError, match="boom") as info:
+            executor.collective_rpc("fail", args=("boom",), kwargs={"on_rank": 1})
+        assert info.value.rank == 1
+        assert executor.execute_model("b") == {"rank": 0, "batch": "b"}
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("across_nodes", [False, True], ids=["actor-calls", "direct-tcp"])
+def test_removing_a_node_during_a_call_fails_it_with_that_rank(
+    ray_cluster: Cluster, across_nodes: bool
+) -> None:
+    executor = make(placement_strategy="SPREAD", direct_calls_across_nodes=across_nodes)
+    try:
+        assert executor.uses_direct_calls == across_nodes
         victim = executor.placements[1]
         [node] = [n for n in ray_cluster.worker_nodes if n.node_id == victim.node_id]
         pending = executor.collective_rpc("slow", args=(60.0,), non_block=True)

@@ -45,6 +45,8 @@ def test_defaults() -> None:
     assert options.num_cpus_per_worker == 1.0
     assert options.compiled_graph is False  # opt-in: Ray's graph channels busy-wait
     assert options.address is None
+    assert options.direct_calls is True  # on one node: a Unix socket, loopback only
+    assert options.direct_calls_across_nodes is False  # it would open a port on each node
 
 
 @pytest.mark.parametrize(
@@ -57,6 +59,7 @@ def test_defaults() -> None:
         ({"resources_per_worker": {"GPU": 1}}, "device"),
         ({"resources_per_worker": {"accel": "one"}}, "number"),
         ({"compiled_graph": "yes"}, "True or False"),
+        ({"direct_calls_across_nodes": 1}, "True or False"),
         ({"address": ""}, "non-empty"),
     ],
 )

@@ -17,7 +17,7 @@ from executor_core import (
     method_name,
 )
 
-from ._direct import DirectServer
+from ._direct import Address, DirectServer
 from ._encoding import Failed, decode_call, encode_reply
 from ._ranks import ActorInfo
 
@@ -90,9 +90,10 @@ class RayWorker:
 
         _ = ChannelContext.get_current().torch_available
 
-    def open_channel(self, authkey: bytes) -> str:
-        """Listen for the driver's direct calls (see ``_direct``); the socket's address."""
-        self._direct = DirectServer(authkey, self._execute_direct)
+    def open_channel(self, authkey: bytes, host: str | None = None) -> Address:
+        """Listen for the driver's direct calls (see ``_direct``): on an abstract Unix socket,
+        or on TCP at ``host`` (this node's IP) for a driver on another node. The address."""
+        self._direct = DirectServer(authkey, self._execute_direct, host)
         return self._direct.address
 
     # --- calls -----------------------------------------------------------------------------

@@ -1,15 +1,20 @@
-"""Direct calls: a Unix socket from the driver to each worker on the driver's node.
+"""Direct calls: the driver's own socket to each worker.
 
 A Ray actor call costs about 0.7 ms here when every process is busy and about 2 ms after the
 processes went idle (a model step's gap), most of it in hops between Ray's threads and
-processes. On one node the executor sends small calls on a socket of its own instead: the
-worker's thread blocks in ``recv`` (no spinning), runs the call and answers on the same
-socket, one wake-up each way, as the multiproc backend does.
+processes. The executor sends small calls on a socket of its own instead: the worker's
+thread blocks in ``recv`` (no spinning), runs the call and answers on the same socket, one
+wake-up each way, as the multiproc backend does. A worker on the driver's node listens on an
+abstract Unix socket (no file to leak); one on another node, only when the user turns that
+on (``direct_calls_across_nodes``), on TCP at its node's IP.
 
-Security: each worker listens on an abstract Unix socket (no file to leak), and both ends
-prove they hold a random key, sent to the worker through Ray (whose own channel is
-authenticated), before anything is unpickled (``multiprocessing.connection``'s HMAC
-challenge, both ways).
+Security: both ends prove they hold a random key, sent to the worker through Ray (whose own
+channel is authenticated), before anything is unpickled (``multiprocessing.connection``'s
+HMAC challenge, both ways). A worker runs each handshake on a thread of its own and drops a
+peer that has not completed it in :data:`HANDSHAKE_S`, so a peer that connects and stalls
+cannot lock the driver out; the first peer to pass is the driver, and the worker then stops
+listening. After the handshake the bytes are not encrypted, as Ray's own traffic is not by
+default.
 
 Messages: a call is ``seq`` (8 bytes) and the call pickled by :func:`~._encoding.pack`; a
 reply is ``seq``, a kind byte, and either the pickled result or the pickled non-bytes reply
@@ -18,6 +23,7 @@ reply is ``seq``, a kind byte, and either the pickled result or the pickled non-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -27,12 +33,12 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 from ._encoding import decode_reply
 
-__all__ = ["ChannelClosedError", "DirectChannels", "DirectServer"]
+__all__ = ["HANDSHAKE_S", "Address", "ChannelClosedError", "DirectChannels", "DirectServer"]
 
 logger = logging.getLogger("executor_plugin_ray")
 
@@ -41,15 +47,25 @@ _RESULT = b"\x00"  # the payload is the result, pickled
 _OTHER = b"\x01"  # the payload is a pickled reply object (None, Failed, Carried)
 
 
-def _connect(address: str, authkey: bytes, timeout_s: float) -> Connection:
-    """``Client(address)`` with a time limit: its handshake has none, and a local process that
-    connected to the worker first and stalls would hold ours forever. On timeout the helper
-    thread stays blocked until that process lets go; the executor goes on without it."""
+#: An address as ``Client`` takes it: an abstract Unix socket name, or ``(host, port)``.
+Address = str | tuple[str, int]
+
+#: Seconds a peer that connected to a worker may take to complete the handshake; after that
+#: the worker drops it. Handshakes run side by side, so a peer that connects and stalls
+#: cannot lock the driver out in the meantime either.
+HANDSHAKE_S = 10.0
+
+
+def _connect(address: Address, authkey: bytes, timeout_s: float) -> Connection:
+    """``Client(address)`` with a time limit: its handshake has none, and a worker that stops
+    answering mid-handshake would hold the driver forever. On timeout the helper thread stays
+    blocked until the worker lets go; the executor goes on without it."""
     outcome: list[Connection | BaseException] = []
+    family = "AF_UNIX" if isinstance(address, str) else "AF_INET"
 
     def connect() -> None:
         try:
-            outcome.append(Client(address, family="AF_UNIX", authkey=authkey))
+            outcome.append(Client(address, family=family, authkey=authkey))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             outcome.append(exc)
 
@@ -75,20 +91,83 @@ class ChannelClosedError(Exception):
 
 
 class DirectServer:
-    """The worker's end: accepts the driver (after authentication) and serves its calls on a
-    daemon thread, one at a time, until the driver closes the socket."""
+    """The worker's end: accepts the driver (the first peer to pass the handshake) and serves
+    its calls on a daemon thread, one at a time, until the driver closes the socket.
 
-    def __init__(self, authkey: bytes, handle: Callable[[bytes], Any]) -> None:
-        self.address = f"\0executor-ray-{os.getpid()}-{os.urandom(8).hex()}"
-        self._listener = Listener(self.address, family="AF_UNIX", authkey=authkey)
+    ``host=None`` listens on an abstract Unix socket (the driver on this node); a host
+    listens on TCP at that address (the worker's node IP, for a driver on another node).
+    """
+
+    def __init__(
+        self, authkey: bytes, handle: Callable[[bytes], Any], host: str | None = None
+    ) -> None:
+        self._authkey = authkey
         self._handle = handle
-        self._thread = threading.Thread(target=self._serve, name="executor-ray-direct", daemon=True)
+        self._claimed = False
+        self._claim_lock = threading.Lock()
+        if host is None:
+            name = f"\0executor-ray-{os.getpid()}-{os.urandom(8).hex()}"
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(name)
+            self.address: Address = name
+        else:
+            self._listener = socket.create_server((host, 0))
+            self.address = (host, self._listener.getsockname()[1])
+        self._listener.listen()
+        self._thread = threading.Thread(
+            target=self._accept, name="executor-ray-direct", daemon=True
+        )
         self._thread.start()
 
-    def _serve(self) -> None:
-        conn = self._accept()
-        if conn is None:
+    def _accept(self) -> None:
+        """Hand each connection to a handshake thread, until one of them claims the channel
+        (it closes the listener, which ends this loop)."""
+        with self._listener:
+            while True:
+                try:
+                    sock, _peer = self._listener.accept()
+                except OSError:
+                    return  # closed: the driver is connected, or the actor is going away
+                threading.Thread(
+                    target=self._handshake, args=(sock,), name="executor-ray-handshake", daemon=True
+                ).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        conn = Connection(sock.detach())
+        done = threading.Event()
+
+        def drop_if_stalled() -> None:
+            if not done.is_set():
+                _wake_and_close(conn)
+
+        timer = threading.Timer(HANDSHAKE_S, drop_if_stalled)
+        timer.daemon = True
+        timer.start()
+        try:
+            # The order of multiprocessing's Listener: challenge the peer, then answer its own.
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+        except AuthenticationError:
+            logger.warning("refused a connection to the direct channel: wrong key")
+            conn.close()
             return
+        except (EOFError, OSError):
+            conn.close()  # the peer went away or stalled past HANDSHAKE_S
+            return
+        finally:
+            done.set()
+            timer.cancel()
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, True
+        if claimed:
+            conn.close()  # the driver is already connected; nobody else is served
+            return
+        with contextlib.suppress(OSError):  # wake accept(): no more peers are wanted
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._serve(conn)
+
+    def _serve(self, conn: Connection) -> None:
         with conn:
             while True:
                 try:
@@ -106,23 +185,22 @@ class DirectServer:
                 except OSError:
                     return
 
-    def _accept(self) -> Connection | None:
-        try:
-            while True:
-                try:
-                    return self._listener.accept()
-                except AuthenticationError:
-                    logger.warning("refused a connection to the direct channel: wrong key")
-                except OSError:
-                    return None
-        finally:
-            self._listener.close()
+
+def _wake_and_close(conn: Connection) -> None:
+    """Close ``conn`` so that a thread blocked reading it wakes up (closing alone would not
+    wake it: the socket is shut down first)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+    conn.close()
 
 
 class DirectChannels:
     """The driver's end: one authenticated socket per rank."""
 
-    def __init__(self, addresses: list[str], authkey: bytes, timeout_s: float) -> None:
+    def __init__(self, addresses: list[Address], authkey: bytes, timeout_s: float) -> None:
         """Connect to every rank; ``OSError`` (``TimeoutError`` after ``timeout_s`` seconds
         for one rank) if one cannot be reached or does not complete the handshake."""
         self._conns: list[Connection] = []
@@ -186,10 +264,5 @@ class DirectChannels:
         """Close every socket; the workers' threads then exit, and a driver thread waiting
         for a reply wakes up (``shutdown`` first: closing alone would not wake it)."""
         for conn in self._conns:
-            try:
-                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed
-            conn.close()
+            _wake_and_close(conn)
         self._conns = []

@@ -69,7 +69,8 @@ class RayExecutor(Executor):
     """Runs each rank's worker in a Ray actor; see the distribution's README for options.
 
     Small calls go on the executor's own socket to each worker when all are on the driver's
-    node (``_direct``), and as Ray actor tasks (one per rank, in order) otherwise. With
+    node, or on any node with ``direct_calls_across_nodes`` (``_direct``), and as Ray actor
+    tasks (one per rank, in order) otherwise. With
     ``compiled_graph`` enabled ``execute_model`` goes through a Ray Compiled Graph. A monitor
     fails the executor with :class:`WorkerDiedError` (rank and node) as soon as Ray reports an
     actor or its node dead; pending and later calls then raise that error.
@@ -137,12 +138,18 @@ class RayExecutor(Executor):
             for actor, ctx, placement in zip(self._actors, contexts, self._placements, strict=True)
         ]
         self._gather_startup(init_refs, "init_worker", deadline)
-        if options.direct_calls and all(p.node_id == driver_node for p in self._placements):
-            self._open_direct_channels(deadline)
+        one_node = all(p.node_id == driver_node for p in self._placements)
+        if options.direct_calls and (one_node or options.direct_calls_across_nodes):
+            self._open_direct_channels(deadline, driver_node)
 
-    def _open_direct_channels(self, deadline: float) -> None:
+    def _open_direct_channels(self, deadline: float, driver_node: str) -> None:
         authkey = os.urandom(32)
-        opened = [actor.open_channel.remote(authkey) for actor in self._actors]
+        # A Unix socket on the driver's node; TCP at the node's IP elsewhere.
+        hosts = [None if p.node_id == driver_node else p.node_ip for p in self._placements]
+        opened = [
+            actor.open_channel.remote(authkey, host)
+            for actor, host in zip(self._actors, hosts, strict=True)
+        ]
         addresses = self._gather_startup(opened, "open_channel", deadline, raw=True)
         try:
             timeout_s = min(_CONNECT_S, max(1.0, deadline - time.monotonic()))

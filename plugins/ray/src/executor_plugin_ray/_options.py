@@ -85,6 +85,10 @@ class RayOptions:
     #: Send small calls on a socket of the executor's own to each worker when every worker
     #: is on the driver's node (one wake-up each way instead of Ray's task path).
     direct_calls: bool = True
+    #: Direct calls also to workers on other nodes than the driver's, over TCP at each such
+    #: worker's node IP (authenticated as on one node). Off by default: it opens a port on
+    #: every worker node; without it, workers on other nodes get Ray actor calls.
+    direct_calls_across_nodes: bool = False
     #: Logical CPUs of a local instance this backend starts (default: the machine's count).
     local_num_cpus: float | None = None
     #: GPUs of a local instance this backend starts (default: Ray's detection).
@@ -130,6 +134,7 @@ _VALIDATORS: dict[str, Any] = {
     "startup_timeout": lambda k, v: _number(k, v, minimum=0.0, strict=True),
     "compiled_graph": _bool,
     "direct_calls": _bool,
+    "direct_calls_across_nodes": _bool,
     "local_num_cpus": _optional_number,
     "local_num_gpus": _optional_number,
     "temp_dir": _optional_str,
