@@ -47,8 +47,8 @@ class RaySessions:
         self._lease = acquire_ray(options, world_size=1)
         self.kind = "local"
 
-    def cluster(self) -> Cluster:
-        """A head node without CPUs and two worker nodes of one CPU each."""
+    def cluster(self, cpus_per_node: int = 1) -> Cluster:
+        """A head node without CPUs and two worker nodes of ``cpus_per_node`` CPUs each."""
         if self.kind == "cluster" and self._cluster is not None:
             return self._cluster
         self.close()
@@ -74,7 +74,7 @@ class RaySessions:
         self._cluster = cluster
         self.kind = "cluster"
         for _ in range(2):
-            cluster.add_node(num_cpus=1)
+            cluster.add_node(num_cpus=cpus_per_node)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
         return cluster
