@@ -23,7 +23,8 @@ def executor_register_backends() -> list[BackendSpec]:
             executor="executor_plugin_ray._executor:RayExecutor",
             description=(
                 "One Ray actor per rank in a placement group, on one node or many; "
-                "direct socket calls on one node; compiled-graph execute_model on request."
+                "direct socket calls on one node (across nodes on request); "
+                "compiled-graph execute_model on request."
             ),
             capabilities=Capabilities(
                 pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")
