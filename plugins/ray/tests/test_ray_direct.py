@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from multiprocessing import AuthenticationError
@@ -104,6 +105,22 @@ def test_a_peer_that_connects_and_stalls_neither_locks_the_driver_out_nor_stays(
         while stalled.recv(4096):  # the challenge, then end of stream
             pass
         assert 0.8 < time.monotonic() - start < 8
+
+
+def test_a_peer_that_answers_the_challenge_with_garbage_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handled: list[bytes] = []
+    server = DirectServer(b"k" * 32, lambda call: handled.append(call), "127.0.0.1")
+    with socket.create_connection(server.address, timeout=10) as peer:
+        peer.recv(4096)  # the challenge
+        peer.sendall(struct.pack("!i", 5) + b"hello")  # a framed message, but no digest
+        while peer.recv(4096):  # dropped: end of stream
+            pass
+    assert handled == []
+    assert "refused a connection to the direct channel: AuthenticationError" in caplog.text
+    channels = DirectChannels([server.address], b"k" * 32, timeout_s=10)  # still served
+    channels.close()
 
 
 def test_the_worker_serves_only_the_first_peer_to_pass_the_handshake() -> None:

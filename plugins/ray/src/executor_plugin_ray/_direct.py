@@ -134,11 +134,17 @@ class DirectServer:
 
     def _handshake(self, sock: socket.socket) -> None:
         conn = Connection(sock.detach())
-        done = threading.Event()
+        # Whichever comes first, the handshake's end or the time limit, decides: a peer that
+        # finishes just as the timer fires must not be served on a closed socket.
+        decided = threading.Lock()
+        outcome: list[str] = []
 
         def drop_if_stalled() -> None:
-            if not done.is_set():
-                _wake_and_close(conn)
+            with decided:
+                if outcome:
+                    return
+                outcome.append("stalled")
+            _wake_and_close(conn)
 
         timer = threading.Timer(HANDSHAKE_S, drop_if_stalled)
         timer.daemon = True
@@ -147,16 +153,20 @@ class DirectServer:
             # The order of multiprocessing's Listener: challenge the peer, then answer its own.
             deliver_challenge(conn, self._authkey)
             answer_challenge(conn, self._authkey)
-        except AuthenticationError:
-            logger.warning("refused a connection to the direct channel: wrong key")
+        except (AuthenticationError, AssertionError) as exc:
+            # AssertionError: Python 3.11's answer_challenge on a message that is no challenge.
+            logger.warning("refused a connection to the direct channel: %s", type(exc).__name__)
             conn.close()
             return
         except (EOFError, OSError):
-            conn.close()  # the peer went away or stalled past HANDSHAKE_S
+            conn.close()  # the peer went away, or stalled past HANDSHAKE_S
             return
         finally:
-            done.set()
             timer.cancel()
+        with decided:
+            if outcome:
+                return  # the time limit closed it first
+            outcome.append("passed")
         with self._claim_lock:
             claimed, self._claimed = self._claimed, True
         if claimed:

@@ -154,8 +154,12 @@ class RayExecutor(Executor):
         try:
             timeout_s = min(_CONNECT_S, max(1.0, deadline - time.monotonic()))
             channels = DirectChannels(addresses, authkey, timeout_s)
-        except OSError as exc:  # another network namespace, or a stalled handshake
-            logger.info("direct calls unavailable, using Ray actor calls: %s", exc)
+        # OSError: unreachable (another network namespace, a firewall) or a stalled
+        # handshake; EOFError: the worker dropped a handshake that took too long.
+        except (OSError, EOFError) as exc:
+            logger.warning(
+                "direct calls unavailable, using Ray actor calls: %s: %s", type(exc).__name__, exc
+            )
             return
         self._direct = channels
         self.add_cleanup(channels.close)
