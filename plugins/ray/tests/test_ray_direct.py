@@ -84,7 +84,7 @@ def test_a_stalled_handshake_times_out_instead_of_hanging() -> None:
 def test_a_peer_that_connects_and_stalls_neither_locks_the_driver_out_nor_stays(
     host: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_direct, "HANDSHAKE_S", 1.0)
+    monkeypatch.setattr(_direct, "HANDSHAKE_S", 3.0)
     server = DirectServer(b"k" * 32, lambda call: pack("served"), host)
     family = socket.AF_UNIX if host is None else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as stalled:
@@ -92,7 +92,7 @@ def test_a_peer_that_connects_and_stalls_neither_locks_the_driver_out_nor_stays(
         start = time.monotonic()
         channels = DirectChannels([server.address], b"k" * 32, timeout_s=10)
         try:
-            assert time.monotonic() - start < 0.9  # not after the stalled peer was dropped
+            assert time.monotonic() - start < 2.5  # not after the stalled peer was dropped
             channels.send(1, b"call")
             assert channels.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (
                 True,
@@ -104,7 +104,7 @@ def test_a_peer_that_connects_and_stalls_neither_locks_the_driver_out_nor_stays(
         stalled.settimeout(10)
         while stalled.recv(4096):  # the challenge, then end of stream
             pass
-        assert 0.8 < time.monotonic() - start < 8
+        assert 2.5 < time.monotonic() - start < 12
 
 
 def test_a_peer_that_answers_the_challenge_with_garbage_is_dropped(
@@ -127,12 +127,14 @@ def test_the_worker_serves_only_the_first_peer_to_pass_the_handshake() -> None:
     server = DirectServer(b"k" * 32, lambda call: pack("served"), "127.0.0.1")
     first = DirectChannels([server.address], b"k" * 32, timeout_s=10)
     try:
-        # The worker stopped listening once the driver was in: a second peer, even with the
-        # key, cannot connect.
-        with pytest.raises((OSError, EOFError)):  # refused, or reset if it was queued
-            DirectChannels([server.address], b"k" * 32, timeout_s=2)
+        # Served: so the worker has claimed this connection and stopped listening.
         first.send(1, b"call")
         assert first.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (True, "served")
+        # A second peer, even with the key, cannot connect.
+        with pytest.raises(ConnectionRefusedError):
+            DirectChannels([server.address], b"k" * 32, timeout_s=2)
+        first.send(2, b"call")
+        assert first.read(0, 2, time.monotonic() + 10, 0.5, lambda: None) == (True, "served")
     finally:
         first.close()
 
