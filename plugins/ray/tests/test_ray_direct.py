@@ -123,8 +123,9 @@ def test_a_peer_that_answers_the_challenge_with_garbage_is_dropped(
     channels.close()
 
 
-def test_the_worker_serves_only_the_first_peer_to_pass_the_handshake() -> None:
-    server = DirectServer(b"k" * 32, lambda call: pack("served"), "127.0.0.1")
+@pytest.mark.parametrize("host", [None, "127.0.0.1"], ids=["unix", "tcp"])
+def test_the_worker_serves_only_the_first_peer_to_pass_the_handshake(host: str | None) -> None:
+    server = DirectServer(b"k" * 32, lambda call: pack("served"), host)
     first = DirectChannels([server.address], b"k" * 32, timeout_s=10)
     try:
         # Served: so the worker has claimed this connection and stopped listening.

@@ -134,17 +134,24 @@ class DirectServer:
 
     def _handshake(self, sock: socket.socket) -> None:
         conn = Connection(sock.detach())
-        # Whichever comes first, the handshake's end or the time limit, decides: a peer that
-        # finishes just as the timer fires must not be served on a closed socket.
+        # This thread owns (and alone closes) the connection. The timer only shuts the socket
+        # down, which wakes this thread; which of the two came first is decided under a lock,
+        # so that a peer finishing just as the time runs out is not served a dead socket.
         decided = threading.Lock()
         outcome: list[str] = []
 
-        def drop_if_stalled() -> None:
+        def decide(what: str) -> bool:
             with decided:
                 if outcome:
-                    return
-                outcome.append("stalled")
-            _wake_and_close(conn)
+                    return False
+                outcome.append(what)
+                return True
+
+        def drop_if_stalled() -> None:
+            with decided:  # held while shutting down: this thread cannot close it meanwhile
+                if not outcome:
+                    outcome.append("stalled")
+                    _shut_down(conn)
 
         timer = threading.Timer(HANDSHAKE_S, drop_if_stalled)
         timer.daemon = True
@@ -155,26 +162,27 @@ class DirectServer:
             answer_challenge(conn, self._authkey)
         except (AuthenticationError, AssertionError) as exc:
             # AssertionError: Python 3.11's answer_challenge on a message that is no challenge.
+            decide("refused")
             logger.warning("refused a connection to the direct channel: %s", type(exc).__name__)
             conn.close()
             return
         except (EOFError, OSError):
-            conn.close()  # the peer went away, or stalled past HANDSHAKE_S
+            decide("gone")  # the peer went away, or stalled past HANDSHAKE_S
+            conn.close()
             return
         finally:
             timer.cancel()
-        with decided:
-            if outcome:
-                return  # the time limit closed it first
-            outcome.append("passed")
+        if not decide("passed"):
+            conn.close()  # the time ran out first
+            return
         with self._claim_lock:
             claimed, self._claimed = self._claimed, True
         if claimed:
             conn.close()  # the driver is already connected; nobody else is served
             return
-        with contextlib.suppress(OSError):  # wake accept(): no more peers are wanted
+        # No more peers are wanted: wake accept(); its thread closes the listener.
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
         self._serve(conn)
 
     def _serve(self, conn: Connection) -> None:
@@ -196,15 +204,14 @@ class DirectServer:
                     return
 
 
-def _wake_and_close(conn: Connection) -> None:
-    """Close ``conn`` so that a thread blocked reading it wakes up (closing alone would not
-    wake it: the socket is shut down first)."""
+def _shut_down(conn: Connection) -> None:
+    """Shut ``conn``'s socket down, both ways: a thread blocked reading it wakes up (closing
+    the descriptor alone would not wake it). Its owner still closes it."""
     try:
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # already closed
-    conn.close()
 
 
 class DirectChannels:
@@ -274,5 +281,6 @@ class DirectChannels:
         """Close every socket; the workers' threads then exit, and a driver thread waiting
         for a reply wakes up (``shutdown`` first: closing alone would not wake it)."""
         for conn in self._conns:
-            _wake_and_close(conn)
+            _shut_down(conn)
+            conn.close()
         self._conns = []
