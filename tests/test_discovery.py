@@ -6,17 +6,19 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from executor_core import (
+    BackendLoadError,
     ExecutorConfig,
-    Registry,
     UnknownBackendError,
+    __version__,
     create_executor,
-    default_registry,
 )
+from executor_core._registry import Registry, default_registry
 from executor_core.testing import ConformanceWorker
 
 EXECUTOR_CLI = str(Path(sys.executable).with_name("executor"))
@@ -106,12 +108,20 @@ def test_cli_backends_json() -> None:
     assert {b["plugin"] for b in payload["broken"]} >= BROKEN_FIXTURES
 
 
-def test_cli_version_lists_core_and_plugins() -> None:
+def test_cli_version_lists_core_plugins_and_broken_plugins() -> None:
     result = _cli("--version")
     assert result.returncode == 0, result.stderr
-    versions = dict(line.split() for line in result.stdout.splitlines())
+    lines = result.stdout.splitlines()
+    versions = dict(line.split() for line in lines if not line.startswith(("broken", " ")))
     assert versions["executor-core"] == "0.1.0"
     assert versions["executor-plugin-uniproc"] == "0.1.0"
+    assert (
+        "broken plugin fixture_broken_import (executor-fixture-plugins 0.0.1): "
+        "ModuleNotFoundError: No module named 'executor_fixture_missing_dependency'" in lines
+    )
+    # The problems come after every version line.
+    first_problem = next(i for i, line in enumerate(lines) if line.startswith("broken"))
+    assert len(versions) == first_problem
 
 
 def test_cli_without_plugins_explains_how_to_install() -> None:
@@ -133,3 +143,131 @@ def test_every_in_tree_backend_is_installed_in_the_dev_environment() -> None:
     from backends import IN_TREE, installed_backends
 
     assert installed_backends() == list(IN_TREE)
+
+
+def _fake_distribution(
+    root: Path, name: str, requires: list[str], plugins: dict[str, str]
+) -> dict[str, str]:
+    """Write an installed-looking distribution ``name`` 1.0 under ``root``: its metadata
+    (``requires`` as Requires-Dist) and one module per plugin (entry-point name -> source).
+    Returns entry-point name -> module name."""
+    prefix = f"{name.replace('-', '_')}_{root.name.replace('-', '_')}"
+    modules = {ep: f"{prefix}_{ep}" for ep in plugins}
+    dist_info = root / f"{name.replace('-', '_')}-1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    metadata = [f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0"]
+    metadata.extend(f"Requires-Dist: {req}" for req in requires)
+    (dist_info / "METADATA").write_text("\n".join(metadata) + "\n")
+    entry_points = [f"[{'executor.plugins'}]"]
+    entry_points.extend(f"{ep} = {module}" for ep, module in modules.items())
+    (dist_info / "entry_points.txt").write_text("\n".join(entry_points) + "\n")
+    for ep, source in plugins.items():
+        (root / f"{modules[ep]}.py").write_text(textwrap.dedent(source))
+    return modules
+
+
+FUTURE_PLUGIN = """
+    from executor_core import BackendSpec, hookimpl
+
+    @hookimpl
+    def executor_register_backends():
+        return [BackendSpec(name="future", executor="nowhere_xyz:FutureExecutor")]
+
+    @hookimpl
+    def executor_select_backend(config, available):
+        return "future"
+"""
+
+FORGOT_HOOKIMPL = """
+    from executor_core import BackendSpec
+
+    def executor_register_backends():
+        return [BackendSpec(name="forgotten", executor="nowhere_xyz:Executor")]
+"""
+
+
+@pytest.fixture
+def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Three fake distributions on sys.path: one requiring a future executor-core, one whose
+    requirement on executor-core applies only elsewhere, one that forgot its @hookimpl."""
+    _fake_distribution(
+        tmp_path, "executor-future", ["attrs", "executor-core>=99"], {"future": FUTURE_PLUGIN}
+    )
+    _fake_distribution(
+        tmp_path,
+        "executor-present",
+        [
+            "executor-core>=0.1",
+            "executor-core>=99; python_version < '3'",
+            "executor-core>=99; extra == 'next'",
+        ],
+        {"present": FUTURE_PLUGIN.replace('"future"', '"present"')},
+    )
+    _fake_distribution(tmp_path, "executor-forgot", [], {"forgot": FORGOT_HOOKIMPL})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_plugin_built_for_another_core_is_listed_and_refused(fake_plugins: Path) -> None:
+    registry = Registry.from_entry_points()
+    reason = f"requires executor-core>=99; installed {__version__}"
+    assert registry.incompatible_plugins == {"future": ("executor-future", "1.0", reason)}
+    future = next(s for s in registry.backends() if s.name == "future")
+    assert (future.distribution, future.incompatible) == ("executor-future", reason)
+    assert "future" not in registry.names()
+    assert registry.get("present").incompatible == ""  # the other requirements do not apply
+    with pytest.raises(BackendLoadError) as info:
+        create_executor(ExecutorConfig(backend="future", worker_cls=ConformanceWorker), registry)
+    message = str(info.value)
+    assert (
+        f"backend 'future' cannot be used: its plugin future (executor-future 1.0) requires "
+        f"executor-core>=99, but executor-core {__version__} is installed." in message
+    )
+    assert "pip install 'executor-core>=99'" in message
+    assert f"pip install executor-future executor-core=={__version__}" in message
+    # Its selection hook never runs: "auto" asks only compatible plugins.
+    assert registry.resolve_name(ExecutorConfig(worker_cls=ConformanceWorker)) == "present"
+
+
+def test_plugin_without_hookimpl_is_reported_broken(fake_plugins: Path) -> None:
+    registry = Registry.from_entry_points()
+    broken = {b.name: b for b in registry.broken}
+    assert broken["forgot"].distribution == "executor-forgot"
+    assert (
+        "registers no hook implementation: did you forget @hookimpl on "
+        "executor_register_backends?" in broken["forgot"].error
+    )
+    assert "forgotten" not in {s.name for s in registry.backends()}
+
+
+def _cli_with(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    pythonpath = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+    return _cli(*args, env={"PYTHONPATH": pythonpath})
+
+
+def test_cli_shows_incompatible_and_hookless_plugins(fake_plugins: Path) -> None:
+    reason = f"requires executor-core>=99; installed {__version__}"
+    result = _cli_with(fake_plugins, "backends", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    future = next(b for b in payload["backends"] if b["name"] == "future")
+    assert future["incompatible"] == reason
+    assert next(b for b in payload["backends"] if b["name"] == "uni")["incompatible"] == ""
+    assert payload["incompatible"] == [
+        {"plugin": "future", "distribution": "executor-future", "version": "1.0", "reason": reason}
+    ]
+    assert "forgot" in {b["plugin"] for b in payload["broken"]}
+
+    result = _cli_with(fake_plugins, "backends")
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("future "))
+    assert row.split()[1:4] == ["-", "executor-future", "1.0"]
+    assert "INCOMPATIBLE" in row
+    assert f"  future (executor-future 1.0): {reason}" in result.stdout
+
+    result = _cli_with(fake_plugins, "--version")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"incompatible plugin future (executor-future 1.0): {reason}" in lines
+    forgot = next(line for line in lines if line.startswith("broken plugin forgot "))
+    assert "did you forget @hookimpl" in forgot

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import textwrap
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,15 +15,14 @@ import pytest
 from executor_core import (
     BackendConflictError,
     BackendLoadError,
-    BackendSpec,
-    Capabilities,
     Executor,
     ExecutorConfig,
-    Registry,
     UnknownBackendError,
     WorkerBase,
+    __version__,
     hookimpl,
 )
+from executor_core._registry import BackendSpec, Capabilities, Registry
 
 
 class _Worker(WorkerBase):
@@ -275,3 +276,137 @@ def test_broken_plugin_recorded_once_across_recollection() -> None:
     assert len(registry.broken) == 1
     registry.register_plugin(_plugin(_spec("x")), "x")  # forces a new collection
     assert [b.name for b in registry.broken] == ["raises"]
+
+
+def test_requires_takes_pep508_specifiers(lazy_backend_module: str) -> None:
+    executor = f"{lazy_backend_module}:LazyExecutor"
+    registry = Registry()
+    registry.register_plugin(
+        _plugin(
+            BackendSpec(
+                name="met",
+                executor=executor,
+                requires=(
+                    "pytest>=1",
+                    "pluggy[extra]>=1.0; python_version >= '3.10'",
+                    "no-such-distribution-xyz>=1; python_version < '3'",  # does not apply
+                ),
+            ),
+            BackendSpec(
+                name="unmet",
+                executor=executor,
+                requires=("pytest>=999", "no-such-distribution-xyz[cuda]>=2.10; os_name != 'x'"),
+            ),
+        ),
+        "p",
+    )
+    assert registry.executor_class("met").__name__ == "LazyExecutor"
+    with pytest.raises(BackendLoadError) as info:
+        registry.executor_class("unmet")
+    message = str(info.value)
+    installed_pytest = pytest.__version__
+    assert f"pytest>=999 ({installed_pytest} installed)" in message
+    assert "no-such-distribution-xyz[cuda]>=2.10 (not installed)" in message
+    # The hint pastes into a shell: each requirement quoted, the marker left out.
+    command = message.split(": ", 1)[1]
+    assert command == "pip install 'pytest>=999' 'no-such-distribution-xyz[cuda]>=2.10'"
+    assert shlex.split(command)[2:] == ["pytest>=999", "no-such-distribution-xyz[cuda]>=2.10"]
+
+
+def test_backend_spec_rejects_invalid_requirements() -> None:
+    with pytest.raises(ValueError, match="'ray >= = 2' is not a PEP 508 requirement"):
+        BackendSpec(name="x", executor="m:C", requires=("ray >= = 2",))
+    assert BackendSpec(name="x", executor="m:C", requires="ray>=2.10").requires == ("ray>=2.10",)
+
+
+def test_plugin_without_any_hookimpl_is_broken() -> None:
+    registry = Registry()
+    forgot = types.ModuleType("forgot_hookimpl")
+
+    def executor_register_backends() -> list[BackendSpec]:
+        return [_spec("never-seen")]
+
+    forgot.executor_register_backends = executor_register_backends  # type: ignore[attr-defined]
+    assert registry.register_plugin(forgot, "forgot", distribution="forgot-dist") is False
+    assert registry.register_plugin(object(), "empty") is False
+    broken = {b.name: b for b in registry.broken}
+    assert broken["forgot"].distribution == "forgot-dist"
+    assert (
+        "registers no hook implementation: did you forget @hookimpl on "
+        "executor_register_backends?" in broken["forgot"].error
+    )
+    assert "no function is decorated with @executor_core.hookimpl" in broken["empty"].error
+    assert registry.backends() == []
+    # Nothing of theirs stays registered: later plugins still validate.
+    assert registry.register_plugin(_plugin(_spec("later")), "later")
+    assert registry.names() == ["later"]
+
+
+def test_plugin_for_another_core_is_listed_but_never_used() -> None:
+    registry = Registry()
+
+    class Future:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[BackendSpec]:
+            return [_spec("future", "uni")]
+
+        @staticmethod
+        @hookimpl
+        def executor_select_backend(config: ExecutorConfig, available: Sequence[str]) -> str:
+            return "future"
+
+    assert registry.register_plugin(_plugin(_spec("uni")), "uniproc")
+    assert registry.register_plugin(
+        Future(),
+        "future-plugin",
+        distribution="future-dist",
+        version="9.0",
+        core_requirement="executor-core>=99",
+    )
+    reason = f"requires executor-core>=99; installed {__version__}"
+    assert registry.incompatible_plugins == {"future-plugin": ("future-dist", "9.0", reason)}
+    assert "future-plugin" not in registry.plugins
+    future = next(s for s in registry.backends() if s.name == "future")
+    assert future.incompatible == reason
+    assert registry.names() == ["uni"]
+    # Its alias does not conflict with the working backend, and its hooks never run.
+    assert registry.conflicts() == {}
+    assert registry.get("uni").plugin == "uniproc"
+    assert registry.resolve_name(_config(backend="auto")) == "uni"
+    with pytest.raises(BackendLoadError) as info:
+        registry.executor_class("future")
+    message = str(info.value)
+    for part in ("'future'", "future-plugin", "future-dist 9.0", "executor-core>=99", __version__):
+        assert part in message
+    assert "pip install 'executor-core>=99'" in message
+    with pytest.raises(BackendLoadError, match="future-dist"):
+        registry.resolve_name(_config(backend="future"))
+    with pytest.raises(UnknownBackendError, match="built for another executor-core"):
+        registry.get("nothing")
+
+
+def test_core_requirement_that_is_met_changes_nothing() -> None:
+    registry = Registry()
+    assert registry.register_plugin(
+        _plugin(_spec("now")), "now", core_requirement=f"executor-core>={__version__}"
+    )
+    assert registry.get("now").incompatible == ""
+    assert registry.incompatible_plugins == {}
+
+
+def test_auto_with_only_a_third_party_backend_says_how_to_choose_it() -> None:
+    registry = Registry()
+    registry.register_plugin(_plugin(_spec("threads")), "threads")
+    with pytest.raises(UnknownBackendError) as info:
+        registry.resolve_name(_config(tensor_parallel_size=2))
+    message = str(info.value)
+    assert "no installed backend can run" not in message
+    assert "picks only from the built-in backends uni/mp/ray" in message
+    assert "Installed: threads; pass backend='threads' to use it." in message
+    assert "pip install executor-plugin-multiproc" in message
+    with pytest.raises(UnknownBackendError) as info:
+        registry.resolve_name(_config(num_nodes=2))
+    message = str(info.value)
+    assert "Installed: threads; none declares multi-node support." in message
+    assert "pip install executor-plugin-ray" in message

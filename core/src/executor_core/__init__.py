@@ -3,6 +3,9 @@
 An :class:`Executor` runs one :class:`WorkerBase` per rank, in-process, in processes or on a
 cluster, chosen by name from plugins found through entry points. See docs/architecture.md.
 
+This package is the users' face (about 20 names). Backend authors use
+:mod:`executor_core.backend`; the conformance kit is :mod:`executor_core.testing`.
+
 Importing this package is cheap: names are imported from their private modules on first
 use (PEP 562), so ``import executor_core`` pulls in neither attrs nor pluggy until needed, and
 never torch, ray or zmq.
@@ -32,36 +35,23 @@ if TYPE_CHECKING:
         WorkerDiedError,
         WorkerError,
     )
-    from ._executor import Executor, FailureCallback, chain_future, create_executor
-    from ._hookspecs import PROJECT_NAME, hookimpl
-    from ._net import find_free_port, tcp_init_method
-    from ._qualname import qualname_of, resolve_qualname
-    from ._registry import (
-        ENTRY_POINT_GROUP,
-        IN_TREE_BACKENDS,
-        PLUGINS_ENV_VAR,
-        BackendSpec,
-        BrokenPlugin,
-        Capabilities,
-        Registry,
-        default_registry,
+    from ._executor import (
+        Executor,
+        FailureCallback,
+        create_executor,
     )
+    from ._hookspecs import hookimpl
     from ._version import __version__
-    from ._wire import RemoteFailure, dumps_method, loads_method, method_name
-    from ._worker import SLEEP_TAGS, WorkerBase, WorkerContext
-    from ._wrapper import WorkerWrapper
+    from ._worker import (
+        SLEEP_TAGS,
+        WorkerBase,
+        WorkerContext,
+    )
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
-    "IN_TREE_BACKENDS",
-    "PLUGINS_ENV_VAR",
-    "PROJECT_NAME",
     "SLEEP_TAGS",
     "BackendConflictError",
     "BackendLoadError",
-    "BackendSpec",
-    "BrokenPlugin",
-    "Capabilities",
     "ConfigError",
     "Executor",
     "ExecutorClosedError",
@@ -70,49 +60,29 @@ __all__ = [
     "ExecutorFailedError",
     "FailureCallback",
     "RPCTimeoutError",
-    "Registry",
-    "RemoteFailure",
     "SleepStateError",
     "UnknownBackendError",
     "WorkerBase",
     "WorkerContext",
     "WorkerDiedError",
     "WorkerError",
-    "WorkerWrapper",
     "__version__",
-    "chain_future",
     "create_executor",
-    "default_registry",
-    "dumps_method",
-    "find_free_port",
     "hookimpl",
-    "loads_method",
-    "method_name",
-    "qualname_of",
-    "resolve_qualname",
-    "tcp_init_method",
 ]
 
+#: Where each public name lives; a test keeps this table and __all__ equal.
 _LAZY: dict[str, str] = {
     "BackendConflictError": "._errors",
     "BackendLoadError": "._errors",
-    "BackendSpec": "._registry",
-    "BrokenPlugin": "._registry",
-    "Capabilities": "._registry",
     "ConfigError": "._errors",
-    "ENTRY_POINT_GROUP": "._registry",
     "Executor": "._executor",
     "ExecutorClosedError": "._errors",
     "ExecutorConfig": "._config",
     "ExecutorError": "._errors",
     "ExecutorFailedError": "._errors",
     "FailureCallback": "._executor",
-    "IN_TREE_BACKENDS": "._registry",
-    "PLUGINS_ENV_VAR": "._registry",
-    "PROJECT_NAME": "._hookspecs",
     "RPCTimeoutError": "._errors",
-    "Registry": "._registry",
-    "RemoteFailure": "._wire",
     "SLEEP_TAGS": "._worker",
     "SleepStateError": "._errors",
     "UnknownBackendError": "._errors",
@@ -120,19 +90,9 @@ _LAZY: dict[str, str] = {
     "WorkerContext": "._worker",
     "WorkerDiedError": "._errors",
     "WorkerError": "._errors",
-    "WorkerWrapper": "._wrapper",
     "__version__": "._version",
-    "chain_future": "._executor",
     "create_executor": "._executor",
-    "default_registry": "._registry",
-    "dumps_method": "._wire",
-    "find_free_port": "._net",
     "hookimpl": "._hookspecs",
-    "loads_method": "._wire",
-    "method_name": "._wire",
-    "qualname_of": "._qualname",
-    "resolve_qualname": "._qualname",
-    "tcp_init_method": "._net",
 }
 
 

@@ -23,6 +23,20 @@ def _versions(registry: Registry) -> dict[str, str]:
     return versions
 
 
+def _plugin_problems(registry: Registry) -> list[str]:
+    """One entry per broken or incompatible plugin (``--version`` prints them after the
+    versions, so a bug report shows them too)."""
+    lines = [
+        f"broken plugin {b.name} ({b.distribution or '?'} {b.version or '?'}): {b.error}"
+        for b in registry.broken
+    ]
+    lines.extend(
+        f"incompatible plugin {name} ({dist or '?'} {version or '?'}): {reason}"
+        for name, (dist, version, reason) in registry.incompatible_plugins.items()
+    )
+    return [line.replace("\n", "\n    ") for line in lines]
+
+
 def _backends_payload(registry: Registry) -> dict[str, Any]:
     conflicts = registry.conflicts()
     return {
@@ -42,6 +56,7 @@ def _backends_payload(registry: Registry) -> dict[str, Any]:
                 },
                 "requires": list(spec.requires),
                 "conflict": spec.name in conflicts,
+                "incompatible": spec.incompatible,
             }
             for spec in registry.backends()
         ],
@@ -53,6 +68,10 @@ def _backends_payload(registry: Registry) -> dict[str, Any]:
                 "error": b.error,
             }
             for b in registry.broken
+        ],
+        "incompatible": [
+            {"plugin": name, "distribution": dist, "version": version, "reason": reason}
+            for name, (dist, version, reason) in registry.incompatible_plugins.items()
         ],
         "conflicts": {
             name: [f"{s.plugin} ({s.distribution})" for s in specs]
@@ -80,7 +99,12 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     rows = [["NAME", "ALIASES", "DISTRIBUTION", "VERSION", "CAPABILITIES", "DESCRIPTION"]]
     # The payload lists the registry's backends in order: read capabilities off the specs.
     for spec, b in zip(registry.backends(), payload["backends"], strict=True):
-        caps = "CONFLICT" if b["conflict"] else spec.capabilities.describe()
+        if b["incompatible"]:
+            caps = "INCOMPATIBLE"
+        elif b["conflict"]:
+            caps = "CONFLICT"
+        else:
+            caps = spec.capabilities.describe()
         rows.append(
             [
                 b["name"],
@@ -102,6 +126,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         for b in payload["broken"]:
             error = b["error"].replace("\n", "\n      ")
             print(f"  {b['plugin']} ({b['distribution'] or '?'} {b['version']}): {error}")
+    if payload["incompatible"]:
+        print("\nPlugins built for another executor-core (not used; upgrade or reinstall them):")
+        for p in payload["incompatible"]:
+            print(f"  {p['plugin']} ({p['distribution'] or '?'} {p['version']}): {p['reason']}")
     known = {n for b in payload["backends"] for n in (b["name"], *b["aliases"])}
     not_installed: dict[str, str] = {}
     for name, dist in IN_TREE_BACKENDS.items():
@@ -137,8 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        for dist, version in _versions(default_registry()).items():
+        registry = default_registry()
+        for dist, version in _versions(registry).items():
             print(f"{dist} {version}")
+        for line in _plugin_problems(registry):
+            print(line)
         return 0
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:

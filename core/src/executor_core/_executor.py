@@ -1,8 +1,7 @@
-"""Executor: the abstract strategy every backend implements, with the state they all share."""
+"""Executor: the one implementation of every rule of a call, over a backend's transport."""
 
 from __future__ import annotations
 
-import abc
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -10,31 +9,32 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
 from ._config import ExecutorConfig
+from ._calls import Call, as_worker_error
 from ._errors import (
     BackendLoadError,
+    ConfigError,
     ExecutorClosedError,
     ExecutorError,
     ExecutorFailedError,
+    RPCTimeoutError,
     SleepStateError,
 )
 from ._qualname import resolve_qualname
+from ._transport import Transport, TransportHost, release_host, run_callback
+from ._wire import method_name
 from ._worker import SLEEP_TAGS
 
 if TYPE_CHECKING:
-    from ._registry import Registry
+    from ._registry import BackendSpec, Registry
 
 __all__ = ["Executor", "FailureCallback", "chain_future", "create_executor"]
 
 
-def _log_exception(message: str, *args: object) -> None:
-    # logging is imported on this error path only: it costs ~20 ms at import time here.
-    import logging
-
-    logging.getLogger("executor_core").exception(message, *args)
-
-
 T = TypeVar("T")
 U = TypeVar("U")
+
+#: How long shutdown waits for a send in progress before it stops the workers by force.
+_SEND_LOCK_S = 5.0
 
 #: Called once with the error when the executor fails.
 FailureCallback = Callable[[ExecutorFailedError], None]
@@ -59,76 +59,72 @@ def chain_future(source: Future[T], transform: Callable[[T], U]) -> Future[U]:
     return target
 
 
-class _Cleanups:
-    """Resource releasers that must run once, from shutdown or from the finalizer.
+class Executor:
+    """Runs a model's workers, one per rank, and drives them all through one object.
 
-    Kept apart from the executor so that the finalizer holds no reference to it.
+    Every rule of a call is implemented here, once: validation, one order of calls for all
+    ranks whatever the number of calling threads, timeouts on blocking and non-blocking calls,
+    ``unique_reply_rank``, reply and failure gathering (the lowest failing rank wins), failing
+    the calls in flight on a worker's death, on :meth:`fail` and on :meth:`shutdown`, failure
+    callbacks, sleep state, and cleanup (also when the executor is dropped without
+    :meth:`shutdown`). A backend subclasses it only to name its :class:`Transport` (and to add
+    extras of its own); see ``executor_core.backend``.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+    #: The backend's transport class: how workers start and stop and how calls reach them.
+    transport_cls: ClassVar[type[Transport]]
 
-    def add(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            self._callbacks.append(callback)
-
-    def run(self) -> None:
-        with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
-        errors: list[BaseException] = []
-        for callback in reversed(callbacks):
-            try:
-                callback()
-            except Exception as exc:  # noqa: BLE001 - run every releaser (each is logged), then report
-                _log_exception("executor cleanup %r failed", callback)
-                errors.append(exc)
-        if errors:
-            raise ExecutorError(f"{len(errors)} cleanup step(s) failed") from errors[0]
-
-
-class Executor(abc.ABC):
-    """The strategy that runs a model's workers: in-process, in processes, or on a cluster.
-
-    Subclasses implement :meth:`_init_executor`, :meth:`collective_rpc` and
-    :meth:`_shutdown_workers`; this class keeps the shared state: closed/failed, failure
-    callbacks, sleep tags, the finalizer and the context manager.
-    """
-
-    #: True if the backend runs pipeline-parallel stages.
-    supports_pp: ClassVar[bool] = False
-    #: True if the backend's workers are Ray actors.
-    uses_ray: ClassVar[bool] = False
-
-    def __init__(self, config: ExecutorConfig, *, registry: Registry | None = None) -> None:
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        *,
+        registry: Registry | None = None,
+        spec: BackendSpec | None = None,
+    ) -> None:
         if not isinstance(config, ExecutorConfig):
             raise TypeError(f"config must be an ExecutorConfig, not {type(config).__name__}")
-        if config.pipeline_parallel_size > 1 and not self.supports_pp:
-            raise ExecutorError(
-                f"{type(self).__name__} does not support pipeline parallelism "
-                f"(pipeline_parallel_size={config.pipeline_parallel_size}); "
-                "choose a backend that does, such as 'mp' or 'ray'"
+        cls = type(self)
+        if getattr(cls, "transport_cls", None) is None:
+            raise TypeError(
+                f"{cls.__qualname__} names no transport: set transport_cls = YourTransport "
+                "(see executor_core.backend)"
             )
         self.config = config
         self._registry = registry
-        self._state_lock = threading.Lock()
-        self._closed = False
-        self._failure: ExecutorFailedError | None = None
-        self._failure_callbacks: list[FailureCallback] = []
+        if spec is None:
+            spec = _spec_of(self.registry, cls)
+        self._spec = spec
+        if spec is not None:
+            _check_capabilities(spec, config)
+        self._all_ranks = tuple(range(config.world_size))
+        self._default_timeout = config.rpc_timeout
+        self._send_lock = threading.Lock()
+        self._next_seq = 1
         self._sleeping_tags: set[str] = set()
-        self._cleanups = _Cleanups()
-        self._finalizer = weakref.finalize(self, self._cleanups.run)
+        name = spec.name if spec is not None else cls.__qualname__
+        host = TransportHost(config, name, self.registry.hook)
+        self._host = host
+        transport = self._create_transport(host)
+        host.transport = transport
+        self._transport = transport
+        # The finalizer holds the host, never the executor: a dropped executor is collected.
+        self._finalizer = weakref.finalize(self, release_host, host)
         try:
-            self._init_executor()
+            transport.start()
         except BaseException:
-            self._closed = True
-            try:
-                self._shutdown_workers()
-            finally:
-                self._finalizer()
+            host.closed = True
+            self._finalizer()
             raise
+        driven = transport.ranks
+        if driven is not None:
+            self._all_ranks = tuple(driven)
+        self._inline = transport.inline and len(self._all_ranks) == 1
 
-    # --- resolving and creating ----------------------------------------------------------
+    def _create_transport(self, host: TransportHost) -> Transport:
+        """Build the transport (override to pass more than the host; never pass ``self``)."""
+        return self.transport_cls(host)
+
+    # --- resolving -------------------------------------------------------------------------
 
     @classmethod
     def get_class(cls, config: ExecutorConfig, registry: Registry | None = None) -> type[Executor]:
@@ -152,14 +148,7 @@ class Executor(abc.ABC):
             registry = default_registry()
         return registry.executor_class(registry.resolve_name(config))
 
-    # --- to implement --------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def _init_executor(self) -> None:
-        """Start the workers and wait until each has run ``init_device`` and ``load_model``.
-
-        On error, raise; :meth:`_shutdown_workers` and the registered cleanups then run.
-        """
+    # --- calls -----------------------------------------------------------------------------
 
     @overload
     def collective_rpc(
@@ -184,7 +173,6 @@ class Executor(abc.ABC):
         unique_reply_rank: int | None = None,
     ) -> Future[list[Any]]: ...
 
-    @abc.abstractmethod
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
@@ -197,17 +185,128 @@ class Executor(abc.ABC):
         """Run ``method`` on every worker and return the results in rank order.
 
         ``method`` is a worker method name or a callable ``fn(worker, *args, **kwargs)``.
-        With ``unique_reply_rank`` only that rank's result is returned (a one-item list).
-        With ``non_block=True`` a :class:`~concurrent.futures.Future` of the list is returned;
-        futures complete in submission order. ``timeout`` (seconds, default
-        ``config.rpc_timeout``) raises :class:`RPCTimeoutError` naming the ranks that did not
-        answer. A worker exception raises :class:`WorkerError`; the executor stays usable.
+        With ``unique_reply_rank`` only that rank's result is returned (a one-item list);
+        every rank still runs the call. With ``non_block=True`` a
+        :class:`~concurrent.futures.Future` of the list is returned; futures complete in
+        submission order. ``timeout`` (seconds, default ``config.rpc_timeout``) applies to
+        both forms: :class:`RPCTimeoutError` names the ranks that did not answer, and the
+        executor stays usable (late replies are dropped). A worker exception raises
+        :class:`WorkerError` (of the lowest failing rank); the executor stays usable.
+        Calls from several threads reach every rank in one and the same order.
         """
+        host = self._host
+        table = host.table
+        if table.closed_error is not None or host.closed:
+            self._check_open()
+        if timeout is not None or self._default_timeout is not None:
+            timeout = self._resolve_timeout(timeout)
+        if type(method) is str:
+            name: str = method
+        elif callable(method):
+            name = method_name(method)
+        else:
+            raise TypeError(
+                "method must be a worker method name or a callable taking the worker, "
+                f"not {type(method).__name__}"
+            )
+        if type(args) is not tuple:
+            args = _as_args(args)
+        if kwargs is not None and type(kwargs) is not dict:
+            raise TypeError(f"kwargs must be a dict or None, not {type(kwargs).__name__}")
+        expected = self._all_ranks
+        if unique_reply_rank is not None:
+            self._check_reply_rank(unique_reply_rank)
+            if unique_reply_rank in expected:
+                expected = (unique_reply_rank,)
+            else:  # a rank this transport does not drive (SPMD): its own ranks answer
+                unique_reply_rank = None
+        transport = self._transport
+        if self._inline and not non_block and timeout is None and not len(table):
+            with self._send_lock:
+                if host.closed:
+                    self._check_open()
+                if not len(table):  # still nothing in flight: the call runs here and now
+                    self._next_seq += 1
+                    ok, value = transport.run_inline(method, args, kwargs)
+                    if ok:
+                        return [value]
+                    raise as_worker_error(expected[0], name, value) from None
+        future: Future[list[Any]] | None = None
+        if non_block:
+            future = Future()
+            future.set_running_or_notify_cancel()
+        with self._send_lock:
+            if host.closed:
+                self._check_open()
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            call = Call(seq, method, name, args, kwargs, unique_reply_rank, expected, timeout, future)
+            table.add(call)
+            try:
+                sent = transport.send(call)
+            except BaseException:
+                table.remove(call)
+                if table.closed_error is not None and not call.done:
+                    raise table.closed_error from None
+                raise
+            if not sent:
+                table.remove(call)
+                if table.closed_error is not None:
+                    raise table.closed_error
+                error = RPCTimeoutError(name, list(self._all_ranks), timeout or 0.0)
+                if future is None:
+                    raise error
+                call.finish(False, error)
+        if future is not None:
+            host.ensure_pump()
+            return future
+        return host.wait(call, transport)
 
-    def _shutdown_workers(self) -> None:  # noqa: B027 - optional hook, empty by default
-        """Stop the workers: graceful first, then forceful. Must be safe to call twice."""
+    def execute_model(self, batch: Any, non_block: bool = False) -> Any:
+        """Run one step on every worker; return the output rank's result (or a Future of it)."""
+        if non_block:
+            fut = self.collective_rpc(
+                "execute_model", args=(batch,), unique_reply_rank=self.output_rank, non_block=True
+            )
+            return chain_future(fut, _first)
+        return self.collective_rpc(
+            "execute_model", args=(batch,), unique_reply_rank=self.output_rank
+        )[0]
 
-    # --- shared behaviour ----------------------------------------------------------------
+    # --- for subclasses ----------------------------------------------------------------
+
+    def _resolve_timeout(self, timeout: float | None) -> float | None:
+        """``timeout`` if given, else the config's ``rpc_timeout``; validated."""
+        if timeout is None:
+            return self.config.rpc_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"timeout must be a number of seconds > 0 or None, not {timeout!r}")
+        return float(timeout)
+
+    def _check_reply_rank(self, unique_reply_rank: int | None) -> None:
+        if unique_reply_rank is not None and not (
+            type(unique_reply_rank) is int and 0 <= unique_reply_rank < self.world_size
+        ):
+            raise ValueError(
+                f"unique_reply_rank={unique_reply_rank!r} is not a rank of this executor "
+                f"(0..{self.world_size - 1})"
+            )
+
+    def _check_open(self) -> None:
+        """Raise if the executor is closed or has failed."""
+        host = self._host
+        if host.closed:
+            raise ExecutorClosedError("the executor has been shut down; create a new one")
+        failure = host.failure
+        if failure is not None:
+            raise failure
+
+    @property
+    def transport(self) -> Transport:
+        """The backend's transport (for a backend's own extras)."""
+        return self._transport
+
+    # --- state -------------------------------------------------------------------------
 
     @property
     def registry(self) -> Registry:
@@ -217,6 +316,11 @@ class Executor(abc.ABC):
 
             self._registry = default_registry()
         return self._registry
+
+    @property
+    def backend_name(self) -> str:
+        """The backend's name (as workers see it in ``WorkerContext.backend``)."""
+        return self._host.name
 
     @property
     def world_size(self) -> int:
@@ -238,59 +342,17 @@ class Executor(abc.ABC):
     @property
     def is_closed(self) -> bool:
         """True once :meth:`shutdown` has been called."""
-        return self._closed
+        return self._host.closed
 
     @property
     def is_failed(self) -> bool:
         """True once the executor has failed (see :meth:`register_failure_callback`)."""
-        return self._failure is not None
+        return self._host.failure is not None
 
     @property
     def failure(self) -> ExecutorFailedError | None:
         """The error the executor failed with, if it has."""
-        return self._failure
-
-    def resolve_timeout(self, timeout: float | None) -> float | None:
-        """``timeout`` if given, else the config's ``rpc_timeout``; validated."""
-        if timeout is None:
-            return self.config.rpc_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout must be a number of seconds > 0 or None, not {timeout!r}")
-        return float(timeout)
-
-    def check_reply_rank(self, unique_reply_rank: int | None) -> None:
-        """Raise ValueError if ``unique_reply_rank`` is not a valid rank."""
-        if unique_reply_rank is not None and not (
-            isinstance(unique_reply_rank, int) and 0 <= unique_reply_rank < self.world_size
-        ):
-            raise ValueError(
-                f"unique_reply_rank={unique_reply_rank!r} is not a rank of this executor "
-                f"(0..{self.world_size - 1})"
-            )
-
-    def check_open(self) -> None:
-        """Raise if the executor is closed or has failed."""
-        if self._closed:
-            raise ExecutorClosedError("the executor has been shut down; create a new one")
-        failure = self._failure
-        if failure is not None:
-            raise failure
-
-    def add_cleanup(self, callback: Callable[[], None]) -> None:
-        """Register a resource releaser run once at shutdown or by the finalizer (last in, first
-        out). It must not reference the executor, or the finalizer can never run."""
-        self._cleanups.add(callback)
-
-    def execute_model(self, batch: Any, non_block: bool = False) -> Any:
-        """Run one step on every worker; return the output rank's result (or a Future of it)."""
-        if non_block:
-            fut = self.collective_rpc(
-                "execute_model", args=(batch,), unique_reply_rank=self.output_rank, non_block=True
-            )
-            return chain_future(fut, _first)
-        return self.collective_rpc(
-            "execute_model", args=(batch,), unique_reply_rank=self.output_rank
-        )[0]
+        return self._host.failure
 
     @property
     def is_sleeping(self) -> bool:
@@ -307,7 +369,7 @@ class Executor(abc.ABC):
         both). Does nothing if already asleep."""
         if level not in (1, 2):
             raise SleepStateError(f"sleep level must be 1 or 2, not {level!r}")
-        self.check_open()
+        self._check_open()
         if self._sleeping_tags:
             return
         self.collective_rpc("sleep", kwargs={"level": level})
@@ -315,7 +377,7 @@ class Executor(abc.ABC):
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Restore what :meth:`sleep` released: everything, or only ``tags``."""
-        self.check_open()
+        self._check_open()
         if tags is None:
             wanted = sorted(self._sleeping_tags)
         else:
@@ -338,43 +400,44 @@ class Executor(abc.ABC):
 
     def check_health(self) -> None:
         """Raise if the executor or any worker is unhealthy."""
-        self.check_open()
+        self._check_open()
         self.collective_rpc("check_health")
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Call ``callback(error)`` once if the executor fails (at once if it already has)."""
-        with self._state_lock:
-            failure = self._failure
+        host = self._host
+        with host.state_lock:
+            failure = host.failure
             if failure is None:
-                self._failure_callbacks.append(callback)
+                host.failure_callbacks.append(callback)
                 return
-        _run_callback(callback, failure)
+        run_callback(callback, failure)
 
     def fail(self, error: ExecutorFailedError) -> bool:
-        """Mark the executor failed with ``error`` and run the failure callbacks, once.
-
-        Backends call this from their monitor. Returns False if it had already failed.
-        """
-        with self._state_lock:
-            if self._failure is not None or self._closed:
-                return False
-            self._failure = error
-            callbacks, self._failure_callbacks = self._failure_callbacks, []
-        for callback in callbacks:
-            _run_callback(callback, error)
-        return True
+        """Mark the executor failed with ``error``: every call in flight and every later call
+        raises it, and the failure callbacks run, once. Returns False if it had already
+        failed (or was shut down)."""
+        if not isinstance(error, ExecutorFailedError):
+            raise TypeError(f"error must be an ExecutorFailedError, not {type(error).__name__}")
+        return self._host.fail(error)
 
     def shutdown(self) -> None:
-        """Stop the workers and release every resource. Idempotent."""
-        with self._state_lock:
-            if self._closed:
+        """Stop the workers (each runs its ``shutdown``) and release every resource; calls in
+        flight raise :class:`ExecutorClosedError`. Idempotent."""
+        host = self._host
+        with host.state_lock:
+            if host.closed:
                 return
-            self._closed = True
-            self._failure_callbacks.clear()
+            host.closed = True
+            host.failure_callbacks.clear()
+        # Graceful only if no send is stuck: the stop must not interleave with a call.
+        graceful = host.failure is None and self._send_lock.acquire(timeout=_SEND_LOCK_S)
         try:
-            self._shutdown_workers()
+            host.release(graceful)
         finally:
-            self._finalizer()
+            if graceful:
+                self._send_lock.release()
+            self._finalizer.detach()
 
     def __enter__(self) -> Executor:
         return self
@@ -387,11 +450,47 @@ def _first(results: Sequence[Any]) -> Any:
     return results[0]
 
 
-def _run_callback(callback: FailureCallback, error: ExecutorFailedError) -> None:
-    try:
-        callback(error)
-    except Exception:  # noqa: BLE001 - one bad callback must not stop the others; logged
-        _log_exception("executor failure callback %r raised", callback)
+def _spec_of(registry: Registry, cls: type[Executor]) -> BackendSpec | None:
+    """The declared backend whose executor is ``cls`` (None for a class no plugin declares)."""
+    qualname = f"{cls.__module__}:{cls.__qualname__}"
+    for spec in registry.backends():
+        if spec.executor == qualname:
+            return spec
+    return None
+
+
+def _as_args(args: Any) -> tuple[Any, ...]:
+    if isinstance(args, list | tuple):
+        return tuple(args)
+    raise TypeError(f"args must be a tuple of positional arguments, not {type(args).__name__}")
+
+
+def _check_capabilities(spec: BackendSpec, config: ExecutorConfig) -> None:
+    """Refuse a config the backend does not declare it can run (before starting anything)."""
+    caps = spec.capabilities
+    if config.pipeline_parallel_size > 1 and not caps.pipeline_parallel:
+        raise ExecutorError(
+            f"the {spec.name!r} backend does not support pipeline parallelism "
+            f"(pipeline_parallel_size={config.pipeline_parallel_size}); "
+            "choose a backend that does, such as 'mp' or 'ray'"
+        )
+    if config.num_nodes > 1 and not caps.multi_node:
+        raise ExecutorError(
+            f"the {spec.name!r} backend runs on one node, but num_nodes={config.num_nodes}; "
+            "choose a multi-node backend such as 'ray'"
+        )
+    max_world_size = caps.max_world_size
+    if max_world_size is not None and config.world_size > max_world_size:
+        raise ExecutorError(
+            f"the {spec.name!r} backend runs at most {max_world_size} worker(s), but "
+            f"world_size={config.world_size}; use backend='mp' (one machine) or 'ray' (a cluster)"
+        )
+    if config.device not in caps.devices:
+        raise ConfigError(
+            "device",
+            config.device,
+            f"the {spec.name!r} backend drives {'/'.join(caps.devices)}",
+        )
 
 
 def _check_executor_class(obj: object, origin: str) -> type[Executor]:

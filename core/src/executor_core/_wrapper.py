@@ -20,10 +20,10 @@ __all__ = ["WorkerWrapper"]
 class WorkerWrapper:
     """Builds the user's worker lazily, in the process that hosts it, and runs methods on it.
 
-    Backends create one wrapper per rank, in the worker process, call :meth:`init_worker`
-    once, then :meth:`run_method` (raises) or :meth:`execute` (returns a failure record)
-    for each call, and :meth:`shutdown` at the end. Worker-side plugin hooks are called here,
-    so every backend gets them for free.
+    A transport gets one per rank from :meth:`TransportHost.wrapper`, uses it in the process
+    that hosts the worker (it pickles without its hooks; a worker process loads its own),
+    calls :meth:`init_worker` once, :meth:`handle` for each call, and :meth:`shutdown` at the
+    end. Worker-side plugin hooks are called here, so every backend gets them for free.
     """
 
     def __init__(
@@ -41,6 +41,13 @@ class WorkerWrapper:
         self.env = dict(env or {})
         self._hooks = hooks
         self.worker: WorkerBase | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The hook relay belongs to the driver's registry: a worker process loads its own.
+        state = self.__dict__.copy()
+        state["_hooks"] = None
+        state["worker"] = None
+        return state
 
     @property
     def hooks(self) -> pluggy.HookRelay:
@@ -126,6 +133,30 @@ class WorkerWrapper:
             return True, self.run_method(method, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - every worker error is shipped to the driver
             return False, RemoteFailure.capture(self.context.rank, method_name(method), exc)
+
+    def handle(
+        self,
+        method: str | bytes | Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        reply_rank: int | None = None,
+        *,
+        capture: bool = True,
+    ) -> tuple[bool, Any] | None:
+        """Run one call as the protocol wants it answered: ``(True, result)``, ``(False,
+        failure)``, or ``None`` when this rank need not answer (``reply_rank`` names another
+        rank and this one succeeded). The failure is a :class:`RemoteFailure` (it pickles
+        whatever the exception is), or with ``capture=False`` the exception itself (for a
+        worker in the driver's process)."""
+        try:
+            result = self.run_method(method, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - every worker error is shipped to the driver
+            if capture:
+                return False, RemoteFailure.capture(self.context.rank, method_name(method), exc)
+            return False, exc
+        if reply_rank is not None and reply_rank != self.context.rank:
+            return None
+        return True, result
 
     def shutdown(self) -> None:
         """Call the stopping hook and the worker's ``shutdown`` (once)."""

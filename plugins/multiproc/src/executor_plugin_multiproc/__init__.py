@@ -6,7 +6,7 @@ lives in :mod:`executor_plugin_multiproc._executor` and is imported when chosen.
 
 from __future__ import annotations
 
-from executor_core import BackendSpec, Capabilities, hookimpl
+from executor_core.backend import BackendSpec, Capabilities, hookimpl
 
 __all__ = ["__version__", "executor_register_backends"]
 

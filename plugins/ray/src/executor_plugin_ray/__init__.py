@@ -7,7 +7,7 @@ imported when the backend is chosen.
 
 from __future__ import annotations
 
-from executor_core import BackendSpec, Capabilities, hookimpl
+from executor_core.backend import BackendSpec, Capabilities, hookimpl
 
 __all__ = ["__version__", "executor_register_backends"]
 

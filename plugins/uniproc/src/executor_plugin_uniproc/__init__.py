@@ -6,7 +6,7 @@ itself lives in :mod:`executor_plugin_uniproc._executor` and is imported when ch
 
 from __future__ import annotations
 
-from executor_core import BackendSpec, Capabilities, hookimpl
+from executor_core.backend import BackendSpec, Capabilities, hookimpl
 
 __all__ = ["__version__", "executor_register_backends"]
 
@@ -22,7 +22,7 @@ def executor_register_backends() -> list[BackendSpec]:
             aliases=("uniproc",),
             executor="executor_plugin_uniproc._executor:UniProcExecutor",
             description="One worker in the driver's own process; calls are direct method calls.",
-            capabilities=Capabilities(devices=("cpu", "cuda")),
+            capabilities=Capabilities(devices=("cpu", "cuda"), max_world_size=1),
         ),
         BackendSpec(
             name="external_launcher",

@@ -1,15 +1,17 @@
-"""ExternalLauncherExecutor: one rank per process, the processes started by torchrun (SPMD)."""
+"""The ``external_launcher`` backend: one rank per process, the processes started by torchrun."""
 
 from __future__ import annotations
 
 import os
 import socket
+from typing import ClassVar
 
-from executor_core import ExecutorError, WorkerContext
+from executor_core import Executor, ExecutorError
+from executor_core.backend import Transport, WorkerContext
 
-from ._executor import UniProcExecutor
+from ._executor import InProcessTransport
 
-__all__ = ["TORCHRUN_ENV", "ExternalLauncherExecutor"]
+__all__ = ["TORCHRUN_ENV", "ExternalLauncherExecutor", "ExternalLauncherTransport"]
 
 #: Variables torchrun sets in each process it starts; the backend reads its rank from them.
 TORCHRUN_ENV: tuple[str, ...] = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -23,25 +25,11 @@ def _int_env(name: str) -> int:
         raise ExecutorError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-class ExternalLauncherExecutor(UniProcExecutor):
-    """Runs this process's own rank, for processes started by an external launcher.
+class ExternalLauncherTransport(InProcessTransport):
+    """This process's own rank, as torchrun's environment describes it."""
 
-    Start the same script on every rank with ``torchrun --nproc-per-node N script.py``; each
-    process creates this executor with the same config (``world_size`` = N x nodes). The rank
-    comes from torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, and torch.distributed meets
-    through ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). Every process drives its own worker
-    in the same order (SPMD), so the collectives between workers line up.
-
-    ``collective_rpc`` runs the method on this process's worker only and returns a one-item
-    list with its result, whatever ``unique_reply_rank`` says: a worker whose output every
-    process needs must share it itself (the reference worker broadcasts its step output from
-    the output rank). Calls, timeouts and ``non_block`` behave as in the ``uni`` backend.
-    """
-
-    supports_pp = True
-
-    def _worker_context(self) -> WorkerContext:
-        config = self.config
+    def _context(self) -> WorkerContext:
+        config = self.host.config
         missing = [name for name in TORCHRUN_ENV if not os.environ.get(name)]
         if missing:
             raise ExecutorError(
@@ -62,15 +50,28 @@ class ExternalLauncherExecutor(UniProcExecutor):
         local_world_size = (
             _int_env("LOCAL_WORLD_SIZE") if os.environ.get("LOCAL_WORLD_SIZE") else world_size
         )
-        return WorkerContext(
-            rank=rank,
+        return self.host.context(
+            rank,
             local_rank=_int_env("LOCAL_RANK"),
-            world_size=world_size,
-            tensor_parallel_size=config.tensor_parallel_size,
-            pipeline_parallel_size=config.pipeline_parallel_size,
-            distributed_init_method="env://",
-            device=config.device,
             local_world_size=local_world_size,
             node_id=socket.gethostname(),
-            backend="external_launcher",
+            init_method="env://",
         )
+
+
+class ExternalLauncherExecutor(Executor):
+    """Runs this process's own rank, for processes started by an external launcher.
+
+    Start the same script on every rank with ``torchrun --nproc-per-node N script.py``; each
+    process creates this executor with the same config (``world_size`` = N x nodes). The rank
+    comes from torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, and torch.distributed meets
+    through ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). Every process drives its own worker
+    in the same order (SPMD), so the collectives between workers line up.
+
+    ``collective_rpc`` runs the method on this process's worker only and returns a one-item
+    list with its result, whatever ``unique_reply_rank`` says: a worker whose output every
+    process needs must share it itself (the reference worker broadcasts its step output from
+    the output rank). Calls, timeouts and ``non_block`` behave as in the ``uni`` backend.
+    """
+
+    transport_cls: ClassVar[type[Transport]] = ExternalLauncherTransport

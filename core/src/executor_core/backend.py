@@ -1,0 +1,46 @@
+"""The contract for backend authors: everything a backend (in-tree or third-party) uses.
+
+A backend is an :class:`~executor_core.Executor` subclass that names a :class:`Transport`:
+
+- :meth:`Transport.start` starts the workers (with :meth:`TransportHost.contexts` and
+  :meth:`TransportHost.wrapper`) and waits until each is ready;
+- :meth:`Transport.send` carries a :class:`Call` to every rank, where the worker's
+  :meth:`WorkerWrapper.handle` runs it; replies come back to :meth:`TransportHost.deliver`
+  (from the transport's threads, or from :meth:`Transport.poll` when ``polls = True``);
+- :meth:`TransportHost.worker_died` reports a worker that is gone;
+- :meth:`Transport.close` stops the workers.
+
+The core implements every rule of a call around these primitives (validation, ordering,
+timeouts, reply gathering, failure, shutdown, cleanup). A plugin module declares the backend
+with :func:`hookimpl` on ``executor_register_backends`` returning a :class:`BackendSpec`;
+``executor_core.testing`` is the conformance kit that checks the result. See
+docs/writing-a-backend.md.
+"""
+
+from __future__ import annotations
+
+from ._calls import Call
+from ._hookspecs import hookimpl
+from ._net import find_free_port, tcp_init_method
+from ._registry import BackendSpec, Capabilities
+from ._transport import Transport, TransportHost
+from ._wire import RemoteFailure, dumps_method, loads_method, method_name
+from ._worker import WorkerContext
+from ._wrapper import WorkerWrapper
+
+__all__ = [
+    "BackendSpec",
+    "Call",
+    "Capabilities",
+    "RemoteFailure",
+    "Transport",
+    "TransportHost",
+    "WorkerContext",
+    "WorkerWrapper",
+    "dumps_method",
+    "find_free_port",
+    "hookimpl",
+    "loads_method",
+    "method_name",
+    "tcp_init_method",
+]
