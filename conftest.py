@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(autouse=True)
 def fresh_default_registry() -> Iterator[None]:
     """Each test sees a freshly loaded default registry (no state leaks between tests)."""
-    from executor_core import default_registry
+    from executor_core.backend import default_registry
 
     default_registry.cache_clear()
     yield

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from executor_core import Executor, ExecutorConfig, create_executor, default_registry
+from executor_core import Executor, ExecutorConfig, create_executor
+from executor_core.backend import default_registry
 from executor_core.reference import (
     MODEL_SIZES,
     GenerationResult,

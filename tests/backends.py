@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from executor_core import Registry
+from executor_core.backend import Registry
 
 #: Every in-tree backend; the dev install (requirements-dev.txt) installs all of them, and
 #: tests/test_discovery.py fails if one is missing, so none is silently left out.

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from executor_core import Executor, ExecutorConfig, WorkerError, create_executor, default_registry
+from executor_core import Executor, ExecutorConfig, WorkerError, create_executor
+from executor_core.backend import default_registry
 from executor_core.reference import (
     MODEL_SIZES,
     GenerationResult,

@@ -9,11 +9,11 @@ import pytest
 from executor_core import (
     ConfigError,
     ExecutorFailedError,
-    RemoteFailure,
     RPCTimeoutError,
     WorkerDiedError,
     WorkerError,
 )
+from executor_core.backend import RemoteFailure
 from executor_core.testing import UnpicklableError
 
 

@@ -8,15 +8,8 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from executor_core import (
-    Registry,
-    RemoteFailure,
-    WorkerBase,
-    WorkerContext,
-    WorkerWrapper,
-    dumps_method,
-    hookimpl,
-)
+from executor_core import WorkerBase, WorkerContext, hookimpl
+from executor_core.backend import Registry, RemoteFailure, WorkerWrapper, dumps_method
 from executor_core.testing import ConformanceWorker
 
 

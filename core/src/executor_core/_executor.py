@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
-from ._config import ExecutorConfig
 from ._calls import Call, as_worker_error
+from ._config import ExecutorConfig
 from ._errors import (
     BackendLoadError,
     ConfigError,
@@ -230,7 +230,7 @@ class Executor:
                     ok, value = transport.run_inline(method, args, kwargs)
                     if ok:
                         return [value]
-                    raise as_worker_error(expected[0], name, value) from None
+                    raise as_worker_error(expected[0], name, value)
         future: Future[list[Any]] | None = None
         if non_block:
             future = Future()
@@ -240,7 +240,9 @@ class Executor:
                 self._check_open()
             seq = self._next_seq
             self._next_seq = seq + 1
-            call = Call(seq, method, name, args, kwargs, unique_reply_rank, expected, timeout, future)
+            call = Call(
+                seq, method, name, args, kwargs, unique_reply_rank, expected, timeout, future
+            )
             table.add(call)
             try:
                 sent = transport.send(call)

@@ -98,7 +98,9 @@ class Transport(abc.ABC):
     ) -> tuple[bool, Any]:
         """Only for ``inline = True``: run the call on the one rank, in this thread, and return
         ``(True, result)`` or ``(False, exception)``."""
-        raise NotImplementedError(f"{type(self).__name__} sets inline = True but has no run_inline()")
+        raise NotImplementedError(
+            f"{type(self).__name__} sets inline = True but has no run_inline()"
+        )
 
     def poll(self, timeout: float | None) -> None:
         """Deliver the replies that are ready; if there are none, wait up to ``timeout``
@@ -366,7 +368,9 @@ class TransportHost:
             return
         with self._lead_lock:
             if self._pump is None:
-                thread = threading.Thread(target=self._pump_loop, name="executor-calls", daemon=True)
+                thread = threading.Thread(
+                    target=self._pump_loop, name="executor-calls", daemon=True
+                )
                 self._pump = thread
                 thread.start()
 
@@ -380,7 +384,11 @@ class TransportHost:
             if transport.polls and table.non_blocking and not table.waiters and self._try_lead():
                 try:
                     # Hand over to blocking callers between slices (they read their own replies).
-                    poll_s = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+                    poll_s = (
+                        0.05
+                        if deadline is None
+                        else max(0.0, min(0.05, deadline - time.monotonic()))
+                    )
                     transport.poll(poll_s)
                 finally:
                     self._release_lead()
@@ -458,7 +466,9 @@ class TransportHost:
                 os.environ[key] = saved
 
 
-def run_callback(callback: Callable[[ExecutorFailedError], None], error: ExecutorFailedError) -> None:
+def run_callback(
+    callback: Callable[[ExecutorFailedError], None], error: ExecutorFailedError
+) -> None:
     """Run one failure callback; one that raises is logged and does not stop the others."""
     try:
         callback(error)

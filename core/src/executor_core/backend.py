@@ -22,21 +22,34 @@ from __future__ import annotations
 from ._calls import Call
 from ._hookspecs import hookimpl
 from ._net import find_free_port, tcp_init_method
-from ._registry import BackendSpec, Capabilities
+from ._registry import (
+    ENTRY_POINT_GROUP,
+    PLUGINS_ENV_VAR,
+    BackendSpec,
+    BrokenPlugin,
+    Capabilities,
+    Registry,
+    default_registry,
+)
 from ._transport import Transport, TransportHost
 from ._wire import RemoteFailure, dumps_method, loads_method, method_name
 from ._worker import WorkerContext
 from ._wrapper import WorkerWrapper
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
+    "PLUGINS_ENV_VAR",
     "BackendSpec",
+    "BrokenPlugin",
     "Call",
     "Capabilities",
+    "Registry",
     "RemoteFailure",
     "Transport",
     "TransportHost",
     "WorkerContext",
     "WorkerWrapper",
+    "default_registry",
     "dumps_method",
     "find_free_port",
     "hookimpl",

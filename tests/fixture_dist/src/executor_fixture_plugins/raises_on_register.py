@@ -1,6 +1,7 @@
 """A plugin whose registration hook raises."""
 
-from executor_core import BackendSpec, hookimpl
+from executor_core import hookimpl
+from executor_core.backend import BackendSpec
 
 
 @hookimpl
