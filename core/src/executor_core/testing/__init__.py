@@ -1,16 +1,47 @@
-"""Conformance suite for Executor backends, in the style of fsspec's abstract tests.
+"""The conformance kit for Executor backends, in the style of fsspec's abstract tests.
 
-A backend's test module subclasses :class:`ExecutorConformanceTests` and overrides one fixture,
-``executor_factory``. Third-party backends run the same suite.
+A backend's test module subclasses :class:`ExecutorConformanceTests` and declares the backend::
+
+    from executor_core.testing import ExecutorConformanceTests
+
+    class TestMyBackend(ExecutorConformanceTests):
+        backend = "my-backend"   # its registered name
+        world_size = 2
+
+Every area is a mixin of its own (:class:`CallTests`, :class:`NonBlockingTests`,
+:class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`);
+what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, not from
+skipped tests. Each test runs under a time limit, so a hang fails with the rule it broke.
 """
 
-from ._suite import ExecutorConformanceTests, ExecutorFactory, conformance_config
+from ._base import ExecutorFactory, KitBase, conformance_config
+from ._calls import CallTests
+from ._errors import ErrorTests
+from ._guard import ConformanceTimeout
+from ._lifecycle import LifecycleTests
+from ._nonblock import NonBlockingTests
+from ._pipeline import PipelineTests
+from ._sleep import SleepTests
 from ._workers import ConformanceWorker, UnpicklableError
 
 __all__ = [
+    "CallTests",
+    "ConformanceTimeout",
     "ConformanceWorker",
+    "ErrorTests",
     "ExecutorConformanceTests",
     "ExecutorFactory",
+    "KitBase",
+    "LifecycleTests",
+    "NonBlockingTests",
+    "PipelineTests",
+    "SleepTests",
     "UnpicklableError",
     "conformance_config",
 ]
+
+
+class ExecutorConformanceTests(
+    CallTests, NonBlockingTests, ErrorTests, LifecycleTests, SleepTests, PipelineTests
+):
+    """The whole kit: every area."""

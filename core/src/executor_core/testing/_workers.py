@@ -1,10 +1,13 @@
-"""The worker the conformance suite drives. Importable by qualname in any worker process."""
+"""The worker the conformance kit drives. Importable by qualname in any worker process."""
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .._worker import SLEEP_TAGS, WorkerBase, WorkerContext
@@ -23,15 +26,34 @@ class UnpicklableError(Exception):
         raise TypeError("UnpicklableError cannot be pickled")
 
 
+def _called_by_the_wrapper() -> bool:
+    """True if the caller of our caller is ``WorkerWrapper.shutdown`` (which runs the
+    ``executor_worker_stopping`` hook just before it calls the worker's ``shutdown``)."""
+    from .._wrapper import WorkerWrapper
+
+    frame = sys._getframe(2)
+    return frame.f_code is WorkerWrapper.shutdown.__code__
+
+
 class ConformanceWorker(WorkerBase):
-    """A worker with small, observable methods for the conformance suite."""
+    """A worker with small, observable methods for the conformance kit.
+
+    ``marker_dir``: a directory where :meth:`shutdown` leaves ``shutdown-<rank>`` (with
+    ``wrapper`` in it when the core's wrapper called it, so the stopping hook ran too).
+    """
 
     def __init__(
-        self, *, context: WorkerContext, tag: str = "", fail_init_on_rank: int = -1
+        self,
+        *,
+        context: WorkerContext,
+        tag: str = "",
+        fail_init_on_rank: int = -1,
+        marker_dir: str = "",
     ) -> None:
         super().__init__(context=context)
         self.tag = tag
         self.fail_init_on_rank = fail_init_on_rank
+        self.marker_dir = marker_dir
         self.recorded: list[Any] = []
         self.asleep: set[str] = set()
         self.sleep_level = 0
@@ -88,6 +110,12 @@ class ConformanceWorker(WorkerBase):
             raise ValueError(f"{message} (rank {self.rank})")
         return self.rank
 
+    def fail_later_on_lower_ranks(self, delay_s: float) -> None:
+        """Raise on every rank; the lower the rank, the later (rank r waits ``(n-1-r) *
+        delay_s``), so the highest rank's failure arrives first."""
+        time.sleep((self.world_size - 1 - self.rank) * delay_s)
+        raise ValueError(f"failed on rank {self.rank}")
+
     def fail_unpicklable(self, message: str) -> None:
         """Raise an exception that cannot be pickled."""
         raise UnpicklableError(message)
@@ -141,3 +169,13 @@ class ConformanceWorker(WorkerBase):
         """Raise RuntimeError while unhealthy."""
         if not self.healthy:
             raise RuntimeError(f"rank {self.rank} is unhealthy")
+
+    def thread_name(self) -> str:
+        """The name of the thread running this call."""
+        return threading.current_thread().name
+
+    def shutdown(self) -> None:
+        """Leave ``shutdown-<rank>`` in ``marker_dir`` (saying whether the wrapper called)."""
+        if self.marker_dir:
+            text = "wrapper" if _called_by_the_wrapper() else "direct"
+            Path(self.marker_dir, f"shutdown-{self.rank}").write_text(text)

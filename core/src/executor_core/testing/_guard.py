@@ -1,0 +1,145 @@
+"""What keeps the conformance kit honest about time and leftovers: a time limit that turns a
+hang into a failure naming the rule, and snapshots of threads, descriptors and shared memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import FrameType
+
+import attrs
+
+__all__ = ["ConformanceTimeout", "Snapshot", "pids_alive", "time_limit"]
+
+
+class ConformanceTimeout(AssertionError):
+    """A kit step ran past its time limit: something in the backend hangs."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str) -> Iterator[None]:
+    """Fail with :class:`ConformanceTimeout` if the block runs past ``seconds``.
+
+    Uses SIGALRM in the main thread (where pytest runs tests); elsewhere, or without
+    ``setitimer``, the block runs unguarded. A timer already set (pytest-timeout's) is put
+    back afterwards, less the time spent here.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "setitimer"
+    ):
+        yield
+        return
+
+    def on_alarm(_signum: int, _frame: FrameType | None) -> None:
+        raise ConformanceTimeout(
+            f"rule broken: {what} did not finish within {seconds:g} s; a start-up, call or "
+            "shutdown hangs (every blocking wait needs a timeout or a failure path)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    outer_s, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_s:
+            left = outer_s - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
+
+
+def _fds() -> set[str]:
+    try:
+        return set(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: descriptors are not checked
+        return set()
+
+
+def _fd_target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+@attrs.frozen
+class Snapshot:
+    """Threads, file descriptors and /dev/shm entries of this process at one moment."""
+
+    threads: frozenset[int]
+    fds: frozenset[str]
+    shm: frozenset[str]
+
+    @classmethod
+    def take(cls) -> Snapshot:
+        """The state now."""
+        return cls(
+            frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+            frozenset(_fds()),
+            frozenset(_shm()),
+        )
+
+    def leftovers(self, *, session_threads: Iterable[str] = (), check_fds: bool = True) -> list[str]:
+        """What exists now and did not at the snapshot (threads whose name starts with one
+        of ``session_threads`` are the backend's session, not the executor's, and allowed)."""
+        prefixes = tuple(session_threads)
+        found = [
+            f"thread {t.name!r}"
+            for t in threading.enumerate()
+            if t.ident not in self.threads and t.is_alive() and not t.name.startswith(prefixes)
+        ]
+        if check_fds:
+            found += [f"fd {fd} -> {_fd_target(fd)}" for fd in sorted(_fds() - self.fds)]
+            found = [f for f in found if "/proc/" not in f]  # the listing's own descriptor
+        found += [f"/dev/shm/{name}" for name in sorted(_shm() - self.shm)]
+        return found
+
+    def wait_clean(
+        self, within_s: float, *, session_threads: Iterable[str] = (), check_fds: bool = True
+    ) -> list[str]:
+        """:meth:`leftovers`, polled until none are left or ``within_s`` passed."""
+        deadline = time.monotonic() + within_s
+        while True:
+            left = self.leftovers(session_threads=session_threads, check_fds=check_fds)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.05)
+
+
+def pids_alive(pids: Iterable[int], within_s: float) -> list[int]:
+    """The processes among ``pids`` still running after up to ``within_s`` (zombies count as
+    ended: they run no code)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in pids if _running(pid)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" not in status

@@ -1,0 +1,194 @@
+"""Conformance kit, lifecycle and cleanup: failure, shutdown, finalizer, env, hooks, leftovers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError
+from .._executor import Executor
+from .._hookspecs import hookimpl
+from .._registry import Registry
+from .._worker import WorkerBase, WorkerContext
+from ._base import ExecutorFactory, KitBase
+from ._guard import Snapshot, pids_alive
+
+__all__ = ["LifecycleTests"]
+
+#: Seconds the kit gives workers, threads and descriptors to go after shutdown.
+_SETTLE_S = 10.0
+
+
+class _HookObserver:
+    """Records the worker-side hooks it sees (for workers in the driver's process)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    @hookimpl
+    def executor_worker_ready(self, worker: WorkerBase, context: WorkerContext) -> None:
+        self.events.append(("ready", context.rank))
+
+    @hookimpl
+    def executor_worker_rpc_finished(
+        self, context: WorkerContext, method: str, duration_s: float, error: BaseException | None
+    ) -> None:
+        self.events.append(("rpc", context.rank))
+
+    @hookimpl
+    def executor_worker_stopping(self, worker: WorkerBase | None, context: WorkerContext) -> None:
+        self.events.append(("stopping", context.rank))
+
+
+class LifecycleTests(KitBase):
+    """Failure, shutdown and the finalizer leave nothing behind."""
+
+    def _check_nothing_left(self, before: Snapshot, pids: list[int], when: str) -> None:
+        others = [pid for pid in pids if pid != os.getpid()]
+        alive = pids_alive(others, _SETTLE_S)
+        assert not alive, f"rule broken: worker processes {alive} still run {when}"
+        left = before.wait_clean(
+            _SETTLE_S, session_threads=self.session_threads, check_fds=self.check_fds
+        )
+        assert not left, f"rule broken: left behind {when}: {left}"
+
+    def test_failure_callbacks_run_once(self, fresh_executor: ExecutorFactory) -> None:
+        executor = fresh_executor()
+        calls: list[ExecutorFailedError] = []
+        executor.register_failure_callback(calls.append)
+        error = ExecutorFailedError("simulated failure")
+        assert executor.fail(error) is True
+        assert executor.fail(ExecutorFailedError("second")) is False
+        assert calls == [error], "rule broken: failure callbacks run exactly once"
+        late: list[ExecutorFailedError] = []
+        executor.register_failure_callback(late.append)
+        assert late == [error], "rule broken: a callback registered after a failure runs at once"
+        with pytest.raises(ExecutorFailedError, match="simulated failure"):
+            executor.collective_rpc("get_rank", timeout=10)
+        with pytest.raises(ExecutorFailedError):
+            executor.check_health()
+
+    def test_fail_fails_calls_in_flight(self, fresh_executor: ExecutorFactory) -> None:
+        executor = fresh_executor()
+        future = executor.collective_rpc("slow", args=(self.slow_call_s * 3,), non_block=True)
+        start = time.monotonic()
+        error = ExecutorFailedError("failed while a call ran")
+        executor.fail(error)
+        with pytest.raises(ExecutorFailedError, match="failed while a call ran"):
+            future.result(timeout=self.slow_call_s * 6)
+        assert time.monotonic() - start < self.slow_call_s, (
+            "rule broken: fail() fails the calls in flight at once"
+        )
+
+    def test_shutdown_is_idempotent_and_final(self, fresh_executor: ExecutorFactory) -> None:
+        executor = fresh_executor()
+        assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
+        executor.shutdown()
+        executor.shutdown()
+        assert executor.is_closed
+        with pytest.raises(ExecutorClosedError):
+            executor.collective_rpc("get_rank", timeout=10)
+        with pytest.raises(ExecutorClosedError):
+            executor.execute_model(None)
+        with pytest.raises(ExecutorClosedError):
+            executor.check_health()
+
+    def test_shutdown_with_calls_in_flight(self, fresh_executor: ExecutorFactory) -> None:
+        executor = fresh_executor()
+        future = executor.collective_rpc("slow", args=(0.3,), non_block=True)
+        executor.shutdown()
+        try:
+            result = future.result(timeout=_SETTLE_S)
+        except ExecutorClosedError:
+            return
+        assert result == [(r, None) for r in range(executor.world_size)]
+
+    def test_context_manager_shuts_down(self, fresh_executor: ExecutorFactory) -> None:
+        with fresh_executor() as executor:
+            assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
+        assert executor.is_closed
+
+    def test_env_reaches_workers_not_the_driver(self, fresh_executor: ExecutorFactory) -> None:
+        name = f"EXECUTOR_CONFORMANCE_{uuid.uuid4().hex[:8].upper()}"
+        executor = fresh_executor(env={name: "set-by-config"})
+        assert executor.collective_rpc("get_env", args=(name,)) == [
+            "set-by-config"
+        ] * executor.world_size, "rule broken: config.env is set in every worker"
+        executor.shutdown()
+        assert name not in os.environ, (
+            "rule broken: config.env leaked into the driver's environment after shutdown"
+        )
+
+    def test_worker_kwargs(self, fresh_executor: ExecutorFactory) -> None:
+        executor = fresh_executor(worker_kwargs={"tag": "kw"})
+        assert executor.collective_rpc("get_tag") == ["kw"] * executor.world_size
+
+    def test_worker_init_failure_fails_creation(self, executor_factory: ExecutorFactory) -> None:
+        bad = 0
+        with pytest.raises(ExecutorError) as info:
+            executor_factory(worker_kwargs={"fail_init_on_rank": bad}).shutdown()
+        text = str(info.value)
+        assert "init_device failed on purpose" in text
+        assert f"rank {bad}" in text
+
+    def test_shutdown_stops_every_worker(
+        self, executor_factory: ExecutorFactory, tmp_path: Path
+    ) -> None:
+        before = Snapshot.take()
+        executor = executor_factory(worker_kwargs={"marker_dir": str(tmp_path)})
+        pids = executor.collective_rpc("get_pid")
+        executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
+        executor.shutdown()
+        for rank in range(executor.world_size):
+            marker = tmp_path / f"shutdown-{rank}"
+            assert marker.exists(), (
+                f"rule broken: shutdown() runs every worker's shutdown; rank {rank}'s did not "
+                "run (call WorkerWrapper.shutdown when the transport closes)"
+            )
+            assert marker.read_text() == "wrapper", (
+                f"rule broken: rank {rank}'s worker was shut down without its wrapper, so the "
+                "executor_worker_stopping hook did not run (call WorkerWrapper.shutdown)"
+            )
+        self._check_nothing_left(before, pids, "after shutdown()")
+
+    def test_dropped_executor_is_collected_and_cleaned_up(
+        self, executor_factory: ExecutorFactory
+    ) -> None:
+        before = Snapshot.take()
+        executor = executor_factory()
+        pids = executor.collective_rpc("get_pid")
+        executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
+        ref = weakref.ref(executor)
+        del executor
+        gc.collect()
+        assert ref() is None, (
+            "rule broken: an executor dropped without shutdown() is garbage-collected; "
+            "something still holds it (a transport, a thread or a callback must never hold "
+            "the executor)"
+        )
+        self._check_nothing_left(before, pids, "after the executor was dropped")
+
+    def test_hooks_reach_in_process_workers(self, executor_factory: ExecutorFactory) -> None:
+        registry = Registry.from_entry_points()
+        observer = _HookObserver()
+        registry.register_plugin(observer, "conformance-hook-observer")
+        executor = executor_factory(registry=registry)
+        try:
+            pids: list[Any] = executor.collective_rpc("get_pid")
+        finally:
+            executor.shutdown()
+        here = [rank for rank, pid in enumerate(pids) if pid == os.getpid()]
+        for rank in here:
+            for event in ("ready", "rpc", "stopping"):
+                assert (event, rank) in observer.events, (
+                    f"rule broken: the registry's worker hooks reach rank {rank}, which runs "
+                    f"in the driver's process, but {event!r} was not seen (build wrappers with "
+                    "TransportHost.wrapper)"
+                )
