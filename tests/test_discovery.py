@@ -18,7 +18,7 @@ from executor_core import (
     __version__,
     create_executor,
 )
-from executor_core._registry import Registry, default_registry
+from executor_core.backend import ENTRY_POINT_GROUP, Registry, default_registry
 from executor_core.testing import ConformanceWorker
 
 EXECUTOR_CLI = str(Path(sys.executable).with_name("executor"))
@@ -158,7 +158,7 @@ def _fake_distribution(
     metadata = [f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0"]
     metadata.extend(f"Requires-Dist: {req}" for req in requires)
     (dist_info / "METADATA").write_text("\n".join(metadata) + "\n")
-    entry_points = [f"[{'executor.plugins'}]"]
+    entry_points = [f"[{ENTRY_POINT_GROUP}]"]
     entry_points.extend(f"{ep} = {module}" for ep, module in modules.items())
     (dist_info / "entry_points.txt").write_text("\n".join(entry_points) + "\n")
     for ep, source in plugins.items():
@@ -167,7 +167,7 @@ def _fake_distribution(
 
 
 FUTURE_PLUGIN = """
-    from executor_core import BackendSpec, hookimpl
+    from executor_core.backend import BackendSpec, hookimpl
 
     @hookimpl
     def executor_register_backends():
@@ -179,7 +179,7 @@ FUTURE_PLUGIN = """
 """
 
 FORGOT_HOOKIMPL = """
-    from executor_core import BackendSpec
+    from executor_core.backend import BackendSpec
 
     def executor_register_backends():
         return [BackendSpec(name="forgotten", executor="nowhere_xyz:Executor")]
@@ -188,8 +188,9 @@ FORGOT_HOOKIMPL = """
 
 @pytest.fixture
 def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Three fake distributions on sys.path: one requiring a future executor-core, one whose
-    requirement on executor-core applies only elsewhere, one that forgot its @hookimpl."""
+    """Fake distributions on sys.path: one requiring a future executor-core, one whose
+    requirement on executor-core applies only elsewhere, one that forgot its @hookimpl, one
+    made for an old executor-core that fails to import."""
     _fake_distribution(
         tmp_path, "executor-future", ["attrs", "executor-core>=99"], {"future": FUTURE_PLUGIN}
     )
@@ -204,6 +205,12 @@ def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         {"present": FUTURE_PLUGIN.replace('"future"', '"present"')},
     )
     _fake_distribution(tmp_path, "executor-forgot", [], {"forgot": FORGOT_HOOKIMPL})
+    _fake_distribution(
+        tmp_path,
+        "executor-old",
+        ["executor-core<0.1"],
+        {"old": "from executor_core import RemovedLongAgo  # noqa: F401\n"},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 
@@ -238,6 +245,12 @@ def test_plugin_without_hookimpl_is_reported_broken(fake_plugins: Path) -> None:
         "executor_register_backends?" in broken["forgot"].error
     )
     assert "forgotten" not in {s.name for s in registry.backends()}
+
+
+def test_plugin_for_another_core_that_fails_to_import_says_why(fake_plugins: Path) -> None:
+    broken = {b.name: b for b in Registry.from_entry_points().broken}
+    assert "cannot import name 'RemovedLongAgo'" in broken["old"].error
+    assert broken["old"].error.endswith(f"(requires executor-core<0.1; installed {__version__})")
 
 
 def _cli_with(path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ from executor_core import (
     __version__,
     hookimpl,
 )
-from executor_core._registry import BackendSpec, Capabilities, Registry
+from executor_core.backend import BackendSpec, Capabilities, Registry
 
 
 class _Worker(WorkerBase):

@@ -48,6 +48,8 @@ class KitBase:
     #: Seconds one test may take, start-up and shutdown included: past it the test fails
     #: (a hang is a failure, not a long wait for an outer timeout).
     time_limit_s: ClassVar[float] = 60.0
+    #: Seconds workers, threads and descriptors get to go after shutdown or a drop.
+    settle_s: ClassVar[float] = 10.0
     #: Seconds a slow call sleeps in the timeout tests; the timeout is a fraction of it.
     slow_call_s: ClassVar[float] = 1.0
     #: Name prefixes of threads the backend keeps for its session across executors (a

@@ -21,7 +21,7 @@ class ErrorTests(KitBase):
         with pytest.raises(WorkerError) as info:
             executor.collective_rpc("fail", args=("kaboom",), kwargs={"on_rank": bad})
         err = info.value
-        assert err.rank == bad
+        assert err.rank == bad, "rule broken: a WorkerError names the rank that raised"
         assert err.method == "fail"
         assert err.exc_type == "ValueError"
         assert "kaboom" in err.message

@@ -93,7 +93,9 @@ class Snapshot:
             frozenset(_shm()),
         )
 
-    def leftovers(self, *, session_threads: Iterable[str] = (), check_fds: bool = True) -> list[str]:
+    def leftovers(
+        self, *, session_threads: Iterable[str] = (), check_fds: bool = True
+    ) -> list[str]:
         """What exists now and did not at the snapshot (threads whose name starts with one
         of ``session_threads`` are the backend's session, not the executor's, and allowed)."""
         prefixes = tuple(session_threads)

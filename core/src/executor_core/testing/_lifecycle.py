@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError
-from .._executor import Executor
 from .._hookspecs import hookimpl
 from .._registry import Registry
 from .._worker import WorkerBase, WorkerContext
@@ -21,9 +20,6 @@ from ._base import ExecutorFactory, KitBase
 from ._guard import Snapshot, pids_alive
 
 __all__ = ["LifecycleTests"]
-
-#: Seconds the kit gives workers, threads and descriptors to go after shutdown.
-_SETTLE_S = 10.0
 
 
 class _HookObserver:
@@ -52,10 +48,10 @@ class LifecycleTests(KitBase):
 
     def _check_nothing_left(self, before: Snapshot, pids: list[int], when: str) -> None:
         others = [pid for pid in pids if pid != os.getpid()]
-        alive = pids_alive(others, _SETTLE_S)
+        alive = pids_alive(others, self.settle_s)
         assert not alive, f"rule broken: worker processes {alive} still run {when}"
         left = before.wait_clean(
-            _SETTLE_S, session_threads=self.session_threads, check_fds=self.check_fds
+            self.settle_s, session_threads=self.session_threads, check_fds=self.check_fds
         )
         assert not left, f"rule broken: left behind {when}: {left}"
 
@@ -105,7 +101,7 @@ class LifecycleTests(KitBase):
         future = executor.collective_rpc("slow", args=(0.3,), non_block=True)
         executor.shutdown()
         try:
-            result = future.result(timeout=_SETTLE_S)
+            result = future.result(timeout=self.settle_s)
         except ExecutorClosedError:
             return
         assert result == [(r, None) for r in range(executor.world_size)]
@@ -118,9 +114,10 @@ class LifecycleTests(KitBase):
     def test_env_reaches_workers_not_the_driver(self, fresh_executor: ExecutorFactory) -> None:
         name = f"EXECUTOR_CONFORMANCE_{uuid.uuid4().hex[:8].upper()}"
         executor = fresh_executor(env={name: "set-by-config"})
-        assert executor.collective_rpc("get_env", args=(name,)) == [
-            "set-by-config"
-        ] * executor.world_size, "rule broken: config.env is set in every worker"
+        assert (
+            executor.collective_rpc("get_env", args=(name,))
+            == ["set-by-config"] * executor.world_size
+        ), "rule broken: config.env is set in every worker"
         executor.shutdown()
         assert name not in os.environ, (
             "rule broken: config.env leaked into the driver's environment after shutdown"

@@ -1,0 +1,216 @@
+"""Backends that each break one rule of the contract, for the conformance kit's own tests.
+
+Each is the example ``threads`` backend with one defect that a real plugin author made (see
+the issue that introduced the kit): the kit must fail every one of them, naming the rule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, ClassVar
+
+from executor_core import WorkerContext, WorkerError
+from executor_core.backend import Call, TransportHost, WorkerWrapper
+from executor_threads._executor import Queue, ThreadExecutor, ThreadTransport
+
+
+class _Variant(ThreadTransport):
+    """The threads transport with switches for the defects below."""
+
+    defect: ClassVar[str] = ""
+
+    def start(self) -> None:
+        if self.defect in ("empty_backend_name", "local_rank_zero", "no_hooks"):
+            self.host = _DefectiveHost(self.host, self.defect)
+        if self.defect == "stray_thread":
+            # A helper thread nobody stops (a heartbeat, say).
+            threading.Thread(target=_forever, name="stray-heartbeat", daemon=True).start()
+        super().start()
+
+    def close(self, graceful: bool) -> None:
+        if self.defect == "never_stop":
+            return
+        if self.defect in ("skip_wrapper_shutdown", "worker_shutdown_directly"):
+            for thread_wrapper in getattr(self, "wrappers", []):
+                thread_wrapper.skip = self.defect
+        super().close(graceful)
+
+
+def _forever() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+class _DefectiveHost:
+    """Wraps the core's host and gets one thing wrong."""
+
+    def __init__(self, host: TransportHost, defect: str) -> None:
+        self._host = host
+        self._defect = defect
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+    def contexts(self) -> list[WorkerContext]:
+        contexts = self._host.contexts()
+        if self._defect == "empty_backend_name":
+            return [_evolve(c, backend="") for c in contexts]
+        if self._defect == "local_rank_zero":
+            return [_evolve(c, local_rank=0) for c in contexts]
+        return contexts
+
+    def wrapper(self, context: WorkerContext) -> WorkerWrapper:
+        wrapper = self._host.wrapper(context)
+        if self._defect == "no_hooks":
+            config = self._host.config
+            # Forgets to pass the registry's hooks: the wrapper loads its own.
+            return WorkerWrapper(config.worker_cls, config.worker_kwargs, context, env=config.env)
+        return wrapper
+
+
+def _evolve(context: WorkerContext, **changes: Any) -> WorkerContext:
+    import attrs
+
+    return attrs.evolve(context, **changes)
+
+
+class _ShutdownDefectWrapper(WorkerWrapper):
+    """A wrapper whose shutdown is skipped, or bypassed (worker shut down without hooks)."""
+
+    skip = ""
+
+    def shutdown(self) -> None:
+        if self.skip == "skip_wrapper_shutdown":
+            return
+        if self.skip == "worker_shutdown_directly":
+            worker, self.worker = self.worker, None
+            if worker is not None:
+                worker.shutdown()
+            return
+        super().shutdown()
+
+
+class _ShutdownDefects(_Variant):
+    def start(self) -> None:
+        host = self.host
+        self.wrappers: list[_ShutdownDefectWrapper] = []
+
+        def wrapper(context: WorkerContext) -> WorkerWrapper:
+            made = _ShutdownDefectWrapper(
+                host.config.worker_cls,
+                host.config.worker_kwargs,
+                context,
+                env=host.config.env,
+                hooks=host.wrapper(context).hooks,
+            )
+            self.wrappers.append(made)
+            return made
+
+        self.host = _WrapperHost(host, wrapper)
+        super().start()
+
+
+class _WrapperHost:
+    def __init__(self, host: TransportHost, wrapper: Any) -> None:
+        self._host = host
+        self.wrapper = wrapper
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
+class _FirstFailureWins(_Variant):
+    """Short-circuits a call on the first failure: every rank is reported failed with it."""
+
+    def start(self) -> None:
+        host = self.host
+        transport = self
+
+        class Host(_WrapperHost):
+            def deliver(self, seq: int, rank: int, ok: bool, value: Any) -> None:
+                if ok:
+                    host.deliver(seq, rank, ok, value)
+                    return
+                name = transport.names.get(seq, "?")
+                error = WorkerError.from_exception(rank, name, value)  # keeps its rank
+                for other in range(host.config.world_size):
+                    host.deliver(seq, other, ok, error)
+
+        self.names: dict[int, str] = {}
+        self.host = Host(host, host.wrapper)  # type: ignore[assignment]
+        super().start()
+
+    def send(self, call: Call) -> bool:
+        self.names[call.seq] = call.name
+        return super().send(call)
+
+
+def _executor(transport: type[ThreadTransport], **attrs_: Any) -> type[ThreadExecutor]:
+    return type(
+        f"Broken{transport.__name__}", (ThreadExecutor,), {"transport_cls": transport, **attrs_}
+    )
+
+
+def _variant(defect: str, base: type[_Variant] = _Variant) -> type[ThreadTransport]:
+    return type(f"{defect.title().replace('_', '')}Transport", (base,), {"defect": defect})
+
+
+class _HoldsExecutor(ThreadExecutor):
+    """Hands the executor to its transport, whose threads then keep it alive."""
+
+    def _create_transport(self, host: TransportHost) -> ThreadTransport:
+        transport = ThreadTransport(host)
+        transport.owner = self  # type: ignore[attr-defined]
+        return transport
+
+
+class _IgnoresNonBlockTimeout(ThreadExecutor):
+    """Drops ``timeout`` on non-blocking calls (re-implements the entry of a call)."""
+
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: Any = None,
+        args: Any = (),
+        kwargs: Any = None,
+        non_block: bool = False,
+        unique_reply_rank: Any = None,
+    ) -> Any:  # type: ignore[override]
+        if non_block:
+            timeout = None
+        return super().collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank)
+
+
+class _SkipsReplyRankCheck(ThreadExecutor):
+    """Forgets to validate ``unique_reply_rank``."""
+
+    def _check_reply_rank(self, unique_reply_rank: int | None) -> None:
+        return
+
+
+#: Each broken backend, with the words the kit's failure must contain.
+BROKEN: dict[str, tuple[type[ThreadExecutor], str]] = {
+    "holds_executor": (_HoldsExecutor, "garbage-collected"),
+    "ignores_non_block_timeout": (_IgnoresNonBlockTimeout, "timeout applies to non_block"),
+    "skips_reply_rank_check": (_SkipsReplyRankCheck, "unique_reply_rank that is not a rank"),
+    "skips_wrapper_shutdown": (
+        _executor(_variant("skip_wrapper_shutdown", _ShutdownDefects)),
+        "runs every worker's shutdown",
+    ),
+    "worker_shutdown_without_hook": (
+        _executor(_variant("worker_shutdown_directly", _ShutdownDefects)),
+        "executor_worker_stopping hook did not run",
+    ),
+    "empty_backend_name": (
+        _executor(_variant("empty_backend_name")),
+        "WorkerContext.backend names the backend",
+    ),
+    "local_rank_zero": (_executor(_variant("local_rank_zero")), "local ranks on node"),
+    "no_hooks": (_executor(_variant("no_hooks")), "worker hooks reach rank"),
+    "threads_never_stop": (_executor(_variant("never_stop")), "runs every worker's shutdown"),
+    "stray_thread": (_executor(_variant("stray_thread")), "left behind after shutdown()"),
+    "first_failure_wins": (_executor(_FirstFailureWins), "lowest failing rank"),
+}
+
+_ = Queue
