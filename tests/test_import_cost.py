@@ -26,7 +26,8 @@ def test_import_executor_core_loads_nothing_heavy() -> None:
 
 def test_public_api_and_registry_load_no_backend_code() -> None:
     loaded = _modules_after(
-        "from executor_core import default_registry, Executor, ExecutorConfig\n"
+        "from executor_core import Executor, ExecutorConfig\n"
+        "from executor_core.backend import default_registry\n"
         "default_registry().backends()"
     )
     assert not {m for m in loaded if m.split(".")[0] in HEAVY}

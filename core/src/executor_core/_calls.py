@@ -127,10 +127,11 @@ class Call:
 
 
 def as_worker_error(rank: int, name: str, value: Any) -> ExecutorError:
-    """A failure reply as the error the caller sees."""
+    """A failure reply as the error the caller sees: a :class:`WorkerError` (an exception the
+    worker's code raised is wrapped, whatever its type, so the caller sees rank and traceback)."""
     if isinstance(value, RemoteFailure):
         return value.to_error()
-    if isinstance(value, ExecutorError):
+    if isinstance(value, WorkerError):
         return value
     if isinstance(value, BaseException):
         return WorkerError.from_exception(rank, name, value)
