@@ -51,3 +51,13 @@ def test_example_backend_installs_and_passes_the_kit_in_a_fresh_venv(tmp_path: P
     output = _run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, cwd=tmp_path)
     assert " passed" in output
     assert "failed" not in output
+
+
+def test_example_backend_is_at_most_80_lines_of_code() -> None:
+    lines = [
+        line
+        for path in (EXAMPLE / "src").rglob("*.py")
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    assert len(lines) <= 80, f"the example backend grew to {len(lines)} lines of code"
