@@ -13,7 +13,8 @@ A backend is an :class:`~executor_core.Executor` subclass that names a :class:`T
 The core implements every rule of a call around these primitives (validation, ordering,
 timeouts, reply gathering, failure, shutdown, cleanup). A plugin module declares the backend
 with :func:`hookimpl` on ``executor_register_backends`` returning a :class:`BackendSpec`;
-``executor_core.testing`` is the conformance kit that checks the result. See
+``executor_core.testing`` is the conformance kit that checks the result, and
+``executor_core.options`` parses ``backend_options``. See
 docs/writing-a-backend.md.
 """
 
