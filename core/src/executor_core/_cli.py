@@ -53,6 +53,7 @@ def _backends_payload(registry: Registry) -> dict[str, Any]:
                     "pipeline_parallel": spec.capabilities.pipeline_parallel,
                     "multi_node": spec.capabilities.multi_node,
                     "devices": list(spec.capabilities.devices),
+                    "max_world_size": spec.capabilities.max_world_size,
                 },
                 "requires": list(spec.requires),
                 "conflict": spec.name in conflicts,

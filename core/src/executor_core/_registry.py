@@ -85,6 +85,8 @@ class Capabilities:
         if self.multi_node:
             parts.append("multi-node")
         parts.append("/".join(self.devices))
+        if self.max_world_size is not None:
+            parts.append(f"max {self.max_world_size} worker(s)")
         return ", ".join(parts)
 
 
