@@ -305,7 +305,10 @@ def noop_rounds(workers: int, rounds: int, calls: int) -> list[tuple[float, floa
 def idle_cpu_percent(executor: Any) -> list[float]:
     import psutil
 
-    pids = [p for p in executor._group.pids if p is not None]
+    # The worker group: on the executor before the core's Transport contract, on its
+    # transport since.
+    group = getattr(executor, "_group", None) or executor.transport._group
+    pids = [p for p in group.pids if p is not None]
     executor.collective_rpc("noop")
     time.sleep(0.05)
     procs = [psutil.Process(pid) for pid in pids]

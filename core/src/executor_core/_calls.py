@@ -189,8 +189,17 @@ class CallTable:
                 # A rank that answers only when it fails: nothing else is coming from it.
                 call.error = as_worker_error(rank, call.name, value)
                 call.results.update(dict.fromkeys(call.expected))
-            if next(iter(self._calls)) != seq:
+            calls = self._calls
+            if next(iter(calls)) != seq:
                 return  # an earlier call is still open: this one completes after it
+            if len(calls) == 1 and call.error is None and call.future is None:
+                # The common case, one blocking call in flight and it succeeded: finish it
+                # here (no future, so no callback runs under the lock).
+                del calls[seq]
+                call.finish(True, [call.results[r] for r in call.expected])
+                if self.waiters:
+                    self.cond.notify_all()
+                return
             ready = self._pop_ready()
         self._finish(ready)
 

@@ -98,7 +98,6 @@ class Executor:
             _check_capabilities(spec, config)
         self._all_ranks = tuple(range(config.world_size))
         self._default_timeout = config.rpc_timeout
-        self._send_lock = threading.Lock()
         self._next_seq = 1
         self._sleeping_tags: set[str] = set()
         name = spec.name if spec is not None else cls.__qualname__
@@ -222,7 +221,7 @@ class Executor:
                 unique_reply_rank = None
         transport = self._transport
         if self._inline and not non_block and timeout is None and not len(table):
-            with self._send_lock:
+            with host.send_lock:
                 if host.closed:
                     self._check_open()
                 if not len(table):  # still nothing in flight: the call runs here and now
@@ -235,7 +234,7 @@ class Executor:
         if non_block:
             future = Future()
             future.set_running_or_notify_cancel()
-        with self._send_lock:
+        with host.send_lock:
             if host.closed:
                 self._check_open()
             seq = self._next_seq
@@ -246,10 +245,14 @@ class Executor:
             table.add(call)
             try:
                 sent = transport.send(call)
-            except BaseException:
+            except Exception:
                 table.remove(call)
-                if table.closed_error is not None and not call.done:
-                    raise table.closed_error from None
+                closed = table.closed_error
+                if closed is not None:  # the transport gave up because the executor closed
+                    raise closed from None
+                raise
+            except BaseException:  # Ctrl-C: the caller's own interruption goes through
+                table.remove(call)
                 raise
             if not sent:
                 table.remove(call)
@@ -302,6 +305,11 @@ class Executor:
         failure = host.failure
         if failure is not None:
             raise failure
+
+    @property
+    def _send_lock(self) -> threading.Lock:
+        """Held while a call is sent (for a subclass that must wait for sends to stop)."""
+        return self._host.send_lock
 
     @property
     def transport(self) -> Transport:
@@ -433,12 +441,12 @@ class Executor:
             host.closed = True
             host.failure_callbacks.clear()
         # Graceful only if no send is stuck: the stop must not interleave with a call.
-        graceful = host.failure is None and self._send_lock.acquire(timeout=_SEND_LOCK_S)
+        graceful = host.failure is None and host.send_lock.acquire(timeout=_SEND_LOCK_S)
         try:
             host.release(graceful)
         finally:
             if graceful:
-                self._send_lock.release()
+                host.send_lock.release()
             self._finalizer.detach()
 
     def __enter__(self) -> Executor:

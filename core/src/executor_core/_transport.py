@@ -172,6 +172,10 @@ class TransportHost:
         self.failure: ExecutorFailedError | None = None
         self.failure_callbacks: list[Callable[[ExecutorFailedError], None]] = []
         self.table = CallTable()
+        #: Held while a call takes its sequence number and is sent: one order for every rank.
+        self.send_lock = threading.Lock()
+        # The hot path: a reply goes straight to the table (one call frame less per reply).
+        self.deliver = self.table.deliver  # type: ignore[method-assign]  # same signature
         self.cleanups = _Cleanups()
         self.transport: Transport | None = None
         self._lead_lock = threading.Lock()
@@ -440,7 +444,10 @@ class TransportHost:
                     self.abort(ExecutorClosedError("the executor was shut down during the call"))
             else:
                 self.abort(ExecutorClosedError("the executor was shut down during the call"))
-            # Let readers leave the transport before the cleanups release what they read.
+            # Let senders and readers leave the transport before the cleanups release what
+            # they use (a graceful release already holds the send lock).
+            if not graceful and self.send_lock.acquire(timeout=_LEAVE_S):
+                self.send_lock.release()
             give_up = time.monotonic() + _LEAVE_S
             while self._leader and self._leader != threading.get_ident():
                 if time.monotonic() >= give_up:

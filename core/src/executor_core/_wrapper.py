@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +49,12 @@ class WorkerWrapper:
         state["_hooks"] = None
         state["worker"] = None
         return state
+
+    def portable(self) -> WorkerWrapper:
+        """A copy to hand to another process (forked ones included): without this process's
+        hook relay, so that the worker's process loads its own plugins."""
+        clone = copy.copy(self)  # goes through __getstate__
+        return clone
 
     @property
     def hooks(self) -> pluggy.HookRelay:

@@ -1,36 +1,20 @@
-"""The mp backend runs the core's whole conformance suite, with tensor and pipeline ranks."""
+"""The mp backend runs the core's whole conformance kit, with tensor and pipeline ranks."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
-
-from executor_core import Executor, create_executor
-from executor_core.testing import ExecutorConformanceTests, ExecutorFactory, conformance_config
+from executor_core.testing import ExecutorConformanceTests
 
 
 class TestMultiprocConformance(ExecutorConformanceTests):
     """Two tensor-parallel workers."""
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def executor_factory(cls) -> ExecutorFactory:
-        def make(**overrides: Any) -> Executor:
-            return create_executor(conformance_config("mp", world_size=2, **overrides))
-
-        return make
+    backend = "mp"
+    world_size = 2
 
 
 class TestMultiprocPipelineConformance(ExecutorConformanceTests):
-    """One tensor-parallel rank per stage, two pipeline stages (output rank 1)."""
+    """One tensor-parallel rank per stage, two pipeline stages (output rank 1), by alias."""
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def executor_factory(cls) -> ExecutorFactory:
-        def make(**overrides: Any) -> Executor:
-            overrides.setdefault("pipeline_parallel_size", 2)
-            overrides.setdefault("tensor_parallel_size", 1)
-            return create_executor(conformance_config("multiproc", **overrides))
-
-        return make
+    backend = "multiproc"
+    world_size = 2
+    pipeline_parallel_size = 2

@@ -368,6 +368,31 @@ def test_many_calls_in_flight_beyond_the_ring() -> None:
 
 
 @pytest.mark.usefixtures("shm_unchanged")
+def test_send_interrupted_mid_transfer_fails_the_executor() -> None:
+    executor = make(backend_options={"slots": 2, "slot_bytes": 64 << 10, **FAST_STOP})
+    try:
+        busy = executor.collective_rpc("slow", args=(1.0,), non_block=True)
+        time.sleep(0.1)  # both workers are in the call: nobody reads the broadcast ring
+
+        def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        # 1 MiB is 16 slots of 64 KiB: two go out, then the send waits for room, and is
+        # interrupted with part of the message published.
+        executor.transport._while_sending = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            executor.collective_rpc("payload_size", args=(b"x" * (1 << 20),))
+        assert executor.is_failed
+        assert "out of step" in str(executor.failure)
+        with pytest.raises(ExecutorFailedError, match="out of step"):
+            busy.result(timeout=5)
+        with pytest.raises(ExecutorFailedError, match="out of step"):
+            executor.collective_rpc("get_rank")
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.usefixtures("shm_unchanged")
 def test_shutdown_during_a_call_fails_it_and_stops_workers() -> None:
     executor = make()
     pids = worker_pids(executor)

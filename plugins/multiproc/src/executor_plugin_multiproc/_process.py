@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from executor_core import RemoteFailure, WorkerContext, WorkerWrapper
+from executor_core.backend import RemoteFailure, WorkerWrapper
 
 from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
 from ._doorbell import Doorbell
@@ -78,13 +78,11 @@ class SegmentLayout:
 class WorkerSpec:
     """Everything one worker process needs, pickled to it at start."""
 
-    context: WorkerContext
-    worker_cls: type | str
-    worker_kwargs: dict[str, Any]
+    #: Hosts the user's worker (from ``TransportHost.wrapper``; it carries no hooks: this
+    #: process loads its own). It applies the config's env again, after the start hook.
+    wrapper: WorkerWrapper
     #: Environment applied first thing in the process (config env + backend defaults).
     env: dict[str, str]
-    #: The config's env, applied again by the WorkerWrapper (after the start hook).
-    config_env: dict[str, str]
     segment: InheritedFd
     layout: SegmentLayout
     #: Doorbells: this worker's call doorbell, the shared "a call slot is free" doorbell,
@@ -142,13 +140,15 @@ def watch_death_pipe(fd: int) -> threading.Thread:
     return thread
 
 
-def _decode_call(view: memoryview) -> tuple[int, int, int, Any]:
+def _decode_call(view: memoryview) -> tuple[int, int, int | None, Any]:
+    """``(kind, seq, reply_rank, body)``; ``reply_rank`` is None for every rank (-1 on the
+    wire), and a body that cannot be unpickled is a RemoteFailure."""
     try:
         kind, _ok, reply_rank, seq, body = decode(view)
     except DecodeError as exc:  # reported to the driver as this call's failure
         failure = RemoteFailure.capture(-1, "<decode>", exc.cause)
-        return exc.kind, exc.seq, exc.rank, failure
-    return kind, seq, reply_rank, body
+        return exc.kind, exc.seq, None, failure
+    return kind, seq, None if reply_rank < 0 else reply_rank, body
 
 
 def _reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame:
@@ -162,8 +162,9 @@ def _reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Fram
 
 
 def serve(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None:
-    """Run calls from the broadcast ring until the stop message."""
-    read, write, execute = calls.read, replies.write, wrapper.execute
+    """Run calls from the broadcast ring until the stop message; answer as
+    :meth:`WorkerWrapper.handle` says (it knows which ranks answer)."""
+    read, write, handle = calls.read, replies.write, wrapper.handle
     while True:
         item = read(_decode_call)
         assert item is not None  # no deadline: read returns a message
@@ -172,13 +173,12 @@ def serve(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None
             return
         if isinstance(body, RemoteFailure):
             failure = attrs.evolve(body, rank=rank)
-            replies.write(*_reply_frame(rank, seq, "<decode>", False, failure))
+            write(*_reply_frame(rank, seq, "<decode>", False, failure))
             continue
         method, args, kwargs = body
-        ok, value = execute(method, args, kwargs)
-        if ok and reply_rank >= 0 and reply_rank != rank:
-            continue  # only the chosen rank answers, unless this one failed
-        write(*_reply_frame(rank, seq, method, ok, value))
+        reply = handle(method, args, kwargs, reply_rank)
+        if reply is not None:
+            write(*_reply_frame(rank, seq, method, *reply))
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -186,13 +186,14 @@ def worker_main(spec: WorkerSpec) -> None:
     # Ctrl-C reaches the whole process group; the driver decides what happens to workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal(spec.parent_pid)
-    _set_thread_name(f"mp-worker-{spec.context.rank}")
+    wrapper = spec.wrapper
+    rank = wrapper.context.rank
+    _set_thread_name(f"mp-worker-{rank}")
     for fd in spec.close_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
     os.environ.update(spec.env)
     watch_death_pipe(spec.death_pipe.fd)
-    rank = spec.context.rank
     segment = SharedSegment.attach(spec.segment.fd, spec.layout.nbytes)
     spin = Spinner(spec.spin_s)  # one budget for the process: contention is per machine
     calls = Ring(
@@ -211,7 +212,6 @@ def worker_main(spec: WorkerSpec) -> None:
         space_bell=Doorbell(spec.reply_space_bell.fd),
         spin=spin,
     )
-    wrapper = WorkerWrapper(spec.worker_cls, spec.worker_kwargs, spec.context, env=spec.config_env)
     try:
         wrapper.init_worker()
     except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback

@@ -295,8 +295,11 @@ class Ring:
                 return False
             bell.wait(min(MAX_SLEEP_S, deadline - now))
 
-    def try_read(self, decode: Callable[[memoryview], T]) -> T | None:
-        """``decode`` the next message if one is waiting, else return None at once."""
+    def try_read(
+        self, decode: Callable[[memoryview], T], abort: Callable[[], None] | None = None
+    ) -> T | None:
+        """``decode`` the next message if one is waiting, else return None at once. A message
+        spanning several slots is awaited to its end, bounded only by ``abort``."""
         buf = self._buf
         count = self._count
         if _U64.unpack_from(buf, self._written_off)[0] <= count:
@@ -304,7 +307,7 @@ class Ring:
         slot = self._slot_offs[count % self._layout.slots]
         nbytes, size = _CHUNK.unpack_from(buf, slot)
         if size != nbytes:
-            return self.read(decode)
+            return self.read(decode, None, abort)
         view = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
         try:
             return decode(view)
