@@ -191,6 +191,29 @@ def bench_calls(workers: int, rounds: int, calls: int, direct_calls: bool) -> li
     return rows
 
 
+class _Internals:
+    """The executor's actors and compiled graph, wherever this version keeps them: on its
+    transport (``executor._transport``), or on the executor itself before the transport
+    contract, so that this benchmark runs on either tree."""
+
+    def __init__(self, executor: RayExecutor) -> None:
+        self._holder: Any = getattr(executor, "_transport", executor)
+
+    @property
+    def actors(self) -> list[Any]:
+        holder = self._holder
+        actors: list[Any] = getattr(holder, "actors", None) or holder._actors
+        return actors
+
+    @property
+    def _compiled(self) -> Any:
+        return self._holder._compiled
+
+
+def _internals(executor: RayExecutor) -> _Internals:
+    return _Internals(executor)
+
+
 def _raw_graph_step(graph: Any) -> Any:
     return ray.get(graph.execute(1))
 
@@ -264,7 +287,7 @@ def bench_compiled_driver(workers: int, rounds: int, calls: int) -> str:
     try:
         executor.execute_model(1)  # compiles the graph
         # A private attribute: the only way to drive the executor's own graph directly.
-        graph = executor._compiled._graph  # type: ignore[union-attr]
+        graph = _internals(executor)._compiled._graph
         ours, raw = compare(
             functools.partial(executor.execute_model, 1),
             functools.partial(_raw_graph_step, graph),
@@ -295,7 +318,7 @@ def compiled_worker_cost() -> str:
     executor = _executor(1, compiled_graph=True)
     try:
         # A private attribute: the actor handle, to time its method where it runs.
-        actor = executor._actors[0]
+        actor = _internals(executor).actors[0]
         stage_s, worker_s = ray.get(actor.__ray_call__.remote(time_in_actor))
     finally:
         executor.shutdown()

@@ -25,6 +25,12 @@ from executor_plugin_ray._executor import RayExecutor
 BIG = 200 * 1024  # large enough to go as a Ray actor call (lifted into the object store)
 
 
+def read(channels: DirectChannels, rank: int = 0) -> tuple[int, Any]:
+    """The next reply from ``rank``: its call's number and the reply."""
+    assert channels.wait(10) == [rank]
+    return channels.recv(rank)
+
+
 @pytest.mark.parametrize("host", [None, "127.0.0.1"], ids=["unix", "tcp"])
 def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one(host: str | None) -> None:
     seen: list[Any] = []
@@ -43,10 +49,7 @@ def test_the_channel_refuses_a_wrong_key_and_serves_the_right_one(host: str | No
     channels = DirectChannels([server.address], key, timeout_s=10)
     try:
         channels.send(1, pickle.dumps(["get_rank", [], None, None, []]))
-        assert channels.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (
-            True,
-            ("result", 1),
-        )
+        assert read(channels) == (1, ("result", 1))
         assert seen == [["get_rank", [], None, None, []]]
     finally:
         channels.close()
@@ -61,7 +64,9 @@ def test_replies_of_every_kind_cross_the_channel() -> None:
         results = []
         for seq in (1, 2, 3):
             channels.send(seq, b"call")
-            results.append(channels.read(0, seq, time.monotonic() + 10, 0.5, lambda: None)[1])
+            results.append(read(channels))
+        assert [seq for seq, _reply in results] == [1, 2, 3]
+        results = [reply for _seq, reply in results]
         assert results == [b"\x80\x05raw", None, failure]
     finally:
         channels.close()
@@ -94,10 +99,7 @@ def test_a_peer_that_connects_and_stalls_neither_locks_the_driver_out_nor_stays(
         try:
             assert time.monotonic() - start < 2.5  # not after the stalled peer was dropped
             channels.send(1, b"call")
-            assert channels.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (
-                True,
-                "served",
-            )
+            assert read(channels) == (1, "served")
         finally:
             channels.close()
         # The worker dropped the stalled peer at the handshake's time limit.
@@ -130,12 +132,12 @@ def test_the_worker_serves_only_the_first_peer_to_pass_the_handshake(host: str |
     try:
         # Served: so the worker has claimed this connection and stopped listening.
         first.send(1, b"call")
-        assert first.read(0, 1, time.monotonic() + 10, 0.5, lambda: None) == (True, "served")
+        assert read(first) == (1, "served")
         # A second peer, even with the key, cannot connect.
         with pytest.raises(ConnectionRefusedError):
             DirectChannels([server.address], b"k" * 32, timeout_s=2)
         first.send(2, b"call")
-        assert first.read(0, 2, time.monotonic() + 10, 0.5, lambda: None) == (True, "served")
+        assert read(first) == (2, "served")
     finally:
         first.close()
 
@@ -181,3 +183,46 @@ def test_shutdown_wakes_a_call_waiting_on_the_channel(ray_local: None) -> None:
     with pytest.raises(ExecutorClosedError):
         pending.result(timeout=15)
     assert time.monotonic() - start < 10
+
+
+def _target(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def test_shutdown_closes_the_executors_sockets_and_pipe(executor: RayExecutor) -> None:
+    fresh = create_executor(
+        conformance_config("ray", world_size=2, backend_options={"log_to_driver": False})
+    )
+    transport = fresh.transport
+    direct = transport._direct
+    assert direct is not None
+    # Private: the descriptors this executor opened (Ray's own are the session's).
+    own = [transport._wake_r, transport._wake_w, *(conn.fileno() for conn in direct._conns)]
+    targets = {fd: _target(fd) for fd in own}
+    assert all(target is not None for target in targets.values())
+    assert fresh.collective_rpc("get_rank") == [0, 1]
+    fresh.shutdown()
+    assert {fd: _target(fd) for fd in own if _target(fd) == targets[fd]} == {}
+
+
+def test_a_reader_waiting_on_the_channels_wakes_on_shutdown_and_on_the_wake_fd() -> None:
+    server = DirectServer(b"k" * 32, lambda call: pack("served"))
+    channels = DirectChannels([server.address], b"k" * 32, timeout_s=10)
+    wake_r, wake_w = os.pipe()
+    try:
+        start = time.monotonic()
+        assert channels.wait(0.05, wake_r) == []  # nothing to read: the timeout
+        os.write(wake_w, b"x")
+        assert channels.wait(10, wake_r) == []  # woken at once
+        assert time.monotonic() - start < 5
+        channels.shutdown()
+        assert channels.wait(10) == [0]  # readable: end of stream
+        with pytest.raises(_direct.ChannelClosedError):
+            channels.recv(0)
+    finally:
+        channels.close()
+        os.close(wake_r)
+        os.close(wake_w)

@@ -15,7 +15,7 @@ import ray
 
 from executor_core import create_executor
 from executor_core.testing import conformance_config
-from executor_plugin_ray._encoding import Carried, decode_reply, encode_reply, pack
+from executor_plugin_ray._encoding import Carried, decode_reply, encode_call, encode_reply, pack
 from executor_plugin_ray._executor import RayExecutor
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -74,17 +74,20 @@ def test_replies_round_trip_whatever_the_result_is() -> None:
 
 
 def test_call_encodings(executor: RayExecutor) -> None:
-    small, lifted = executor._encode_call("f", (1, 2), {"k": 3}, None)
+    small, lifted = encode_call("f", (1, 2), {"k": 3}, None, world_size=2)
     assert isinstance(small, bytes)
     assert lifted == []
-    with_ref, lifted = executor._encode_call("f", (ray.put(1),), None, None)
+    with_ref, lifted = encode_call("f", (ray.put(1),), None, None, world_size=2)
     assert isinstance(with_ref, list)
     assert lifted == []
-    big, lifted = executor._encode_call("f", (1, b"x" * BIG, 2), None, None)
+    big, lifted = encode_call("f", (1, b"x" * BIG, 2), None, None, world_size=2)
     assert pickle.loads(big) == ["f", [1, None, 2], None, None, [1]]
     # Two workers: the lifted argument is put into the object store once for both.
     assert len(lifted) == 1
     assert isinstance(lifted[0], ray.ObjectRef)
+    # One worker: it crosses as the Ray call's own argument, with no extra put.
+    _big, lifted = encode_call("f", (b"x" * BIG,), None, None, world_size=1)
+    assert lifted == [b"x" * BIG]
 
 
 def _describe(worker: Any, *args: Any, **kwargs: Any) -> list[Any]:

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from executor_core import ConfigError, Registry, create_executor
+from executor_core import ConfigError, create_executor
+from executor_core.backend import Registry
 from executor_core.testing import conformance_config
 from executor_plugin_ray import _cluster
 from executor_plugin_ray._options import RayOptions
@@ -24,8 +25,6 @@ def test_backend_is_registered_with_its_capabilities() -> None:
     assert (caps.pipeline_parallel, caps.multi_node, caps.devices) == (True, True, ("cpu", "cuda"))
     cls = registry.executor_class("ray")
     assert cls.__name__ == "RayExecutor"
-    assert cls.supports_pp is True
-    assert cls.uses_ray is True
 
 
 def test_plugin_module_does_not_import_ray() -> None:

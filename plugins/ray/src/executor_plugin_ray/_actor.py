@@ -9,43 +9,38 @@ from typing import Any
 
 import ray
 
-from executor_core import (
-    RemoteFailure,
-    WorkerContext,
-    WorkerWrapper,
-    find_free_port,
-    method_name,
-)
+from executor_core.backend import RemoteFailure, WorkerWrapper, find_free_port
 
 from ._direct import Address, DirectServer
-from ._encoding import Failed, decode_call, encode_reply
+from ._encoding import Failed, decode_call, encode_reply, reply_of
 from ._ranks import ActorInfo
 
-__all__ = ["MONITOR_GROUP", "Call", "RayWorker", "RayWorkerActor"]
+__all__ = ["MONITOR_GROUP", "RayWorker", "RayWorkerActor", "WireCall"]
 
-#: The actor's second thread: the liveness watch and the "what are you running" query, so
-#: both answer while the worker is busy in a long call.
+#: The actor's second thread: the liveness watch, so that it answers while the worker is
+#: busy in a long call.
 MONITOR_GROUP = "executor_monitor"
 
 #: What :meth:`RayWorker.execute` takes: ``[method, args, kwargs, unique_reply_rank,
 #: lifted_positions]``, pickled to bytes by :func:`~._encoding.pack` or, when Ray's serializer
 #: carries it, as a list (not a tuple: Ray encodes lists with msgpack but pickles tuples,
 #: about 7 µs more per message). ``args[i]`` for each lifted position arrives as an argument
-#: of the Ray call of its own (large buffers; see ``RayExecutor._encode_call``).
-Call = list[Any]
+#: of the Ray call of its own (large buffers; see :func:`~._encoding.encode_call`).
+WireCall = list[Any]
 
 
 class RayWorker:
-    """One rank. Calls run one at a time (a lock), whether they come as actor tasks or through
-    a compiled graph's loop, which Ray runs on another thread of the actor."""
+    """One rank. Calls run one at a time (a lock), whether they come as actor tasks, on the
+    direct socket's thread, or through a compiled graph's loop, which Ray runs on another
+    thread of the actor. The core's :class:`~executor_core.backend.WorkerWrapper` runs each
+    call and decides whether this rank answers."""
 
     def __init__(self) -> None:
         self._wrapper: WorkerWrapper | None = None
         self._rank = -1
-        self._is_output_rank = False
+        self._output_rank = -1
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._running: str | None = None
         self._direct: DirectServer | None = None
 
     # --- set-up ----------------------------------------------------------------------------
@@ -65,20 +60,16 @@ class RayWorker:
         """A free TCP port on this node (for the torch.distributed rendezvous)."""
         return find_free_port(host)
 
-    def init_worker(
-        self,
-        worker_cls: type | str,
-        worker_kwargs: Mapping[str, Any],
-        context: WorkerContext,
-        env: Mapping[str, str],
-    ) -> Failed | None:
-        """Build the user's worker and run init_device and load_model."""
+    def init_worker(self, wrapper: WorkerWrapper) -> Failed | None:
+        """Build the user's worker (``wrapper``, from ``TransportHost.wrapper``) and run
+        init_device and load_model."""
+        context = wrapper.context
         self._rank = context.rank
-        self._is_output_rank = context.is_output_rank
-        self._wrapper = WorkerWrapper(worker_cls, worker_kwargs, context, env=env)
+        self._output_rank = context.world_size - context.tensor_parallel_size
+        self._wrapper = wrapper
         with self._lock:
             try:
-                self._wrapper.init_worker()
+                wrapper.init_worker()
             except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
                 return Failed(RemoteFailure.capture(context.rank, "init_worker", exc))
         return None
@@ -104,51 +95,40 @@ class RayWorker:
         except Exception as exc:  # noqa: BLE001 - a call that cannot be read: the driver's error
             return Failed(RemoteFailure.capture(self._rank, "<direct call>", exc))
 
-    def execute(self, call: Call | bytes, *lifted: Any) -> Any:
-        """Run a :data:`Call`; the reply encoded by :func:`~._encoding.encode_reply` (the
-        result, or :class:`Failed`).
+    def execute(self, call: WireCall | bytes, *lifted: Any) -> Any:
+        """Run a :data:`WireCall`; the reply encoded by :func:`~._encoding.encode_reply`
+        (``None`` when this rank need not answer, the result, or :class:`Failed`).
 
         The call is one argument, the same for every rank, so that Ray serialises it once per
         actor call (each actor-call argument costs tens of microseconds); only large buffers
-        come as arguments of their own (``lifted``). The result is returned only by the
-        replying rank(s).
+        come as arguments of their own (``lifted``).
         """
         method, args, kwargs, reply_rank, positions = decode_call(call)
         for position, value in zip(positions, lifted, strict=True):
             args[position] = value
-        reply = self._run(method, args, kwargs)
-        if reply_rank is not None and reply_rank != self._rank and not isinstance(reply, Failed):
-            return None
-        return encode_reply(reply)
+        return encode_reply(self._handle(method, args, kwargs, reply_rank))
 
     def execute_model_compiled(self, batch: Any) -> Any:
         """``execute_model`` as a compiled-graph stage: only the output rank returns a result
-        (or a :class:`Failed`). Unlike :meth:`execute`, the result is not pickled to bytes
-        first: a graph's channel serialises a small value in about 2 µs, less than pickling
-        it here would add (a Ray task result costs ~100 µs more than bytes, hence the bytes
-        there)."""
-        reply = self._run("execute_model", (batch,), None)
-        if not self._is_output_rank and not isinstance(reply, Failed):
-            return None
-        return reply
+        (the others ``None``, or a :class:`Failed`). Unlike :meth:`execute`, the result is not
+        pickled to bytes first: a graph's channel serialises a small value in about 2 µs, less
+        than pickling it here would add (a Ray task result costs ~100 µs more than bytes,
+        hence the bytes there)."""
+        return self._handle("execute_model", (batch,), None, self._output_rank)
 
-    def _run(
+    def _handle(
         self,
         method: str | bytes | Callable[..., Any],
         args: Sequence[Any],
         kwargs: Mapping[str, Any] | None,
+        reply_rank: int | None,
     ) -> Any:
         wrapper = self._wrapper
         if wrapper is None:
             error = RuntimeError(f"the worker of rank {self._rank} is not initialised")
-            return Failed(RemoteFailure.capture(self._rank, method_name(method), error))
+            return Failed(RemoteFailure.capture(self._rank, "<call>", error))
         with self._lock:
-            self._running = method_name(method)
-            try:
-                ok, value = wrapper.execute(method, args, kwargs)
-            finally:
-                self._running = None
-        return value if ok else Failed(value)
+            return reply_of(wrapper.handle(method, args, kwargs, reply_rank))
 
     # --- monitoring ------------------------------------------------------------------------
 
@@ -156,11 +136,6 @@ class RayWorker:
     def watch(self) -> None:
         """Returns when the worker shuts down; fails with ActorDiedError if the actor dies."""
         self._stopped.wait()
-
-    @ray.method(concurrency_group=MONITOR_GROUP)
-    def running(self) -> str | None:
-        """The method running now, if any (answers even while the worker is busy)."""
-        return self._running
 
     def shutdown(self) -> None:
         """Call the worker's shutdown and release the watch."""

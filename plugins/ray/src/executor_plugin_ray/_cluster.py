@@ -1,10 +1,10 @@
-"""Connecting to Ray: an existing cluster, the instance already running here, or a new local one.
+"""Connecting to Ray: the connection this process already has, a cluster, or a new local one.
 
 Ray is one connection per process, shared by every executor in it. :func:`acquire_ray` hands
 out leases: the first one connects (or starts a local instance), later ones reuse it, and
 :meth:`RayLease.release` shuts Ray down only when the last lease that this module took is
 released, and only if this module connected or started it. A Ray session the user (or a test
-fixture) initialised stays up.
+fixture) initialised stays up. See :func:`acquire_ray` for the order in which Ray is chosen.
 """
 
 from __future__ import annotations
@@ -83,9 +83,15 @@ class RayLease:
 def acquire_ray(options: RayOptions, *, world_size: int) -> RayLease:
     """Make sure this process is connected to Ray and return a lease on the connection.
 
-    Order: an explicit ``address`` option; else a Ray instance already initialised in this
-    process (kept as is); else ``$RAY_ADDRESS``; else a new local instance sized to the machine
-    (and big enough for ``world_size`` workers).
+    Order:
+
+    1. Ray already initialised in this process is used as it is, whatever ``address`` says
+       (one process holds one Ray connection): the connection this module made for another
+       executor, or one the user made (logged at INFO when an ``address`` is then ignored);
+    2. else the ``address`` option: connect to it;
+    3. else ``$RAY_ADDRESS``: connect to it;
+    4. else a new local instance sized to the machine (and big enough for ``world_size``
+       workers).
     """
     with _state.lock:
         if _state.owned and ray.is_initialized():

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["CompiledStep", "compiled_graphs_available", "max_inflight_steps"]
+__all__ = [
+    "CompiledStep",
+    "compiled_graphs_available",
+    "max_inflight_steps",
+    "read_outputs",
+    "teardown_quietly",
+]
+
+logger = logging.getLogger("executor_plugin_ray")
 
 
 def compiled_graphs_available() -> bool:
@@ -37,7 +46,8 @@ def max_inflight_steps() -> int:
 
 
 class CompiledStep:
-    """The compiled graph of one executor. Not thread-safe: the executor serialises use.
+    """The compiled graph of one executor. Not thread-safe: the transport serialises use
+    (one sender, one reader, and compile and release under a lock while no step is read).
 
     Ray's graph loops poll their input channels while idle (a spin that yields the CPU), so
     the graph can be released while no steps are wanted (:meth:`release`) and compiled again
@@ -107,3 +117,26 @@ def _silenced(name: str) -> Iterator[None]:
         yield
     finally:
         log.disabled = previous
+
+
+def read_outputs(refs: Sequence[Any], deadline: float | None) -> list[Any]:
+    """Every rank's output of one step (``CompiledDAGRef.get``, once per ref), waiting until
+    the step completes or ``deadline`` (``time.monotonic()``) passes: then Ray raises
+    ``RayChannelTimeoutError``.
+
+    Not in slices: the graph's output is read for every rank at once, and a read that times
+    out part-way loses the channels it had read (Ray 2.60), which would pair one rank's
+    output with another step's. The first rank's read fetches all; the others' come from
+    Ray's buffer.
+    """
+    timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+    return [ref.get(timeout=timeout) for ref in refs]
+
+
+def teardown_quietly(step: CompiledStep) -> None:
+    """:meth:`CompiledStep.teardown`, logging (not raising) what fails: after a worker died
+    the teardown may fail, and the actors are killed anyway."""
+    try:
+        step.teardown(quiet=True)
+    except Exception:  # see the docstring
+        logger.debug("compiled graph teardown failed", exc_info=True)

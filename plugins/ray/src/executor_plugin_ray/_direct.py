@@ -27,10 +27,10 @@ import contextlib
 import logging
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
@@ -45,6 +45,8 @@ logger = logging.getLogger("executor_plugin_ray")
 _SEQ = struct.Struct("<Q")
 _RESULT = b"\x00"  # the payload is the result, pickled
 _OTHER = b"\x01"  # the payload is a pickled reply object (None, Failed, Carried)
+#: A socket with a reply to read, or one that closed (recv then says so).
+_READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
 #: An address as ``Client`` takes it: an abstract Unix socket name, or ``(host, port)``.
@@ -215,7 +217,13 @@ def _shut_down(conn: Connection) -> None:
 
 
 class DirectChannels:
-    """The driver's end: one authenticated socket per rank."""
+    """The driver's end: one authenticated socket per rank.
+
+    One thread sends (the executor's send lock) and one reads (the core lets one thread
+    read replies at a time): :meth:`wait` for the ranks with a reply ready, then :meth:`recv`
+    each. Replies carry the sequence number of their call, so a reply to a call that timed
+    out is told apart from the next call's.
+    """
 
     def __init__(self, addresses: list[Address], authkey: bytes, timeout_s: float) -> None:
         """Connect to every rank; ``OSError`` (``TimeoutError`` after ``timeout_s`` seconds
@@ -227,9 +235,17 @@ class DirectChannels:
         except BaseException:
             self.close()
             raise
+        # One poll set for the life of the channels (multiprocessing's wait() builds a
+        # selector per call: several µs a call more).
+        self._poller = select.poll()
+        self._ranks: dict[int, int] = {}
+        for rank, conn in enumerate(self._conns):
+            self._poller.register(conn.fileno(), _READABLE)
+            self._ranks[conn.fileno()] = rank
+        self._wake: int | None = None
 
     def send(self, seq: int, call: bytes) -> None:
-        """Send one call to every rank (the caller holds the submission lock)."""
+        """Send call ``seq`` to every rank."""
         message = _SEQ.pack(seq) + call
         for rank, conn in enumerate(self._conns):
             try:
@@ -237,50 +253,43 @@ class DirectChannels:
             except OSError:
                 raise ChannelClosedError(rank) from None
 
-    def read(
-        self,
-        rank: int,
-        seq: int,
-        deadline: float | None,
-        slice_s: float,
-        check: Callable[[], None],
-    ) -> tuple[bool, Any]:
-        """``(True, reply)`` for call ``seq`` from ``rank``, or ``(False, None)`` at the
-        deadline. Replies of earlier calls that timed out are skipped. ``check`` runs between
-        slices of waiting and raises to stop it (executor failed or closed)."""
-        conn = self._conns[rank]
-        while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False, None
-            wait_s = slice_s if remaining is None else min(slice_s, remaining)
-            try:
-                ready = conn.poll(wait_s)
-                data = conn.recv_bytes() if ready else None
-            except (EOFError, OSError):
-                raise ChannelClosedError(rank) from None
-            if data is None:
-                check()
-                continue
-            (got,) = _SEQ.unpack_from(data)
-            if got < seq:
-                continue  # the reply to a call that timed out
-            payload = memoryview(data)[_SEQ.size + 1 :]
-            if data[_SEQ.size : _SEQ.size + 1] == _RESULT:
-                return True, pickle.loads(payload)
-            return True, decode_reply(pickle.loads(payload))
-
-    def answered(self, rank: int) -> bool:
-        """True if a reply from ``rank`` is waiting to be read."""
+    def wait(self, timeout: float | None, wake: int | None = None) -> list[int]:
+        """The ranks with a reply ready (or whose socket closed), waiting up to ``timeout``
+        seconds for one; an empty list after the timeout, or at once when the file
+        descriptor ``wake`` (always the same one) is readable. One thread at a time."""
+        if wake is not None and self._wake is None:
+            self._wake = wake
+            self._poller.register(wake, _READABLE)
         try:
-            return self._conns[rank].poll(0)
-        except (EOFError, OSError):
-            return False
+            ready = self._poller.poll(None if timeout is None else timeout * 1000.0)
+        except OSError:  # interrupted or closed under us
+            return []
+        ranks = self._ranks
+        return [ranks[fd] for fd, _events in ready if fd in ranks]
 
-    def close(self) -> None:
-        """Close every socket; the workers' threads then exit, and a driver thread waiting
-        for a reply wakes up (``shutdown`` first: closing alone would not wake it)."""
+    def recv(self, rank: int) -> tuple[int, Any]:
+        """``rank``'s next reply, ready after :meth:`wait` named it: the call's sequence
+        number and the result, ``None`` (the rank need not answer) or a
+        :class:`~._encoding.Failed`. :class:`ChannelClosedError` if the socket closed."""
+        try:
+            data = self._conns[rank].recv_bytes()
+        except (EOFError, OSError, IndexError):
+            raise ChannelClosedError(rank) from None
+        (seq,) = _SEQ.unpack_from(data)
+        payload = memoryview(data)[_SEQ.size + 1 :]
+        if data[_SEQ.size : _SEQ.size + 1] == _RESULT:
+            return seq, pickle.loads(payload)
+        return seq, decode_reply(pickle.loads(payload))
+
+    def shutdown(self) -> None:
+        """Shut every socket down: a thread waiting for a reply wakes up, and the workers'
+        threads exit. The sockets stay open until :meth:`close`."""
         for conn in self._conns:
             _shut_down(conn)
+
+    def close(self) -> None:
+        """Shut down and close every socket (once no thread reads them any more)."""
+        conns, self._conns = self._conns, []
+        for conn in conns:
+            _shut_down(conn)
             conn.close()
-        self._conns = []

@@ -26,12 +26,25 @@ import cloudpickle
 import ray
 from ray.actor import ActorHandle
 
-from executor_core import RemoteFailure
+from executor_core.backend import RemoteFailure
 
-__all__ = ["Carried", "Failed", "decode_call", "decode_reply", "encode_reply", "pack"]
+__all__ = [
+    "LIFT_BYTES",
+    "Carried",
+    "Failed",
+    "decode_call",
+    "decode_reply",
+    "encode_call",
+    "encode_reply",
+    "pack",
+    "reply_of",
+]
 
 #: Types that must go through Ray's serializer, which tracks references to them.
 _RAY_HANDLES: tuple[type, ...] = (ray.ObjectRef, ActorHandle)
+#: Arguments at least this large cross as arguments of their own, put into the object store
+#: once for all workers rather than serialised once per worker (Ray inlines smaller ones).
+LIFT_BYTES = 100 * 1024
 
 
 @attrs.frozen
@@ -76,11 +89,62 @@ def pack(value: Any) -> bytes | None:
     return stream.getvalue()
 
 
+def encode_call(
+    wire: str | bytes,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    reply_rank: int | None,
+    world_size: int,
+) -> tuple[Any, list[Any]]:
+    """The call for ``RayWorker.execute`` (see ``_actor.WireCall``) and the arguments lifted
+    out of it.
+
+    Positional arguments of :data:`LIFT_BYTES` or more (bytes, arrays, tensors) become
+    arguments of the Ray call itself, which Ray stores as it would for a plain actor call
+    (bytes without a copy into a message); with several workers each is put into the object
+    store once for all of them. The rest is pickled to bytes when it can be (:func:`pack`),
+    else left to Ray's serializer, and put once too when large. A call that comes back as
+    bytes with nothing lifted may also go on the direct sockets.
+    """
+    positions = [i for i, value in enumerate(args) if _nbytes(value) >= LIFT_BYTES]
+    rest: list[Any] = list(args)
+    lifted: list[Any] = []
+    for i in positions:
+        lifted.append(rest[i])
+        rest[i] = None
+    if world_size > 1:
+        lifted = [ray.put(value) for value in lifted]  # Ray resolves top-level refs
+    call: Any = [wire, rest, kwargs, reply_rank, positions]  # lists: see _actor.WireCall
+    kwargs_nbytes = sum(_nbytes(v) for v in (kwargs or {}).values())
+    if kwargs_nbytes < LIFT_BYTES:
+        return pack(call) or call, lifted
+    if world_size > 1:
+        call = ray.put(call)
+    return call, lifted
+
+
+def _nbytes(value: Any) -> int:
+    """The size of a buffer (bytes, str, array, tensor, memoryview); 0 for anything else."""
+    if isinstance(value, bytes | bytearray | str):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
+    return nbytes if isinstance(nbytes, int) else 0
+
+
 def decode_call(call: Any) -> Any:
     """The call as the driver built it (see :func:`pack`)."""
     if type(call) is bytes:
         return pickle.loads(call)
     return call
+
+
+def reply_of(handled: tuple[bool, Any] | None) -> Any:
+    """What ``WorkerWrapper.handle`` returned, as a reply: ``None`` (this rank need not
+    answer), the result, or a :class:`Failed`."""
+    if handled is None:
+        return None
+    ok, value = handled
+    return value if ok else Failed(value)
 
 
 def encode_reply(reply: Any) -> Any:

@@ -9,7 +9,9 @@ from collections.abc import Callable, Sequence
 import ray
 from ray import ObjectRef
 
-__all__ = ["DeathMonitor"]
+from ._ranks import WorkerPlacement
+
+__all__ = ["DeathMonitor", "death_detail"]
 
 logger = logging.getLogger("executor_plugin_ray")
 
@@ -56,3 +58,18 @@ class DeathMonitor:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+
+def death_detail(placement: WorkerPlacement | None, error: BaseException) -> str:
+    """What ``WorkerDiedError.detail`` says of a dead actor: where it ran, and Ray's reason
+    (e.g. "The actor died because its node has died")."""
+    where = ""
+    if placement is not None:
+        where = f"Ray actor pid {placement.pid} on node {placement.node_id} ({placement.node_ip}); "
+    reason = " ".join(
+        line.strip()
+        for line in str(error).splitlines()
+        if line.strip().startswith(("The actor", "the actor"))
+    )
+    first = (str(error).splitlines() or [""])[0]
+    return where + (reason or f"{type(error).__name__}: {first}")

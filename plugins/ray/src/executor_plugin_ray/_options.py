@@ -65,8 +65,9 @@ class RayOptions:
     Every key is optional; see the distribution's README for the user-facing table.
     """
 
-    #: Ray cluster to connect to ("auto", "host:port", "ray://..."); default: $RAY_ADDRESS,
-    #: else the Ray instance already initialised in this process, else a new local one.
+    #: Ray cluster to connect to ("auto", "host:port", "ray://...") when this process is not
+    #: connected to Ray yet (a connection it has is used as it is); default: $RAY_ADDRESS,
+    #: else a new local instance. See ``_cluster.acquire_ray``.
     address: str | None = None
     #: Logical CPUs reserved per worker in its placement-group bundle.
     num_cpus_per_worker: float = 1.0
