@@ -80,7 +80,9 @@ class Call:
         #: The ranks that must answer.
         self.expected = expected
         self.timeout = timeout
-        #: ``time.monotonic()`` by which the call must complete, or ``None``.
+        #: ``time.monotonic()`` by which the call must complete, or ``None``. A transport may
+        #: move it later inside :meth:`Transport.send` for one-time set-up that must not count
+        #: against the call (compiling a graph, say).
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.future = future
         self.results: dict[int, Any] = {}

@@ -287,19 +287,25 @@ class TransportHost:
         """The error calls fail with once the executor failed or is closing, else None."""
         return self.table.closed_error
 
-    def while_blocked(self) -> None:
-        """Call while :meth:`Transport.send` waits for room: reads replies if no other thread
-        is (a worker blocked on a full reply queue can then go on and free room)."""
+    def while_blocked(self, timeout: float = 0.0) -> bool:
+        """Call while :meth:`Transport.send` waits for room (a full queue, earlier calls to
+        drain): if no other thread reads replies, read them here, waiting up to ``timeout``
+        for one (a worker blocked on a full reply queue can then go on and free room).
+        Returns True if it read, False if another thread reads replies (then wait on your
+        own condition, at most ``timeout``)."""
         transport = self.transport
         if transport is None or not transport.polls:
-            return
+            return False
         if self._leader == threading.get_ident():
-            transport.poll(0.0)
-        elif self._try_lead():
-            try:
-                transport.poll(0.0)
-            finally:
-                self._release_lead()
+            transport.poll(timeout)
+            return True
+        if not self._try_lead():
+            return False
+        try:
+            transport.poll(timeout)
+        finally:
+            self._release_lead()
+        return True
 
     # --- for the executor: waiting for replies -------------------------------------------
 

@@ -81,10 +81,8 @@ _MONITOR_GRACE_S = 2.0
 #: Longest wait of a poll with nothing to read, and the default slice of one with no timeout.
 _IDLE_S = 0.01
 _SLICE_S = 1.0
-#: A sender waiting for its path (or a graph slot) looks again after this long at first,
-#: then twice as long each time, up to ``_ROOM_MAX_S``, reading replies in between when no
-#: other thread does (``host.while_blocked``).
-_ROOM_MIN_S = 0.0005
+#: Longest single wait of a sender waiting for its path (or a graph slot): it reads replies
+#: meanwhile when no other thread does (``host.while_blocked``), else waits for the reader.
 _ROOM_MAX_S = 0.02
 
 
@@ -295,17 +293,17 @@ class RayTransport(Transport):
         once the executor failed or is closing. Reads replies meanwhile when no other thread
         does, since the calls waited for may have no other reader."""
         gate, host = self._gate, self.host
-        pause = _ROOM_MIN_S
         while not self._stopped:
-            host.while_blocked()
-            wait_s = pause
+            if ready():
+                return True
+            wait_s = _ROOM_MAX_S
             if deadline is not None:
                 wait_s = min(wait_s, deadline - time.monotonic())
                 if wait_s <= 0:
                     return ready()
-            if gate.wait(ready, wait_s):
+            # Read replies here for up to wait_s if nobody else does; else wait for the reader.
+            if not host.while_blocked(wait_s) and gate.wait(ready, wait_s):
                 return True
-            pause = min(2 * pause, _ROOM_MAX_S)
         return False
 
     # --- replies ---------------------------------------------------------------------------
