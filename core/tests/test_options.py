@@ -28,7 +28,7 @@ class _Options:
     fast: bool = option(True, boolean())
     mode: str = option("PACK", one_of("PACK", "SPREAD", upper=True))
     address: str | None = option(None, optional(text()))
-    extra: dict[str, Any] = option({}, lambda v: dict(v))  # noqa: RUF009 - an attrs field, copied per instance
+    extra: dict[str, Any] = option({}, lambda v: dict(v))
 
 
 def test_defaults_and_converted_values() -> None:
