@@ -30,7 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from executor_core import Executor, ExecutorConfig, create_executor
-from executor_core.backend import default_registry
+
+try:
+    from executor_core.backend import default_registry
+except ImportError:  # the tree before the API tiers (before/after runs in one sitting)
+    from executor_core import default_registry  # type: ignore[attr-defined,no-redef]
 from executor_core.reference import (
     MODEL_SIZES,
     GenerationResult,

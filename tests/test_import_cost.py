@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -45,3 +46,13 @@ def test_cli_listing_imports_nothing_heavy(name: str) -> None:
         "import sys\nfrom executor_core._cli import main\nmain([" + repr(name) + "])"
     )
     assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
+@pytest.mark.parametrize(
+    "package", ["executor_plugin_uniproc", "executor_plugin_multiproc", "executor_plugin_ray"]
+)
+def test_plugin_user_names_import_from_the_package_on_first_use(package: str) -> None:
+    module = importlib.import_module(package)
+    assert set(module._LAZY) <= set(module.__all__)
+    for name, where in module._LAZY.items():
+        assert getattr(module, name) is getattr(importlib.import_module(where, package), name)

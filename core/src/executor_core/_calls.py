@@ -151,27 +151,25 @@ class CallTable:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.waiters = 0
-        self._calls: OrderedDict[int, Call] = OrderedDict()
+        #: The calls in flight by sequence number, oldest first (read-only outside the table).
+        self.calls: OrderedDict[int, Call] = OrderedDict()
         self.non_blocking = 0
         #: Set once: the error every call in flight and every later call fails with.
         self.closed_error: ExecutorError | None = None
-
-    def __len__(self) -> int:
-        return len(self._calls)
 
     def add(self, call: Call) -> None:
         """Put ``call`` in flight (raise the closing error if the table is closed)."""
         with self.lock:
             if self.closed_error is not None:
                 raise self.closed_error
-            self._calls[call.seq] = call
+            self.calls[call.seq] = call
             if call.future is not None:
                 self.non_blocking += 1
 
     def deliver(self, seq: int, rank: int, ok: bool, value: Any) -> None:
         """Record one rank's reply to call ``seq``; complete whatever it makes ready."""
         with self.lock:
-            call = self._calls.get(seq)
+            call = self.calls.get(seq)
             if call is None:
                 return  # a late reply to a call that timed out, or after the table closed
             if ok:
@@ -191,7 +189,7 @@ class CallTable:
                 # A rank that answers only when it fails: nothing else is coming from it.
                 call.error = as_worker_error(rank, call.name, value)
                 call.results.update(dict.fromkeys(call.expected))
-            calls = self._calls
+            calls = self.calls
             if next(iter(calls)) != seq:
                 return  # an earlier call is still open: this one completes after it
             if len(calls) == 1 and call.error is None and call.future is None:
@@ -207,7 +205,7 @@ class CallTable:
 
     def _pop_ready(self) -> list[Call]:
         ready = []
-        calls = self._calls
+        calls = self.calls
         while calls:
             seq, call = next(iter(calls.items()))
             if len(call.results) < len(call.expected):
@@ -231,7 +229,7 @@ class CallTable:
     def remove(self, call: Call) -> None:
         """Forget ``call`` (it timed out or its send failed); complete calls it held back."""
         with self.lock:
-            if self._calls.pop(call.seq, None) is not None and call.future is not None:
+            if self.calls.pop(call.seq, None) is not None and call.future is not None:
                 self.non_blocking -= 1
             ready = self._pop_ready()
         self._finish(ready)
@@ -241,7 +239,7 @@ class CallTable:
         with self.lock:
             return [
                 c
-                for c in self._calls.values()
+                for c in self.calls.values()
                 if c.future is not None and c.deadline is not None and now >= c.deadline
             ]
 
@@ -254,8 +252,8 @@ class CallTable:
             if self.closed_error is not None:
                 return False
             self.closed_error = error
-            calls = list(self._calls.values())
-            self._calls.clear()
+            calls = list(self.calls.values())
+            self.calls.clear()
             self.non_blocking = 0
         for call in calls:
             call.finish(False, error)

@@ -118,6 +118,7 @@ class Executor:
         if driven is not None:
             self._all_ranks = tuple(driven)
         self._inline = transport.inline and len(self._all_ranks) == 1
+        self._run_inline = transport.run_inline
 
     def _create_transport(self, host: TransportHost) -> Transport:
         """Build the transport (override to pass more than the host; never pass ``self``)."""
@@ -195,15 +196,11 @@ class Executor:
         """
         host = self._host
         table = host.table
-        if table.closed_error is not None or host.closed:
+        if host.closed or table.closed_error is not None:
             self._check_open()
         if timeout is not None or self._default_timeout is not None:
             timeout = self._resolve_timeout(timeout)
-        if type(method) is str:
-            name: str = method
-        elif callable(method):
-            name = method_name(method)
-        else:
+        if type(method) is not str and not callable(method):
             raise TypeError(
                 "method must be a worker method name or a callable taking the worker, "
                 f"not {type(method).__name__}"
@@ -219,17 +216,17 @@ class Executor:
                 expected = (unique_reply_rank,)
             else:  # a rank this transport does not drive (SPMD): its own ranks answer
                 unique_reply_rank = None
-        transport = self._transport
-        if self._inline and not non_block and timeout is None and not len(table):
+        if self._inline and timeout is None and not non_block and not table.calls:
             with host.send_lock:
                 if host.closed:
                     self._check_open()
-                if not len(table):  # still nothing in flight: the call runs here and now
-                    self._next_seq += 1
-                    ok, value = transport.run_inline(method, args, kwargs)
-                    if ok:
-                        return [value]
-                    raise as_worker_error(expected[0], name, value)
+                if not table.calls:  # still nothing in flight: the call runs here and now
+                    try:
+                        return [self._run_inline(method, args, kwargs)]
+                    except Exception as exc:
+                        raise as_worker_error(expected[0], method_name(method), exc) from exc
+        name = method if type(method) is str else method_name(method)
+        transport = self._transport
         future: Future[list[Any]] | None = None
         if non_block:
             future = Future()

@@ -95,9 +95,9 @@ class Transport(abc.ABC):
 
     def run_inline(
         self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> tuple[bool, Any]:
-        """Only for ``inline = True``: run the call on the one rank, in this thread, and return
-        ``(True, result)`` or ``(False, exception)``."""
+    ) -> Any:
+        """Only for ``inline = True``: run the call on the one rank, in this thread; return its
+        result or raise the worker's exception (the core makes it a ``WorkerError``)."""
         raise NotImplementedError(
             f"{type(self).__name__} sets inline = True but has no run_inline()"
         )
@@ -324,19 +324,33 @@ class TransportHost:
                 table.cond.notify_all()
 
     def wait(self, call: Call, transport: Transport) -> list[Any]:
-        """Wait for ``call`` (a blocking caller); raise its error or RPCTimeoutError."""
+        """Wait for ``call`` (a blocking caller); raise its error or RPCTimeoutError.
+
+        With a polling transport the waiting threads take turns reading replies: one reads
+        (the leader) while the others wait on the table's condition until their call is done
+        or the leader leaves. The common case, one caller, is one lead and one poll."""
         table = self.table
         deadline = call.deadline
         polls = transport.polls
         try:
             while not call.done:
-                if polls and self._leader == threading.get_ident():
-                    self._read_until(call, deadline, transport)  # a callback of our own read
-                elif polls and self._try_lead():
+                # Read replies here if this thread already reads them (a future's callback,
+                # run by the reader, made this call) or if nobody does.
+                nested = polls and self._leader == threading.get_ident()
+                if nested or (polls and self._try_lead()):
                     try:
-                        self._read_until(call, deadline, transport)
+                        poll = transport.poll
+                        while not call.done and table.closed_error is None:
+                            if deadline is None:
+                                poll(_SLICE_S)
+                                continue
+                            remaining = deadline - time.monotonic()
+                            if remaining <= 0:
+                                break
+                            poll(min(remaining, _SLICE_S))
                     finally:
-                        self._release_lead()
+                        if not nested:
+                            self._release_lead()
                 else:
                     with table.lock:
                         if not call.done and not (polls and not self._leader):
@@ -354,18 +368,6 @@ class TransportHost:
                 table.remove(call)
             raise
         return call.outcome()
-
-    def _read_until(self, call: Call, deadline: float | None, transport: Transport) -> None:
-        table = self.table
-        poll = transport.poll
-        while not call.done and table.closed_error is None:
-            if deadline is None:
-                poll(_SLICE_S)
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            poll(min(remaining, _SLICE_S))
 
     # --- non-blocking calls: a thread reads replies and expires deadlines ---------------
 

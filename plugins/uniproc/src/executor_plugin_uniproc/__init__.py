@@ -2,13 +2,41 @@
 
 This module is the plugin the registry imports: it only declares the backend. The executor
 itself lives in :mod:`executor_plugin_uniproc._executor` and is imported when chosen.
+
+Its user-facing names (``UniProcExecutor``, ``ExternalLauncherExecutor`` and ``TORCHRUN_ENV``)
+import from this package and load their code on first use.
 """
 
 from __future__ import annotations
 
 from executor_core.backend import BackendSpec, Capabilities, hookimpl
 
-__all__ = ["__version__", "executor_register_backends"]
+# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
+# constant of this name as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._executor import InProcessTransport, UniProcExecutor
+    from ._external_launcher import TORCHRUN_ENV, ExternalLauncherExecutor
+
+__all__ = [
+    "TORCHRUN_ENV",
+    "ExternalLauncherExecutor",
+    "InProcessTransport",
+    "UniProcExecutor",
+    "__version__",
+    "executor_register_backends",
+]
+
+#: The plugin's user-facing names, imported on first use: the registry imports this module
+#: in every process, and the names below pull in the backend's code.
+_LAZY: dict[str, str] = {
+    "ExternalLauncherExecutor": "._external_launcher",
+    "InProcessTransport": "._executor",
+    "TORCHRUN_ENV": "._external_launcher",
+    "UniProcExecutor": "._executor",
+}
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml
 
@@ -33,3 +61,17 @@ def executor_register_backends() -> list[BackendSpec]:
             ),
         ),
     ]
+
+
+# Hidden from type checkers, which then check every imported name against the table above.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value

@@ -52,11 +52,8 @@ class InProcessTransport(Transport):
 
     def run_inline(
         self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> tuple[bool, Any]:
-        try:
-            return True, self._wrapper.run_method(method, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - the core turns it into the caller's WorkerError
-            return False, exc
+    ) -> Any:
+        return self._wrapper.run_method(method, args, kwargs)
 
     def send(self, call: Call) -> bool:
         self._runner.submit(lambda: self._run(call))
