@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ._calls import Call
 from ._hookspecs import hookimpl
+from ._lazy import lazy_getattr
 from ._net import find_free_port, tcp_init_method
 from ._registry import (
     ENTRY_POINT_GROUP,
@@ -54,6 +55,7 @@ __all__ = [
     "dumps_method",
     "find_free_port",
     "hookimpl",
+    "lazy_getattr",
     "loads_method",
     "method_name",
     "tcp_init_method",

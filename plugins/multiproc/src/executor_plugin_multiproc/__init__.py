@@ -9,14 +9,12 @@ and load their code on first use.
 
 from __future__ import annotations
 
-from executor_core.backend import BackendSpec, Capabilities, hookimpl
+from executor_core.backend import BackendSpec, Capabilities, hookimpl, lazy_getattr
 
 # Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
 # constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
-
     from ._executor import MultiprocExecutor
     from ._options import MultiprocOptions
 
@@ -56,13 +54,4 @@ def executor_register_backends() -> list[BackendSpec]:
 
 # Hidden from type checkers, which then check every imported name against the table above.
 if not TYPE_CHECKING:
-
-    def __getattr__(name: str) -> Any:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        import importlib
-
-        value = getattr(importlib.import_module(module, __name__), name)
-        globals()[name] = value
-        return value
+    __getattr__ = lazy_getattr(__name__, _LAZY)
