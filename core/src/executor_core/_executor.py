@@ -117,8 +117,9 @@ class Executor:
         driven = transport.ranks
         if driven is not None:
             self._all_ranks = tuple(driven)
-        self._inline = transport.inline and len(self._all_ranks) == 1
-        self._run_inline = transport.run_inline
+        run_inline = transport.inline_runner() if len(self._all_ranks) == 1 else None
+        self._inline = run_inline is not None
+        self._run_inline: Callable[..., Any] = run_inline or _no_inline_runner
 
     def _create_transport(self, host: TransportHost) -> Transport:
         """Build the transport (override to pass more than the host; never pass ``self``)."""
@@ -217,14 +218,12 @@ class Executor:
             else:  # a rank this transport does not drive (SPMD): its own ranks answer
                 unique_reply_rank = None
         if self._inline and timeout is None and not non_block and not table.calls:
-            with host.send_lock:
-                if host.closed:
-                    self._check_open()
-                if not table.calls:  # still nothing in flight: the call runs here and now
-                    try:
-                        return [self._run_inline(method, args, kwargs)]
-                    except Exception as exc:
-                        raise as_worker_error(expected[0], method_name(method), exc) from exc
+            # One rank, in this process, nothing in flight: a plain method call. No send lock:
+            # with a single rank, calls from several threads have no order to disagree on.
+            try:
+                return [self._run_inline(method, args, kwargs)]
+            except Exception as exc:  # every worker error becomes the caller's WorkerError
+                raise as_worker_error(expected[0], method_name(method), exc) from exc
         name = method if type(method) is str else method_name(method)
         transport = self._transport
         future: Future[list[Any]] | None = None
@@ -455,6 +454,10 @@ class Executor:
 
 def _first(results: Sequence[Any]) -> Any:
     return results[0]
+
+
+def _no_inline_runner(*_args: Any) -> Any:
+    raise AssertionError("the transport has no inline runner")  # never called: see _inline
 
 
 def _spec_of(registry: Registry, cls: type[Executor]) -> BackendSpec | None:

@@ -60,10 +60,6 @@ class Transport(abc.ABC):
     #: True if replies are read by the core calling :meth:`poll`; False if the transport
     #: delivers them itself.
     polls: ClassVar[bool] = False
-    #: True if the transport drives one rank in the caller's own process and implements
-    #: :meth:`run_inline`: the core then makes a blocking call without a timeout, while no
-    #: other call is in flight, a plain method call in the caller's thread.
-    inline: ClassVar[bool] = False
 
     def __init__(self, host: TransportHost) -> None:
         #: The core's side: config, worker contexts and wrappers, deliver, worker_died.
@@ -93,14 +89,14 @@ class Transport(abc.ABC):
         launcher) names it; calls then expect a reply from it alone."""
         return None
 
-    def run_inline(
-        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> Any:
-        """Only for ``inline = True``: run the call on the one rank, in this thread; return its
-        result or raise the worker's exception (the core makes it a ``WorkerError``)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} sets inline = True but has no run_inline()"
-        )
+    def inline_runner(self) -> Callable[..., Any] | None:
+        """For a transport that drives one rank in the caller's own process: a function
+        ``run(method, args, kwargs)`` that runs a call on it in the calling thread and returns
+        its result or raises the worker's exception (the core makes that a ``WorkerError``).
+        The core then makes a blocking call without a timeout, while no other call is in
+        flight, a plain method call. Asked once, after :meth:`start`; None (the default):
+        every call goes through :meth:`send`."""
+        return None
 
     def poll(self, timeout: float | None) -> None:
         """Deliver the replies that are ready; if there are none, wait up to ``timeout``

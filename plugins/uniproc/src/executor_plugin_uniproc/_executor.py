@@ -23,8 +23,6 @@ class InProcessTransport(Transport):
     method itself cannot be interrupted and runs to its end in that thread).
     """
 
-    inline = True
-
     def _context(self) -> WorkerContext:
         """This process's worker's place in the job (the external launcher's is its own)."""
         host = self.host
@@ -50,10 +48,8 @@ class InProcessTransport(Transport):
     def ranks(self) -> tuple[int, ...]:
         return (self.rank,)
 
-    def run_inline(
-        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> Any:
-        return self._wrapper.run_method(method, args, kwargs)
+    def inline_runner(self) -> Callable[..., Any]:
+        return self._wrapper.run_method
 
     def send(self, call: Call) -> bool:
         self._runner.submit(lambda: self._run(call))
