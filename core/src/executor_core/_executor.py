@@ -259,7 +259,7 @@ class Executor:
                     raise error
                 call.finish(False, error)
         if future is not None:
-            host.ensure_pump()
+            host.ensure_pump(call)
             return future
         return host.wait(call, transport)
 

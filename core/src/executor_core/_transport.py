@@ -33,6 +33,9 @@ __all__ = ["Transport", "TransportHost"]
 #: Longest single wait of a reply reader or a waiting caller: between slices it looks again
 #: at its deadline and at the executor's state, so that no wait depends on one wake-up alone.
 _SLICE_S = 1.0
+#: Longest single read of the thread that completes non-blocking calls, so that blocking
+#: callers soon take over reading their own replies.
+_PUMP_SLICE_S = 0.05
 #: How long shutdown waits for a thread still reading replies to leave the transport before
 #: the cleanups release what it reads from.
 _LEAVE_S = 2.0
@@ -177,6 +180,7 @@ class TransportHost:
         self._lead_lock = threading.Lock()
         self._leader = 0  # thread id of the thread reading replies, 0 when none
         self._pump: threading.Thread | None = None
+        self._pump_wake = threading.Event()
         self.released = False
         # What config.env replaces in this process: an in-process worker applies config.env
         # to the driver's environment, and release puts it back (see _restore_env).
@@ -367,10 +371,17 @@ class TransportHost:
 
     # --- non-blocking calls: a thread reads replies and expires deadlines ---------------
 
-    def ensure_pump(self) -> None:
-        """Start the thread that completes non-blocking calls (once per executor)."""
+    def ensure_pump(self, call: Call) -> None:
+        """A non-blocking call was sent: make sure a thread completes it. With a polling
+        transport that thread reads replies when no blocking caller does; with any transport
+        it fails calls whose deadline passes. A transport that delivers replies itself needs
+        no thread for a call without a deadline."""
+        transport = self.transport
+        if transport is None or (not transport.polls and call.deadline is None):
+            return
         if self._pump is not None:
-            if self.table.waiters:
+            self._pump_wake.set()
+            if transport.polls and self.table.waiters:
                 with self.table.lock:
                     self.table.cond.notify_all()
             return
@@ -387,30 +398,36 @@ class TransportHost:
         table = self.table
         transport = self.transport
         assert transport is not None
+        wake = self._pump_wake
         while table.closed_error is None:
+            if not table.non_blocking:
+                # Idle: its own event, not the table's condition, so that blocking calls do
+                # not wake it (ensure_pump and abort set it).
+                wake.wait(_SLICE_S)
+                wake.clear()
+                continue
             deadline = self._next_deadline()
-            if transport.polls and table.non_blocking and not table.waiters and self._try_lead():
+            wait_s = _PUMP_SLICE_S if transport.polls else _SLICE_S
+            if deadline is not None:
+                wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
+            if transport.polls and not table.waiters and self._try_lead():
                 try:
-                    # Hand over to blocking callers between slices (they read their own replies).
-                    poll_s = (
-                        0.05
-                        if deadline is None
-                        else max(0.0, min(0.05, deadline - time.monotonic()))
-                    )
-                    transport.poll(poll_s)
+                    # Short slices: blocking callers take over between them (they read their
+                    # own replies).
+                    transport.poll(wait_s)
                 finally:
                     self._release_lead()
-            else:
-                with table.lock:
+            elif transport.polls:
+                with table.lock:  # woken when the reader leaves or a call completes
                     if table.closed_error is None:
                         table.waiters += 1
                         try:
-                            wait_s = _SLICE_S if not table.non_blocking else 0.05
-                            if deadline is not None:
-                                wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
                             table.cond.wait(wait_s)
                         finally:
                             table.waiters -= 1
+            else:
+                wake.wait(wait_s)  # only deadlines to watch: the transport delivers replies
+                wake.clear()
             now = time.monotonic()
             for call in table.expired(now):
                 table.remove(call)
@@ -426,6 +443,7 @@ class TransportHost:
     def abort(self, error: ExecutorError) -> None:
         """Fail every call in flight with ``error`` and wake whatever the transport blocks."""
         if self.table.close(error):
+            self._pump_wake.set()
             transport = self.transport
             if transport is not None:
                 try:
