@@ -98,7 +98,12 @@ class WorkerBase:
         return self.context.distributed_init_method
 
     def init_device(self) -> None:
-        """Select and set up this worker's device (and its distributed groups). Default: nothing."""
+        """Select and set up this worker's device (and its distributed groups). Default: nothing.
+
+        The accelerator device current at the end of :meth:`load_model` (CUDA's, or another
+        torch accelerator's) is made current on every thread that later runs one of this
+        worker's methods: backends run calls on threads of their own.
+        """
 
     def load_model(self) -> None:
         """Load this rank's model or shard. Default: nothing."""

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._qualname import resolve_qualname
+from ._thread_device import ThreadDevice, capture_thread_device
 from ._wire import RemoteFailure, loads_method, method_name
 from ._worker import WorkerBase, WorkerContext
 
@@ -42,12 +43,14 @@ class WorkerWrapper:
         self.env = dict(env or {})
         self._hooks = hooks
         self.worker: WorkerBase | None = None
+        self._thread_device: ThreadDevice | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The hook relay belongs to the driver's registry: a worker process loads its own.
         state = self.__dict__.copy()
         state["_hooks"] = None
         state["worker"] = None
+        state["_thread_device"] = None
         return state
 
     def portable(self) -> WorkerWrapper:
@@ -77,6 +80,9 @@ class WorkerWrapper:
         self.worker = cls(context=self.context, **self.worker_kwargs)
         self.worker.init_device()
         self.worker.load_model()
+        # The device the worker made current is current on every thread that runs its
+        # methods (see _thread_device): backends run calls on threads other than this one.
+        self._thread_device = capture_thread_device()
         self.hooks.executor_worker_ready(worker=self.worker, context=self.context)
 
     def _resolve(self, method: str | bytes | Callable[..., Any]) -> Callable[..., Any]:
@@ -107,6 +113,8 @@ class WorkerWrapper:
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         """Run ``method`` (a name, a callable taking the worker, or a cloudpickled callable)."""
+        if self._thread_device is not None:
+            self._thread_device.bind()
         observers = self.hooks.executor_worker_rpc_finished
         if not observers.get_hookimpls():
             # Nobody observes RPCs: skip timing and the hook call (a few µs per call).
@@ -168,6 +176,8 @@ class WorkerWrapper:
     def shutdown(self) -> None:
         """Call the stopping hook and the worker's ``shutdown`` (once)."""
         worker, self.worker = self.worker, None
+        if self._thread_device is not None:
+            self._thread_device.bind()
         self.hooks.executor_worker_stopping(worker=worker, context=self.context)
         if worker is not None:
             worker.shutdown()

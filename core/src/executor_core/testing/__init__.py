@@ -9,13 +9,15 @@ A backend's test module subclasses :class:`ExecutorConformanceTests` and declare
         world_size = 2
 
 Every area is a mixin of its own (:class:`CallTests`, :class:`NonBlockingTests`,
-:class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`);
+:class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`,
+:class:`DeviceTests`);
 what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, not from
 skipped tests. Each test runs under a time limit, so a hang fails with the rule it broke.
 """
 
 from ._base import ExecutorFactory, KitBase, conformance_config
 from ._calls import CallTests
+from ._device import DeviceProbeWorker, DeviceTests
 from ._errors import ErrorTests
 from ._guard import ConformanceTimeout
 from ._lifecycle import LifecycleTests
@@ -28,6 +30,8 @@ __all__ = [
     "CallTests",
     "ConformanceTimeout",
     "ConformanceWorker",
+    "DeviceProbeWorker",
+    "DeviceTests",
     "ErrorTests",
     "ExecutorConformanceTests",
     "ExecutorFactory",
@@ -42,6 +46,12 @@ __all__ = [
 
 
 class ExecutorConformanceTests(
-    CallTests, NonBlockingTests, ErrorTests, LifecycleTests, SleepTests, PipelineTests
+    CallTests,
+    NonBlockingTests,
+    ErrorTests,
+    LifecycleTests,
+    SleepTests,
+    PipelineTests,
+    DeviceTests,
 ):
     """The whole kit: every area."""
