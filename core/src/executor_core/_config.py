@@ -9,7 +9,14 @@ import attrs
 
 from ._errors import ConfigError
 
-__all__ = ["ExecutorConfig"]
+__all__ = ["FORWARDED_ENV_PREFIXES", "ExecutorConfig", "worker_environment"]
+
+#: Prefixes of the driver's environment variables that every worker gets (unless
+#: ``ExecutorConfig.env`` names the variable): the collective libraries' settings, which a
+#: user sets once in the driver's shell (``NCCL_SOCKET_IFNAME``, ``NCCL_DEBUG``,
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``GLOO_SOCKET_IFNAME``), and which workers started by a
+#: cluster (Ray actors, a remote node) would not inherit.
+FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("NCCL_", "TORCH_NCCL_", "GLOO_")
 
 
 def _positive_int(field: str) -> Any:
@@ -116,7 +123,8 @@ class ExecutorConfig:
     world_size: int = attrs.field(validator=_positive_int("world_size"))
     #: Nodes the workers span (used by ``backend="auto"`` and by multi-node backends).
     num_nodes: int = attrs.field(default=1, validator=_positive_int("num_nodes"))
-    #: Environment variables set in every worker process before the worker is built.
+    #: Environment variables set in every worker process before the worker is built. The
+    #: driver's variables named by :data:`FORWARDED_ENV_PREFIXES` are added unless named here.
     env: dict[str, str] = attrs.field(factory=dict, converter=_dict_copy, validator=_check_env)
     #: Default timeout in seconds for collective calls; ``None`` waits for ever.
     rpc_timeout: float | None = attrs.field(default=None, validator=_check_timeout)
@@ -167,3 +175,12 @@ class ExecutorConfig:
             pp = changes.get("pipeline_parallel_size", self.pipeline_parallel_size)
             changes["world_size"] = tp * pp
         return attrs.evolve(self, **changes)
+
+
+def worker_environment(config: ExecutorConfig, driver_env: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment gets before its worker is built: the driver's variables
+    with a :data:`FORWARDED_ENV_PREFIXES` prefix, then ``config.env`` (which wins)."""
+    forwarded = {
+        key: value for key, value in driver_env.items() if key.startswith(FORWARDED_ENV_PREFIXES)
+    }
+    return {**forwarded, **config.env}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._calls import Call, CallTable
+from ._config import worker_environment
 from ._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError, RPCTimeoutError
 from ._net import tcp_init_method
 from ._worker import WorkerContext
@@ -182,9 +183,12 @@ class TransportHost:
         self._pump: threading.Thread | None = None
         self._pump_wake = threading.Event()
         self.released = False
-        # What config.env replaces in this process: an in-process worker applies config.env
-        # to the driver's environment, and release puts it back (see _restore_env).
-        self._saved_env = {key: os.environ.get(key) for key in config.env}
+        #: What every worker's environment gets (see ``worker_environment``), fixed when the
+        #: executor is created.
+        self.worker_env = worker_environment(config, os.environ)
+        # What that replaces in this process: an in-process worker applies it to the driver's
+        # environment, and release puts it back (see _restore_env).
+        self._saved_env = {key: os.environ.get(key) for key in self.worker_env}
 
     # --- for transports: starting workers ----------------------------------------------
 
@@ -247,7 +251,7 @@ class TransportHost:
         registry's hooks), or pickled to the worker's process (which loads its own hooks)."""
         config = self.config
         return WorkerWrapper(
-            config.worker_cls, config.worker_kwargs, context, env=config.env, hooks=self._hooks
+            config.worker_cls, config.worker_kwargs, context, env=self.worker_env, hooks=self._hooks
         )
 
     def add_cleanup(self, callback: Callable[[], None]) -> None:
@@ -483,9 +487,9 @@ class TransportHost:
             self.cleanups.run()
 
     def _restore_env(self) -> None:
-        """Undo what an in-process worker's ``config.env`` did to this process's environment
-        (a key the user set to something else since is left alone)."""
-        for key, value in self.config.env.items():
+        """Undo what an in-process worker's environment did to this process's (a key the
+        user set to something else since is left alone)."""
+        for key, value in self.worker_env.items():
             if os.environ.get(key) != value:
                 continue
             saved = self._saved_env[key]

@@ -113,15 +113,33 @@ class LifecycleTests(KitBase):
 
     def test_env_reaches_workers_not_the_driver(self, fresh_executor: ExecutorFactory) -> None:
         name = f"EXECUTOR_CONFORMANCE_{uuid.uuid4().hex[:8].upper()}"
-        executor = fresh_executor(env={name: "set-by-config"})
-        assert (
-            executor.collective_rpc("get_env", args=(name,))
-            == ["set-by-config"] * executor.world_size
-        ), "rule broken: config.env is set in every worker"
-        executor.shutdown()
-        assert name not in os.environ, (
-            "rule broken: config.env leaked into the driver's environment after shutdown"
-        )
+        # The driver's collective-library settings reach every worker (a cluster's workers
+        # do not inherit the driver's environment); config.env wins over them.
+        forwarded, overridden = f"NCCL_{name}", f"TORCH_NCCL_{name}"
+        os.environ[forwarded] = os.environ[overridden] = "set-in-driver"
+        try:
+            executor = fresh_executor(env={name: "set-by-config", overridden: "set-by-config"})
+            ws = executor.world_size
+            assert executor.collective_rpc("get_env", args=(name,)) == ["set-by-config"] * ws, (
+                "rule broken: config.env is set in every worker"
+            )
+            assert (
+                executor.collective_rpc("get_env", args=(forwarded,)) == ["set-in-driver"] * ws
+            ), "rule broken: the driver's NCCL_* variables reach every worker"
+            assert (
+                executor.collective_rpc("get_env", args=(overridden,)) == ["set-by-config"] * ws
+            ), "rule broken: config.env wins over a forwarded driver variable"
+            executor.shutdown()
+            assert name not in os.environ, (
+                "rule broken: config.env leaked into the driver's environment after shutdown"
+            )
+            assert os.environ.get(overridden) == "set-in-driver", (
+                "rule broken: the driver's own value of a variable config.env sets is back "
+                "after shutdown"
+            )
+        finally:
+            os.environ.pop(forwarded, None)
+            os.environ.pop(overridden, None)
 
     def test_worker_kwargs(self, fresh_executor: ExecutorFactory) -> None:
         executor = fresh_executor(worker_kwargs={"tag": "kw"})
