@@ -1,10 +1,11 @@
-"""Worker-side torch support: distributed set-up, memory measurement and weight offloading.
+"""torch support: distributed set-up, devices, memory measurement and weight offloading.
 
 Importing this subpackage imports torch (the core's optional extra, ``executor-core[torch]``);
 ``import executor_core`` does not. A worker calls :func:`init_distributed` from its
 ``init_device`` and :meth:`ParallelState.destroy` from its ``shutdown``.
 """
 
+from ._devices import check_gpu_per_local_rank, visible_gpu_count
 from ._distributed import (
     ParallelState,
     init_distributed,
@@ -17,6 +18,7 @@ from ._offload import TensorOffloader
 __all__ = [
     "ParallelState",
     "TensorOffloader",
+    "check_gpu_per_local_rank",
     "device_memory_bytes",
     "host_memory_bytes",
     "init_distributed",
@@ -24,4 +26,5 @@ __all__ = [
     "seed_everything",
     "select_device",
     "trim_host_memory",
+    "visible_gpu_count",
 ]

@@ -19,8 +19,20 @@ __all__ = ["ParallelState", "init_distributed", "seed_everything", "select_devic
 _DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
+def _one_gpu_per_process() -> bool:
+    """True when ``CUDA_VISIBLE_DEVICES`` names one device: the launcher gave this process
+    a GPU of its own (Slurm's ``--gpus-per-task=1``, say)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([entry for entry in visible.split(",") if entry.strip()]) == 1
+
+
 def select_device(context: WorkerContext) -> torch.device:
-    """This worker's device: the CPU, or the GPU of its local rank (made current)."""
+    """This worker's device: the CPU, or the GPU of its local rank (made current).
+
+    On CUDA the worker takes ``cuda:{local_rank}`` of the GPUs it sees, and refuses a local
+    rank with no GPU of its own. One exception: a process whose ``CUDA_VISIBLE_DEVICES``
+    names a single GPU was given it by its launcher, and takes it whatever its local rank.
+    """
     if context.device == "cpu":
         return torch.device("cpu")
     if context.device == "cuda":
@@ -30,11 +42,13 @@ def select_device(context: WorkerContext) -> torch.device:
                 f"(torch {torch.__version__}); use device='cpu' or install a CUDA build"
             )
         count = torch.cuda.device_count()
-        # One visible GPU: the backend (e.g. Ray) already narrowed CUDA_VISIBLE_DEVICES.
-        index = 0 if count == 1 else context.local_rank
+        narrowed = count == 1 and _one_gpu_per_process()
+        index = 0 if narrowed else context.local_rank
         if index >= count:
             raise RuntimeError(
-                f"local rank {context.local_rank} has no GPU: only {count} visible on this node; "
+                f"local rank {context.local_rank} of {context.local_world_size} on this node "
+                f"has no GPU of its own: {count} visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                 "start at most one worker per GPU"
             )
         torch.cuda.set_device(index)

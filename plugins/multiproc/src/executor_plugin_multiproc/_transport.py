@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import ClassVar
 
-from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
+from executor_core import ConfigError, ExecutorError, ExecutorFailedError, WorkerDiedError
 from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
 from ._channel import DriverChannel, decode_reply
@@ -60,6 +61,7 @@ class MultiprocTransport(Transport):
         options = MultiprocOptions.from_backend_options(config.backend_options)
         self._options = options
         workers = config.world_size
+        _check_devices(options, config.device, workers, host.worker_env)
         channel = DriverChannel(workers, options, host.add_cleanup)
         self._channel = channel
         self._segment = channel.segment
@@ -273,6 +275,26 @@ def _default_env(config_env: dict[str, str], rank: int, workers: int) -> dict[st
         env["OMP_NUM_THREADS"] = str(max(1, (cores or os.cpu_count() or 1) // workers))
     env.update(config_env)
     return env
+
+
+def _check_devices(
+    options: MultiprocOptions, device: str, workers: int, env: dict[str, str]
+) -> None:
+    """Refuse, before any worker starts, what would fail in the workers: fork once CUDA is
+    initialised here (a forked child cannot use CUDA), or fewer GPUs than workers."""
+    torch = sys.modules.get("torch")
+    if options.start_method == "fork" and torch is not None and torch.cuda.is_initialized():
+        raise ConfigError(
+            "backend_options",
+            {"start_method": "fork"},
+            "CUDA is already initialised in this process, and a forked worker cannot use it "
+            "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' "
+            "(the default) or 'forkserver'",
+        )
+    if device == "cuda":
+        from executor_core.torch import check_gpu_per_local_rank  # imports torch: cuda only
+
+        check_gpu_per_local_rank(workers, env)
 
 
 def _fd_closer(fd: int) -> Callable[[], None]:
