@@ -243,6 +243,12 @@ def init_distributed(
     ``cpu_threads`` (default: the available CPUs divided among the node's workers) so that
     the workers do not oversubscribe the cores. ``timeout_s`` bounds the rendezvous and
     every collective. ``seed`` (if given) seeds every generator, the same on every rank.
+
+    Before returning it runs one collective on every group and one send between pipeline
+    stages, so that communicators (NCCL's are made lazily) form now: a set-up fault raises
+    here, naming the rank, instead of in the first step. On CUDA the process group is bound
+    to the worker's GPU (``device_id``), and a process group the user made with a backend
+    that cannot carry CUDA tensors (gloo) is refused.
     """
     device = select_device(context)
     if device.type == "cpu" and (cpu_threads is not None or context.local_world_size > 1):
@@ -268,6 +274,7 @@ def init_distributed(
             )
         owns = False
         backend = str(dist.get_backend())
+        _check_reused_backend(backend, device)
     else:
         init_method = context.distributed_init_method
         if init_method == "env://":
@@ -277,13 +284,20 @@ def init_distributed(
                     f"distributed_init_method is env:// but {', '.join(missing)} is not set; "
                     "start the processes with torchrun (which sets them) or set them yourself"
                 )
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=context.rank,
-            world_size=context.world_size,
-            timeout=timeout,
-        )
+        # With device_id, NCCL builds the communicator now (eager init), so a bad interface
+        # or a GPU fault fails here rather than in the first step.
+        device_id = device if device.type == "cuda" else None
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=init_method,
+                rank=context.rank,
+                world_size=context.world_size,
+                timeout=timeout,
+                device_id=device_id,
+            )
+        except Exception as exc:
+            raise _setup_error(context, backend, "joining the process group", exc) from exc
         owns = True
 
     # Every rank creates every group, in the same order, as torch requires.
@@ -302,7 +316,7 @@ def init_distributed(
             created.append(group)
             if tp_rank == context.tp_rank:
                 pp_group = group
-    return ParallelState(
+    state = ParallelState(
         context,
         device,
         backend=backend,
@@ -310,4 +324,63 @@ def init_distributed(
         pp_group=pp_group,
         owns_process_group=owns,
         created_groups=created,
+    )
+    try:
+        _warm_up(state)
+    except Exception as exc:
+        if device.type != "cuda":
+            # NCCL's teardown can itself hang on a communicator in error; the worker's
+            # process goes when create_executor fails, and its groups with it.
+            state.destroy()
+        raise _setup_error(context, backend, "the warm-up collectives", exc) from exc
+    return state
+
+
+def _warm_up(state: ParallelState) -> None:
+    """One collective on every group this rank is in and one hop between pipeline stages,
+    waited for: communicators form now, at start-up.
+
+    NCCL forms a communicator at its first collective and a point-to-point one at the first
+    send between two ranks; without this, a duplicate GPU, a bad interface or a P2P fault
+    would appear in the first step (or hang it) instead of in ``create_executor``. Every rank
+    runs the same sequence (world, its TP group, its PP group, the stage chain), so no
+    rank waits on one that is waiting elsewhere.
+    """
+    probe = torch.zeros(1, device=state.device)
+    dist.all_reduce(probe)
+    for group in (state.tp_group, state.pp_group):
+        if group is not None:
+            dist.all_reduce(probe, group=group)
+    if state.pp_size > 1:
+        if not state.is_last_stage:
+            state.send_to_next_stage(probe)
+        if not state.is_first_stage:
+            state.recv_from_prev_stage(probe.shape, probe.dtype)
+        state.wait_for_sends()
+    if state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)
+
+
+def _check_reused_backend(backend: str, device: torch.device) -> None:
+    """Refuse a process group the user made whose backend cannot carry this device's
+    tensors (gloo has no CUDA send/recv)."""
+    if device.type != "cuda":
+        return
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    cuda_backend = per_device.get("cuda", backend if not per_device else "")
+    if cuda_backend in ("", "gloo"):
+        raise RuntimeError(
+            f"this process already joined a process group with backend {backend!r}, which "
+            "cannot carry CUDA tensors, but the worker's device is cuda; initialise it with "
+            "backend='nccl' (or 'cpu:gloo,cuda:nccl'), or use device='cpu'"
+        )
+
+
+def _setup_error(
+    context: WorkerContext, backend: str, stage: str, error: Exception
+) -> RuntimeError:
+    return RuntimeError(
+        f"rank {context.rank} (local rank {context.local_rank} on {context.node_id or 'its node'}"
+        f"): setting up torch.distributed ({backend}) failed in {stage}: "
+        f"{type(error).__name__}: {error}"
     )
