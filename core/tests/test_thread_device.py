@@ -67,9 +67,7 @@ def test_other_accelerators_through_torch_accelerator(monkeypatch: pytest.Monkey
         def set_device(index: int) -> None:
             FakeModule.set_to.append(index)
 
-    monkeypatch.setattr(
-        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("xpu")
-    )
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("xpu"))
     monkeypatch.setattr(torch, "get_device_module", lambda kind: FakeModule)
     device = capture_thread_device()
     assert device is not None

@@ -38,7 +38,7 @@ def _current_device_setter() -> Callable[[], Any] | None:
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None:
         return None
-    device = accelerator.current_accelerator(check_available=False)
+    device = accelerator.current_accelerator()
     if device is None or device.type == "cuda":
         return None
     module = torch.get_device_module(device.type)
