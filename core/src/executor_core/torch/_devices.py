@@ -62,7 +62,8 @@ def check_gpu_per_local_rank(local_ranks: int, env: Mapping[str, str] | None = N
     raise ConfigError(
         "device",
         "cuda",
-        f"{local_ranks} workers on this node need a GPU each, but {count} "
+        f"{local_ranks} worker{'s' if local_ranks != 1 else ''} on this node "
+        f"need{'' if local_ranks != 1 else 's'} a GPU each, but {count} "
         f"{'is' if count == 1 else 'are'} visible ({where}); lower tensor_parallel_size * "
         "pipeline_parallel_size, make more GPUs visible, or use device='cpu'",
     )

@@ -1,0 +1,100 @@
+"""scripts/gpu_check.py, the GPU check a person with one GPU runs: its dry run on the CPU lists
+every check, runs the ones that need no GPU and passes; its exit status reports a failure."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+#: Every check, in the order the script runs them (docs/gpu.md describes each).
+CHECKS = [
+    "tokens",
+    "tokens_tp2",
+    "sleep_wake",
+    "timing",
+    "device_per_thread_uni",
+    "device_per_thread_mp",
+    "device_per_thread_ray",
+    "one_gpu_per_rank",
+    "fork_after_cuda",
+]
+#: What the dry run must really run, and pass, on the CPU.
+RUN_ON_CPU = {
+    "tokens",
+    "sleep_wake",
+    "timing",
+    "device_per_thread_uni",
+    "device_per_thread_mp",
+    "one_gpu_per_rank",
+}
+#: What only a GPU can run: listed as SKIP in the dry run.
+CUDA_ONLY = {"tokens_tp2", "fork_after_cuda"}
+#: The script's own promise is under a minute on two cores; this leaves room for a busy host.
+TIMEOUT_S = 240
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert out.is_file(), f"no --json report\n{proc.stdout}\n{proc.stderr}"
+    report: dict[str, Any] = json.loads(out.read_text())
+    return proc, report
+
+
+@pytest.mark.slow
+def test_dry_run_lists_every_check_and_passes(tmp_path: Path) -> None:
+    proc, report = _run(tmp_path, "--dry-run")
+    output = f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, output
+    assert report["mode"] == "dry-run"
+    assert report["exit_status"] == 0
+    rows = {row["name"]: row for row in report["checks"]}
+    assert [row["name"] for row in report["checks"]] == CHECKS, output
+    failed = {name: row["summary"] for name, row in rows.items() if row["status"] == "FAIL"}
+    assert not failed, output
+    for name in RUN_ON_CPU:
+        assert rows[name]["status"] == "PASS", (name, rows[name])
+        assert rows[name]["seconds"] > 0  # really run, in a process of its own
+    for name in CUDA_ONLY:
+        assert rows[name]["status"] == "SKIP", (name, rows[name])
+        assert "no GPU" in rows[name]["summary"]
+    ray = rows["device_per_thread_ray"]
+    assert ray["status"] == "PASS" or (ray["status"] == "SKIP" and "Ray" in ray["summary"]), ray
+    # The tokens check compared two backends on the CPU and found them equal.
+    assert rows["tokens"]["figures"]["prompts"] > 0
+    assert rows["tokens"]["figures"]["differing_prompts"] == 0
+    # One line per check on stdout, with its status, and the summary with the exit status.
+    for name in CHECKS:
+        line = re.search(rf"^(PASS|FAIL|SKIP)\s+{name}\s", proc.stdout, re.MULTILINE)
+        assert line, f"no line for {name}:\n{proc.stdout}"
+        assert line.group(1) == rows[name]["status"]
+    assert "dry run" in proc.stdout.splitlines()[0]
+    assert re.search(r"^summary: \d+ PASS, 0 FAIL, \d+ SKIP .*exit status 0$", proc.stdout, re.M)
+
+
+def test_a_check_past_its_time_limit_fails_the_run(tmp_path: Path) -> None:
+    # A budget too short for anything: the probe is stopped at its limit (or, on a machine
+    # fast enough to finish it, the check finds no time left). Either way the run must fail.
+    proc, report = _run(tmp_path, "--dry-run", "--only", "timing", "--budget", "0.3")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert report["exit_status"] == 1
+    statuses = [row["status"] for row in report["checks"]]
+    assert "FAIL" in statuses, report
+    assert "PASS" not in statuses, report
+    assert re.search(r"^summary: .* exit status 1$", proc.stdout, re.MULTILINE), proc.stdout
