@@ -161,14 +161,20 @@ def test_a_warm_up_failure_names_the_rank(
         init_distributed(_cuda_context(1))
 
 
-@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
-def test_a_reused_gloo_group_is_refused_on_cuda(
-    backend: str, fake_cuda_dist: list[tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _reuse_group(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """This process already joined a two-rank group as rank 1, with ``backend``."""
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist, "get_backend", lambda: backend)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
+@pytest.mark.usefixtures("fake_cuda_dist")
+def test_a_reused_gloo_group_is_refused_on_cuda(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _reuse_group(monkeypatch, backend)
     with pytest.raises(RuntimeError, match=r"cannot carry CUDA tensors.*backend='nccl'"):
         init_distributed(_cuda_context(1))
 
@@ -177,10 +183,7 @@ def test_a_reused_gloo_group_is_refused_on_cuda(
 def test_a_reused_group_that_carries_cuda_is_kept(
     backend: str, fake_cuda_dist: list[tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "get_backend", lambda: backend)
+    _reuse_group(monkeypatch, backend)
     state = init_distributed(_cuda_context(1))
     assert state.backend == backend
     assert not any(name == "init" for name, _ in fake_cuda_dist)
