@@ -1,0 +1,229 @@
+"""The signed frame: one zmq multipart message, authenticated before anything reads its payload.
+
+A frame is the multipart message ``[header, part_1, ..., part_n, mac]``.
+
+``header`` is :data:`HEADER_FIXED` (big-endian) followed by ``n`` lengths (u64 each):
+
+==========  ======  ==============================================================
+field       bytes   meaning
+==========  ======  ==============================================================
+magic       4       ``b"EXCH"``: not one of ours otherwise
+version     1       :data:`VERSION`; any other value is dropped
+kind        1       :class:`Kind`
+(padding)   2       zero
+session     16      the sender's session id (random per connection or listener)
+epoch       16      the nonce the *receiver* issued for this session (zero in HELLO)
+sequence    8       per session and direction, strictly increasing from 1
+count       4       ``n``, the number of payload parts
+lengths     8 * n   the length of each payload part
+==========  ======  ==============================================================
+
+``mac`` is ``HMAC-SHA256(secret, label || header || part_1 || ... || part_n)`` where
+``label`` names the direction (:class:`Direction`), so a frame cannot be reflected back to
+its sender. The lengths are in the authenticated header because the parts are hashed back to
+back: without them ``[b"ab", b"c"]`` and ``[b"a", b"bc"]`` would carry the same MAC.
+
+Guarantees of :func:`parse_header` followed by :func:`verify`: a frame is accepted only if it
+has exactly ``count + 2`` zmq parts, every part has its declared length, no declared length
+exceeds the :class:`Limits`, and its MAC matches under the shared secret (compared in constant
+time with :func:`hmac.compare_digest`). Every check on sizes runs before a payload byte is
+read. Freshness (the sequence and the epoch) is the link's job: see :mod:`._link`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+
+import attrs
+
+__all__ = [
+    "HEADER_FIXED",
+    "MAC_BYTES",
+    "NONCE_BYTES",
+    "VERSION",
+    "ZERO_NONCE",
+    "Direction",
+    "DropReason",
+    "FrameError",
+    "Header",
+    "Kind",
+    "Limits",
+    "parse_header",
+    "seal",
+    "verify",
+]
+
+MAGIC = b"EXCH"
+VERSION = 1
+NONCE_BYTES = 16
+MAC_BYTES = 32
+ZERO_NONCE = bytes(NONCE_BYTES)
+#: magic, version, kind, padding, session, epoch, sequence, part count.
+HEADER_FIXED = struct.Struct("!4sBBxx16s16sQI")
+_LENGTH = struct.Struct("!Q")
+_MAX_SEQUENCE = (1 << 64) - 1
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries."""
+
+    #: dialer -> listener: opens a session; its one part is the dialer's nonce.
+    HELLO = 1
+    #: listener -> dialer: accepts a session; its one part is the listener's nonce for it.
+    WELCOME = 2
+    #: either way: a caller's message.
+    DATA = 3
+    #: dialer -> listener: the dialer closes its session.
+    BYE = 4
+
+
+_KINDS = frozenset(int(kind) for kind in Kind)
+
+
+class Direction(enum.Enum):
+    """Which way a frame travels; its label separates the MAC domains of the two ways."""
+
+    TO_LISTENER = b"executor-channel/1 dialer->listener\x00"
+    TO_DIALER = b"executor-channel/1 listener->dialer\x00"
+
+
+class DropReason(str, enum.Enum):
+    """Why a received frame was dropped (the keys of a link's ``drops`` counter)."""
+
+    #: Too few parts, not our magic, a header too short, or a MAC of the wrong size.
+    MALFORMED = "malformed"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_KIND = "unknown_kind"
+    #: The part count or a part's length differs from the header (truncated or padded).
+    BAD_LENGTHS = "bad_lengths"
+    #: The header declares more parts or longer parts than the limits allow.
+    TOO_LARGE = "too_large"
+    #: The session is not open here (closed, evicted, or from another listener's lifetime).
+    UNKNOWN_SESSION = "unknown_session"
+    #: The frame binds a nonce this receiver did not issue for the session.
+    WRONG_EPOCH = "wrong_epoch"
+    #: The sequence number is not above the last one accepted from the session.
+    REPLAYED = "replayed"
+    #: The MAC does not match: no secret, the wrong secret, or altered bytes.
+    BAD_MAC = "bad_mac"
+    #: Authentic in form but out of place (a WELCOME sent to a listener, for instance).
+    UNEXPECTED = "unexpected"
+
+
+class FrameError(Exception):
+    """A received frame is not acceptable; :attr:`reason` says why."""
+
+    def __init__(self, reason: DropReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be at least 1, got {value}")
+
+
+@attrs.frozen
+class Limits:
+    """Bounds on what a link accepts and queues; a frame beyond them is dropped unread.
+
+    They bound what a peer *without* the secret can make this side hold in memory: zmq
+    refuses a single zmq part above ``max_part_bytes`` (and disconnects its sender), and
+    queues at most ``hwm`` messages each way.
+    """
+
+    #: Most payload parts in one message.
+    max_parts: int = attrs.field(default=1024, validator=_positive)
+    #: Largest payload part, in bytes.
+    max_part_bytes: int = attrs.field(default=1 << 30, validator=_positive)
+    #: zmq high-water mark (messages queued) for sending and for receiving.
+    hwm: int = attrs.field(default=1000, validator=_positive)
+    #: Most sessions a listener keeps (the least recently active goes first).
+    max_peers: int = attrs.field(default=1024, validator=_positive)
+
+
+@attrs.frozen
+class Header:
+    """A parsed header; its fields mean what the module docstring says."""
+
+    kind: Kind
+    session: bytes
+    epoch: bytes
+    sequence: int
+    lengths: tuple[int, ...]
+
+
+def _mac(
+    key: bytes, direction: Direction, header: memoryview | bytes, parts: Sequence[memoryview]
+) -> bytes:
+    # HMAC-SHA256 reads every payload byte once more, on each side: a large message costs an
+    # extra pass over its memory. That is the price of authenticating before anything is
+    # unpickled; hashlib releases the GIL while it hashes large buffers, so other threads run.
+    mac = hmac.new(key, direction.value, hashlib.sha256)
+    mac.update(header)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()
+
+
+def seal(
+    key: bytes,
+    direction: Direction,
+    kind: Kind,
+    *,
+    session: bytes,
+    epoch: bytes,
+    sequence: int,
+    parts: Sequence[memoryview],
+) -> list[bytes | memoryview]:
+    """The frame ``[header, *parts, mac]`` carrying ``parts`` (byte-format memoryviews)."""
+    if len(session) != NONCE_BYTES or len(epoch) != NONCE_BYTES:
+        raise ValueError(f"session and epoch must be {NONCE_BYTES} bytes each")
+    if not 1 <= sequence <= _MAX_SEQUENCE:
+        raise ValueError(f"sequence out of range: {sequence}")
+    header = HEADER_FIXED.pack(MAGIC, VERSION, kind, session, epoch, sequence, len(parts))
+    header += b"".join(_LENGTH.pack(part.nbytes) for part in parts)
+    return [header, *parts, _mac(key, direction, header, parts)]
+
+
+def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
+    """Check a received frame's structure against its header and ``limits``.
+
+    Reads only the header and the sizes of the parts, never a payload byte. Raises
+    :class:`FrameError` with the reason of the first check that fails.
+    """
+    if len(frames) < 2:
+        raise FrameError(DropReason.MALFORMED)
+    header = frames[0]
+    if header.nbytes < HEADER_FIXED.size:
+        raise FrameError(DropReason.MALFORMED)
+    magic, version, kind, session, epoch, sequence, count = HEADER_FIXED.unpack_from(header)
+    if magic != MAGIC:
+        raise FrameError(DropReason.MALFORMED)
+    if version != VERSION:
+        raise FrameError(DropReason.UNKNOWN_VERSION)
+    if kind not in _KINDS:
+        raise FrameError(DropReason.UNKNOWN_KIND)
+    if count > limits.max_parts:
+        raise FrameError(DropReason.TOO_LARGE)
+    if header.nbytes != HEADER_FIXED.size + _LENGTH.size * count or len(frames) != count + 2:
+        raise FrameError(DropReason.BAD_LENGTHS)
+    if frames[-1].nbytes != MAC_BYTES:
+        raise FrameError(DropReason.MALFORMED)
+    lengths = struct.unpack_from(f"!{count}Q", header, HEADER_FIXED.size)
+    for declared, part in zip(lengths, frames[1:-1], strict=True):
+        if declared > limits.max_part_bytes:
+            raise FrameError(DropReason.TOO_LARGE)
+        if declared != part.nbytes:
+            raise FrameError(DropReason.BAD_LENGTHS)
+    return Header(Kind(kind), session, epoch, sequence, lengths)
+
+
+def verify(key: bytes, direction: Direction, frames: Sequence[memoryview]) -> bool:
+    """Whether the MAC of a frame that passed :func:`parse_header` is right (constant time)."""
+    expected = _mac(key, direction, frames[0], frames[1:-1])
+    return hmac.compare_digest(expected, frames[-1])
