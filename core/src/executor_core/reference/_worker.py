@@ -18,9 +18,10 @@ from .._worker import SLEEP_TAGS, WorkerBase, WorkerContext
 from ..torch import (
     ParallelState,
     TensorOffloader,
-    device_memory_bytes,
+    device_memory,
     host_memory_bytes,
     init_distributed,
+    pinned_host_bytes,
     trim_host_memory,
 )
 from ._checkpoint import load_shard, read_config, stage_tensor_names, tensor_nbytes
@@ -33,6 +34,29 @@ SPMD_BACKENDS: frozenset[str] = frozenset({"external_launcher"})
 
 #: Steps whose timing a worker keeps until the driver takes them (the oldest are dropped).
 STEP_TIMES_KEPT = 16384
+
+
+def _wait_for_device(device: torch.device) -> None:
+    """Return once ``device`` has run the work queued so far on its current stream.
+
+    A GPU runs kernels after the host has queued them, so a clock read when ``forward``
+    returns would stop at the last launch and leave the GPU's compute to whoever reads the
+    clock next (the driver would count it as executor time). On the CPU an operation is done
+    when it returns: nothing to wait for, and nothing is paid. On CUDA only the current
+    stream is waited for: the step's kernels, its collectives (the current stream waits for
+    NCCL's) and the data it received run there, while a send to the next pipeline stage
+    runs on NCCL's own stream and finishes in the background by design (waiting for it would
+    make this stage's clock wait for the next stage to receive).
+    """
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+        return
+    # Other accelerators: their module's device-wide synchronize, where torch has one.
+    synchronize = getattr(getattr(torch, device.type, None), "synchronize", None)
+    if synchronize is not None:
+        synchronize()
 
 
 def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
@@ -67,10 +91,12 @@ class StepOutput:
     batch_id: int
     next_tokens: tuple[int, ...]
     logits: torch.Tensor | None
-    #: Seconds the output rank spent inside execute_model.
+    #: Seconds the output rank spent inside execute_model, up to when its device had finished
+    #: the step (on a GPU, the kernels' end, not their launch).
     model_time_s: float
     #: ``time.perf_counter()`` on the output rank when the step started and ended (comparable
-    #: with the driver's clock on the same host only).
+    #: with the driver's clock on the same host only); the end is read after the device
+    #: finished the step.
     started_at: float
     finished_at: float
 
@@ -89,8 +115,13 @@ class ReferenceWorker(WorkerBase):
     split).
 
     ``sleep(1)`` offloads the weights (to an anonymous file on the CPU, pinned host memory on
-    a GPU) and drops the KV cache; ``sleep(2)`` drops both and ``wake_up`` reloads the
-    weights from the checkpoint.
+    a GPU, given back to the OS on wake) and drops the KV cache; ``sleep(2)`` drops both and
+    ``wake_up`` reloads the weights from the checkpoint. A sleep that fails (the host cannot
+    pin the weights, the disk is full) leaves the worker awake as it was, able to sleep
+    again. :meth:`memory_usage` says what that freed, on the host and on the device.
+
+    Step timing (``model_time_s``, :meth:`take_step_times`) ends when the device has finished
+    the step: on a GPU the clock is read after a synchronisation of the current stream.
     """
 
     def __init__(
@@ -271,6 +302,8 @@ class ReferenceWorker(WorkerBase):
                 tokens = logits.argmax(dim=-1)
             if self.spmd:
                 logits, tokens = self._share_output(step, logits, tokens)
+        # The step ends when the device has run it, not when its kernels were queued.
+        _wait_for_device(device)
         finished = time.perf_counter()
         self._step_times.append((step.batch_id, step.start_pos, started, finished))
         if tokens is None or not (self.spmd or self.rank == state.output_rank):
@@ -316,7 +349,11 @@ class ReferenceWorker(WorkerBase):
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: offload the weights, drop the KV cache. Level 2: drop both (the weights
-        are read from the checkpoint again on wake)."""
+        are read from the checkpoint again on wake).
+
+        The offload comes first and changes nothing if it fails (the offloader rolls back),
+        so a failed sleep raises with the worker still awake and able to sleep again.
+        """
         if level not in (1, 2):
             raise SleepStateError(f"sleep level must be 1 or 2, not {level!r}")
         if self._asleep:
@@ -357,17 +394,45 @@ class ReferenceWorker(WorkerBase):
             self._sleep_level = 0
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held now: the process (host USS), the device, the weights, the KV cache."""
+        """Bytes held now.
+
+        - ``host_bytes``: the process's host memory (USS, else RSS).
+        - ``device_bytes``: what this process holds on its device: on a GPU, the bytes torch's
+          allocator reserved (``torch.cuda.memory_reserved``: live tensors and its cache,
+          what sleep gives back); on the CPU, ``host_bytes``.
+        - ``device_allocated_bytes``: of those, the bytes in live tensors.
+        - ``device_used_bytes`` and ``device_total_bytes``: the whole device, every process
+          and the CUDA context and NCCL buffers included (``torch.cuda.mem_get_info``); on
+          the CPU, the host's.
+        - ``pinned_host_bytes``: pinned host memory torch holds (a sleeping GPU worker's
+          weights); 0 on the CPU; absent where torch does not report it.
+        - ``weight_bytes``, ``kv_cache_bytes``: the weights and KV cache on the device now.
+        - ``offloaded_bytes``: the weights the offloader holds (asleep at level 1).
+        - ``loaded_bytes``: what load_model read from the checkpoint.
+
+        See :class:`~executor_core.torch.DeviceMemory`.
+        """
         state = self._require_state()
         weights = sum(p.numel() * p.element_size() for p in self._weights().values())
-        return {
-            "host_bytes": host_memory_bytes(),
-            "device_bytes": device_memory_bytes(state.device),
+        device = device_memory(state.device)
+        usage = {
+            # On the CPU the device is the host: one measurement (USS is slow to read).
+            "host_bytes": device.reserved_bytes
+            if state.device.type == "cpu"
+            else host_memory_bytes(),
+            "device_bytes": device.reserved_bytes,
+            "device_allocated_bytes": device.allocated_bytes,
+            "device_used_bytes": device.used_bytes,
+            "device_total_bytes": device.total_bytes,
             "weight_bytes": weights,
             "kv_cache_bytes": self.kv_cache.nbytes if self.kv_cache is not None else 0,
             "offloaded_bytes": self.offloader.offloaded_bytes if self.offloader else 0,
             "loaded_bytes": self.loaded_bytes,
         }
+        pinned = pinned_host_bytes()
+        if pinned is not None:
+            usage["pinned_host_bytes"] = pinned
+        return usage
 
     def loaded_shard(self) -> dict[str, tuple[int, ...]]:
         """What load_model read: tensor name -> shape of this rank's part."""

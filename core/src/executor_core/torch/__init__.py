@@ -12,17 +12,30 @@ from ._distributed import (
     seed_everything,
     select_device,
 )
-from ._memory import device_memory_bytes, host_memory_bytes, mapped_zeros, trim_host_memory
+from ._memory import (
+    DeviceMemory,
+    device_memory,
+    device_memory_bytes,
+    host_memory_bytes,
+    mapped_zeros,
+    pinned_host_bytes,
+    release_pinned_host_memory,
+    trim_host_memory,
+)
 from ._offload import TensorOffloader
 
 __all__ = [
+    "DeviceMemory",
     "ParallelState",
     "TensorOffloader",
     "check_gpu_per_local_rank",
+    "device_memory",
     "device_memory_bytes",
     "host_memory_bytes",
     "init_distributed",
     "mapped_zeros",
+    "pinned_host_bytes",
+    "release_pinned_host_memory",
     "seed_everything",
     "select_device",
     "trim_host_memory",

@@ -1,4 +1,5 @@
-"""How much memory a worker holds: process USS/RSS on the host, allocator bytes on a GPU."""
+"""How much memory a worker holds: process USS/RSS on the host; on a GPU, the bytes torch's
+allocator reserved and the device-wide bytes in use; torch's pinned host memory."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ import math
 import mmap
 from collections.abc import Callable, Sequence
 
+import attrs
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 import torch
 
-__all__ = ["device_memory_bytes", "host_memory_bytes", "mapped_zeros", "trim_host_memory"]
+__all__ = [
+    "DeviceMemory",
+    "device_memory",
+    "device_memory_bytes",
+    "host_memory_bytes",
+    "mapped_zeros",
+    "pinned_host_bytes",
+    "release_pinned_host_memory",
+    "trim_host_memory",
+]
 
 
 def host_memory_bytes() -> int:
@@ -54,12 +65,140 @@ def trim_host_memory() -> bool:
     return True
 
 
-def device_memory_bytes(device: torch.device) -> int:
-    """Bytes the worker holds on ``device``: torch's allocated bytes on a GPU, else the
-    process's host memory (see :func:`host_memory_bytes`)."""
+@attrs.frozen(kw_only=True)
+class DeviceMemory:
+    """A device's memory as one process sees it (see :func:`device_memory`).
+
+    Two views, for two questions. ``reserved_bytes`` is what this process's torch holds on
+    the device, the figure that sleep should bring down and wake bring back. ``used_bytes``
+    is what the whole device has in use, by every process, which is what decides whether
+    something else fits next to this worker.
+    """
+
+    #: Bytes torch's caching allocator holds on the device for this process
+    #: (``torch.cuda.memory_reserved``): live tensors plus the blocks it keeps for reuse, which
+    #: ``torch.cuda.empty_cache`` gives back to the driver. It leaves out what torch's
+    #: allocator does not hand out: the CUDA context, NCCL's buffers, other libraries' own
+    #: allocations; those show in ``used_bytes`` only. On the CPU: the process's memory
+    #: (:func:`host_memory_bytes`).
+    reserved_bytes: int
+    #: Of ``reserved_bytes``, the bytes in live tensors (``torch.cuda.memory_allocated``); the
+    #: rest is the allocator's cache. On the CPU, the same as ``reserved_bytes``.
+    allocated_bytes: int
+    #: Bytes in use on the whole device, by every process and the driver (total less free,
+    #: from ``torch.cuda.mem_get_info``). On the CPU: the host's memory less what is
+    #: available.
+    used_bytes: int
+    #: The device's memory (the host's on the CPU).
+    total_bytes: int
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """This process's and the whole device's memory on ``device`` (see
+    :class:`DeviceMemory`); on the CPU, the host's.
+
+    On CUDA nothing is synchronised: allocations and frees are accounted for when they
+    return, whatever kernels are still queued.
+    """
     if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    return host_memory_bytes()
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(
+            reserved_bytes=int(torch.cuda.memory_reserved(device)),
+            allocated_bytes=int(torch.cuda.memory_allocated(device)),
+            used_bytes=int(total) - int(free),
+            total_bytes=int(total),
+        )
+    if device.type == "cpu":
+        process = host_memory_bytes()
+        host = psutil.virtual_memory()
+        return DeviceMemory(
+            reserved_bytes=process,
+            allocated_bytes=process,
+            used_bytes=int(host.total) - int(host.available),
+            total_bytes=int(host.total),
+        )
+    # Other accelerators through torch's device-generic API, where this torch has it.
+    accelerator = getattr(torch, "accelerator", None)
+    reserved = getattr(accelerator, "memory_reserved", None)
+    allocated = getattr(accelerator, "memory_allocated", None)
+    info = getattr(accelerator, "get_memory_info", None)
+    if reserved is None or allocated is None or info is None:
+        raise ValueError(
+            f"cannot measure the memory of {device.type!r} devices with torch {torch.__version__}"
+        )
+    free, total = info(device.index)
+    return DeviceMemory(
+        reserved_bytes=int(reserved(device.index)),
+        allocated_bytes=int(allocated(device.index)),
+        used_bytes=int(total) - int(free),
+        total_bytes=int(total),
+    )
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Bytes this process holds on ``device``: what torch's allocator reserved on a GPU
+    (:attr:`DeviceMemory.reserved_bytes`: live tensors and cached blocks, which is what
+    sleep gives back), else the process's host memory (see :func:`host_memory_bytes`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    if device.type == "cpu":
+        return host_memory_bytes()
+    return device_memory(device).reserved_bytes
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (asking does not initialise it)."""
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]  # unannotated
+
+
+def pinned_host_bytes() -> int | None:
+    """Bytes of pinned (page-locked) host memory that torch's pinned allocator holds, in use
+    or cached for reuse (``torch.cuda.host_memory_stats``). 0 while CUDA is not initialised
+    (nothing can be pinned then); ``None`` where this torch does not report it.
+
+    Pinned pages cannot be swapped out or given to another process; a cached block stays
+    pinned until :func:`release_pinned_host_memory`.
+    """
+    if not _cuda_initialized():
+        return 0
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    figures = stats()
+    # The name of that figure changed: torch releases that also report the bytes in use
+    # call it reserved_bytes (their allocated_bytes leaves the cache out); later ones call
+    # it allocated_bytes (and the bytes in use active_bytes).
+    value = figures.get("reserved_bytes.current", figures.get("allocated_bytes.current"))
+    return None if value is None else int(value)
+
+
+def _host_cache_emptier() -> Callable[[], None] | None:
+    accelerator = getattr(torch, "accelerator", None)
+    empty: Callable[[], None] | None = getattr(accelerator, "empty_host_cache", None)
+    if empty is None:
+        # torch before torch.accelerator.empty_host_cache: the same call, private.
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    return empty
+
+
+def release_pinned_host_memory() -> bool:
+    """Give the pinned host memory that torch's pinned allocator caches, and no tensor uses,
+    back to the OS. False where there was nothing to do (CUDA not initialised) or this torch
+    cannot.
+
+    torch keeps a freed pinned block for reuse, so pinned memory a process once used stays
+    pinned (and resident) until this is called. It empties the whole process's cache: a
+    block another part of the process freed goes too, and is pinned again when next needed.
+    A block that a copy in flight still uses is not freed (it stays cached): synchronise
+    the copies' stream first.
+    """
+    if not _cuda_initialized():
+        return False
+    empty = _host_cache_emptier()
+    if empty is None:
+        return False
+    empty()
+    return True
 
 
 def mapped_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
