@@ -115,8 +115,19 @@ def test_codec_received_objects_own_their_memory() -> None:
     assert (array == 1).all()
 
 
-def _small_rings() -> tuple[Ring, Ring]:
-    layout = RingLayout(0, 1, 2, 4096)
+def test_codec_uses_owned_memory_in_place() -> None:
+    # A message the ring copied out of several slots is the receiver's already: a second copy
+    # of each buffer would double the cost of a large payload.
+    parts, _ = encode(4, True, 0, 1, (torch.zeros(1000), np.zeros(1000)))
+    frame = bytearray(b"".join(bytes(p) for p in parts))
+    tensor, array = decode(pickle.PickleBuffer(frame))[4]
+    frame[:] = b"\x01" * len(frame)
+    assert bool((tensor != 0).all())
+    assert bool((array != 0).all())
+
+
+def _small_rings(slots: int = 2) -> tuple[Ring, Ring]:
+    layout = RingLayout(0, 1, slots, 4096)
     segment = SharedSegment.create(layout.nbytes)
     data, space = Doorbell(), Doorbell()
     writer = Ring(segment.buf, layout, reader=None, data_bells=[data], space_bell=space)
@@ -135,6 +146,24 @@ def test_ring_streams_a_message_bigger_than_the_ring() -> None:
     assert received == [payload]
     assert not writer.broken
     assert not reader.broken
+
+
+def test_ring_hands_a_message_of_several_slots_as_owned_memory() -> None:
+    writer, reader = _small_rings(slots=4)
+    payload = os.urandom(3 * 4096 + 5)  # four chunks: the whole ring, published at once
+    assert writer.write([payload], len(payload), deadline=time.monotonic() + 10)
+    seen: list[object] = []
+
+    def keep(received: object) -> bytes:
+        seen.append(type(received))
+        return bytes(received)  # type: ignore[call-overload]  # a buffer either way
+
+    assert reader.read(keep, deadline=time.monotonic() + 10) == payload
+    assert seen == [pickle.PickleBuffer]
+    small = os.urandom(100)
+    assert writer.write([small], len(small), deadline=time.monotonic() + 10)
+    assert reader.read(keep, deadline=time.monotonic() + 10) == small
+    assert seen[-1] is memoryview  # one slot: a view of it, valid during the call
 
 
 def test_ring_interrupted_mid_message_is_marked_broken() -> None:

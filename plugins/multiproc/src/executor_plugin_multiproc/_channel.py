@@ -14,7 +14,7 @@ from ._codec import DecodeError, decode
 from ._doorbell import Doorbell
 from ._options import MultiprocOptions
 from ._process import InheritedFd, SegmentLayout
-from ._ring import Ring
+from ._ring import Received, Ring
 from ._shm import SharedSegment
 from ._spin import Spinner
 
@@ -24,7 +24,7 @@ __all__ = ["DriverChannel", "Reply", "decode_reply"]
 Reply = tuple[int, int, int, bool, Any]
 
 
-def decode_reply(view: memoryview) -> Reply:
+def decode_reply(view: Received) -> Reply:
     """A reply frame; one whose body cannot be unpickled becomes that rank's WorkerError."""
     try:
         kind, ok, rank, seq, body = decode(view)

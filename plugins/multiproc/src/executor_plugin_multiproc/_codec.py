@@ -61,25 +61,37 @@ class _Bulk:
         self.data = data
 
 
-def _rebuild_bytes(view: memoryview) -> bytes:
+def _rebuild_bytes(view: memoryview | pickle.PickleBuffer) -> bytes:
     return bytes(view)
 
 
-def _rebuild_tensor(view: memoryview, dtype_name: str, shape: tuple[int, ...]) -> Any:
+def _private(view: memoryview | pickle.PickleBuffer) -> Any:
+    """Memory the rebuilt object may keep: ``view`` itself when it is already the receiver's
+    own (a :class:`pickle.PickleBuffer`, see :func:`decode`), else a copy out of the ring.
+
+    The copy is a ``bytearray``: writable (torch warns on read-only buffers), and kept alive
+    by the tensor or array built on it.
+    """
+    return view if type(view) is pickle.PickleBuffer else bytearray(view)
+
+
+def _rebuild_tensor(
+    view: memoryview | pickle.PickleBuffer, dtype_name: str, shape: tuple[int, ...]
+) -> Any:
     import torch  # the sender had torch, so this process is expected to have it too
 
     dtype = getattr(torch, dtype_name)
-    if view.nbytes == 0:
+    if memoryview(view).nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    # bytearray() is the one copy out of shared memory; it is writable (torch warns on
-    # read-only buffers) and the tensor keeps it alive.
-    return torch.frombuffer(bytearray(view), dtype=torch.uint8).view(dtype).reshape(shape)
+    return torch.frombuffer(_private(view), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def _rebuild_ndarray(view: memoryview, dtype: Any, shape: tuple[int, ...], order: str) -> Any:
+def _rebuild_ndarray(
+    view: memoryview | pickle.PickleBuffer, dtype: Any, shape: tuple[int, ...], order: str
+) -> Any:
     import numpy
 
-    flat = numpy.frombuffer(bytearray(view), dtype=dtype)
+    flat = numpy.frombuffer(_private(view), dtype=dtype)
     return flat.reshape(shape, order=order)  # type: ignore[call-overload]  # order is "C"/"F"
 
 
@@ -246,9 +258,19 @@ class DecodeError(Exception):
         self.kind, self.ok, self.rank, self.seq, self.cause = kind, ok, rank, seq, cause
 
 
-def decode(buf: memoryview) -> tuple[int, bool, int, int, Any]:
-    """``(kind, ok, rank, seq, body)`` of a frame; whatever ``body`` keeps is copied out of
-    ``buf``. Raises :class:`DecodeError` if the body cannot be unpickled."""
+def decode(buf: memoryview | pickle.PickleBuffer) -> tuple[int, bool, int, int, Any]:
+    """``(kind, ok, rank, seq, body)`` of a frame. Raises :class:`DecodeError` if the body
+    cannot be unpickled.
+
+    A frame in a memoryview (a view of a ring slot, reused once read) is copied out of: each
+    out-of-band buffer once, into memory the object it rebuilds owns. A frame in a
+    :class:`pickle.PickleBuffer` is memory the receiver owns already (the ring hands a
+    message that spanned several slots that way, after copying it out once): its buffers are
+    used in place, so a large payload is not copied twice.
+    """
+    owned = isinstance(buf, pickle.PickleBuffer)
+    if isinstance(buf, pickle.PickleBuffer):
+        buf = buf.raw()
     kind, ok, rank, seq, count, pickle_len = _HEADER.unpack_from(buf, 0)
     offset = _HEADER.size + _LENGTH.size * count
     data = buf[offset : offset + pickle_len]
@@ -261,7 +283,10 @@ def decode(buf: memoryview) -> tuple[int, bool, int, int, Any]:
             word = _LENGTH.unpack_from(buf, _HEADER.size + _LENGTH.size * i)[0]
             length = word & ~_FOREIGN
             view = buf[offset : offset + length]
-            views.append(bytearray(view) if word & _FOREIGN else view)
+            if owned:
+                views.append(view if word & _FOREIGN else pickle.PickleBuffer(view))
+            else:
+                views.append(bytearray(view) if word & _FOREIGN else view)
             offset += length
         return kind, ok, rank, seq, pickle.loads(data, buffers=views)
     except Exception as exc:

@@ -17,7 +17,7 @@ from executor_core.backend import RemoteFailure, WorkerWrapper
 
 from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
 from ._doorbell import Doorbell
-from ._ring import Ring, RingLayout
+from ._ring import Received, Ring, RingLayout
 from ._shm import SharedSegment
 from ._spin import Spinner
 
@@ -140,7 +140,7 @@ def watch_death_pipe(fd: int) -> threading.Thread:
     return thread
 
 
-def _decode_call(view: memoryview) -> tuple[int, int, int | None, Any]:
+def _decode_call(view: Received) -> tuple[int, int, int | None, Any]:
     """``(kind, seq, reply_rank, body)``; ``reply_rank`` is None for every rank (-1 on the
     wire), and a body that cannot be unpickled is a RemoteFailure."""
     try:

@@ -25,6 +25,7 @@ bounded, growing interval and re-checks.
 
 from __future__ import annotations
 
+import pickle
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -35,9 +36,13 @@ import attrs
 from ._doorbell import Doorbell
 from ._spin import Spinner
 
-__all__ = ["MAX_SLEEP_S", "Ring", "RingAbortedError", "RingLayout"]
+__all__ = ["MAX_SLEEP_S", "Received", "Ring", "RingAbortedError", "RingLayout"]
 
 T = TypeVar("T")
+#: What a reader's ``decode`` gets: a view of the slot for a message of one slot (valid only
+#: during the call: copy what you keep), or a PickleBuffer over memory the reader owns for a
+#: message that spanned several slots (it was copied out once; keep it as it is).
+Received = memoryview | pickle.PickleBuffer
 
 _U64 = struct.Struct("<Q")
 _CHUNK = struct.Struct("<QQ")  # message bytes, bytes in this chunk
@@ -296,7 +301,7 @@ class Ring:
             bell.wait(min(MAX_SLEEP_S, deadline - now))
 
     def try_read(
-        self, decode: Callable[[memoryview], T], abort: Callable[[], None] | None = None
+        self, decode: Callable[[Received], T], abort: Callable[[], None] | None = None
     ) -> T | None:
         """``decode`` the next message if one is waiting, else return None at once. A message
         spanning several slots is awaited to its end, bounded only by ``abort``."""
@@ -320,13 +325,14 @@ class Ring:
 
     def read(
         self,
-        decode: Callable[[memoryview], T],
+        decode: Callable[[Received], T],
         deadline: float | None = None,
         abort: Callable[[], None] | None = None,
     ) -> T | None:
         """Wait for the next message and return ``decode(view)``; None if ``deadline`` passed.
 
-        ``decode`` must copy what it keeps: the view is only valid during the call. Once the
+        ``decode`` gets a :data:`Received`: it must copy what it keeps out of a memoryview,
+        which is only valid during the call. Once the
         first chunk of a message has arrived, the rest is awaited regardless of ``deadline``.
         """
         if not self.wait_readable(deadline, abort):
@@ -342,6 +348,9 @@ class Ring:
             finally:
                 view.release()
                 self._release(1)
+        whole = self._gather(slot, nbytes)
+        if whole is not None:
+            return decode(pickle.PickleBuffer(whole))
         whole = bytearray(nbytes)
         pos = 0
         try:
@@ -357,8 +366,35 @@ class Ring:
         except BaseException:
             self.broken = True  # the rest of this message would be read as new messages
             raise
-        with memoryview(whole) as view:
-            return decode(view)
+        return decode(pickle.PickleBuffer(whole))
+
+    def _gather(self, first_slot: int, nbytes: int) -> bytearray | None:
+        """The message starting at ``first_slot``, copied out in one pass, if all its chunks
+        are published already (the writer publishes a message that fits the free slots at
+        once); else None.
+
+        ``bytearray().join`` allocates the result without zero-filling it and copies each
+        chunk once, so a message of several slots costs what one of a single slot does; the
+        chunk-by-chunk path below must zero a buffer first and copy into it.
+        """
+        layout = self._layout
+        nchunks = -(-nbytes // layout.slot_bytes)
+        buf = self._buf
+        count = self._count
+        if nchunks > layout.slots or _U64.unpack_from(buf, self._written_off)[0] < count + nchunks:
+            return None
+        views = []
+        try:
+            for k in range(nchunks):
+                slot = first_slot if k == 0 else self._slot_offs[(count + k) % layout.slots]
+                _, size = _CHUNK.unpack_from(buf, slot)
+                views.append(buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size])
+            whole = bytearray().join(views)
+        finally:
+            for view in views:
+                view.release()
+        self._release(nchunks)
+        return whole
 
     def _release(self, chunks: int) -> None:
         self._count += chunks
