@@ -52,6 +52,7 @@ __all__ = [
     "Header",
     "Kind",
     "Limits",
+    "check_fresh",
     "parse_header",
     "seal",
     "verify",
@@ -227,3 +228,23 @@ def verify(key: bytes, direction: Direction, frames: Sequence[memoryview]) -> bo
     """Whether the MAC of a frame that passed :func:`parse_header` is right (constant time)."""
     expected = _mac(key, direction, frames[0], frames[1:-1])
     return hmac.compare_digest(expected, frames[-1])
+
+
+def check_fresh(
+    key: bytes,
+    direction: Direction,
+    frames: Sequence[memoryview],
+    header: Header,
+    epoch: bytes,
+    last_sequence: int,
+) -> None:
+    """Raise :class:`FrameError` unless a frame that passed :func:`parse_header` binds
+    ``epoch`` (the nonce this side issued), comes after ``last_sequence``, and carries a
+    right MAC. The MAC is checked last: a stale frame is dropped whatever its MAC, so a
+    replay flood costs no hashing."""
+    if header.epoch != epoch:
+        raise FrameError(DropReason.WRONG_EPOCH)
+    if header.sequence <= last_sequence:
+        raise FrameError(DropReason.REPLAYED)
+    if not verify(key, direction, frames):
+        raise FrameError(DropReason.BAD_MAC)

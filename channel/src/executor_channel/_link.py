@@ -64,6 +64,7 @@ from ._frames import (
     Header,
     Kind,
     Limits,
+    check_fresh,
     parse_header,
     seal,
     verify,
@@ -434,14 +435,14 @@ class Listener(_Link):
             session = self._sessions.get(header.session)
             if session is None:
                 raise FrameError(DropReason.UNKNOWN_SESSION)
-            if header.epoch != session.nonce:
-                raise FrameError(DropReason.WRONG_EPOCH)
-            # Before the MAC: a stale frame is dropped whatever its MAC, so a replay flood
-            # costs no hashing.
-            if header.sequence <= session.last_sequence:
-                raise FrameError(DropReason.REPLAYED)
-            if not verify(self._key, Direction.TO_LISTENER, views):
-                raise FrameError(DropReason.BAD_MAC)
+            check_fresh(
+                self._key,
+                Direction.TO_LISTENER,
+                views,
+                header,
+                session.nonce,
+                session.last_sequence,
+            )
         except FrameError as exc:
             self._drops.add(routing_id, exc.reason)
             return None
@@ -622,12 +623,9 @@ class Connection(_Link):
             raise FrameError(DropReason.UNEXPECTED)
         if self._listener is not None and header.session != self._listener:
             raise FrameError(DropReason.UNKNOWN_SESSION)
-        if header.epoch != self._client_nonce:
-            raise FrameError(DropReason.WRONG_EPOCH)
-        if header.sequence <= self._last_sequence:
-            raise FrameError(DropReason.REPLAYED)
-        if not verify(self._key, Direction.TO_DIALER, views):
-            raise FrameError(DropReason.BAD_MAC)
+        check_fresh(
+            self._key, Direction.TO_DIALER, views, header, self._client_nonce, self._last_sequence
+        )
         self._last_sequence = header.sequence
         return header, views
 
