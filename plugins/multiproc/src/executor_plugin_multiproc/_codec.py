@@ -268,9 +268,9 @@ def decode(buf: memoryview | pickle.PickleBuffer) -> tuple[int, bool, int, int, 
     message that spanned several slots that way, after copying it out once): its buffers are
     used in place, so a large payload is not copied twice.
     """
-    owned = isinstance(buf, pickle.PickleBuffer)
+    owned = False
     if isinstance(buf, pickle.PickleBuffer):
-        buf = buf.raw()
+        owned, buf = True, buf.raw()
     kind, ok, rank, seq, count, pickle_len = _HEADER.unpack_from(buf, 0)
     offset = _HEADER.size + _LENGTH.size * count
     data = buf[offset : offset + pickle_len]
