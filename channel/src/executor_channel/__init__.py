@@ -7,29 +7,69 @@ lengths, MAC, freshness) before the caller sees a byte of it; frames that fail a
 counted per :class:`DropReason` and logged once per peer. The link never unpickles: callers
 decode the parts they are handed. Frames are authenticated, not encrypted; see
 ``docs/security.md`` for the threat model.
+
+Within a node, :mod:`executor_channel.shm` carries the same frames through shared-memory
+rings, and :mod:`executor_channel.codec` makes them (pickle 5, out-of-band buffers).
 """
 
 from __future__ import annotations
 
-from ._frames import DropReason, Limits
-from ._link import (
-    LOOPBACK,
-    BytesLike,
-    ChannelError,
-    ChannelTimeoutError,
-    Connection,
-    Listener,
-    Message,
-    PeerId,
-)
-from ._secret import (
-    ENV_SECRET,
-    ENV_SECRET_FILE,
-    MIN_SECRET_BYTES,
-    Secret,
-    SecretError,
-    load_secret,
-)
+from executor_core.backend import lazy_getattr
+
+# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
+# constant of this name as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._frames import DropReason, Limits
+    from ._link import (
+        LOOPBACK,
+        BytesLike,
+        ChannelError,
+        ChannelTimeoutError,
+        Connection,
+        Listener,
+        Message,
+        PeerId,
+    )
+    from ._secret import (
+        ENV_SECRET,
+        ENV_SECRET_FILE,
+        MIN_SECRET_BYTES,
+        Secret,
+        SecretError,
+        load_secret,
+    )
+
+#: Names imported on first use: a worker on the driver's node uses only the shared-memory
+#: half (:mod:`executor_channel.shm`) and never pays for importing zmq.
+_LAZY: dict[str, str] = {
+    "DropReason": "._frames",
+    "Limits": "._frames",
+    **{
+        name: "._link"
+        for name in (
+            "LOOPBACK",
+            "BytesLike",
+            "ChannelError",
+            "ChannelTimeoutError",
+            "Connection",
+            "Listener",
+            "Message",
+            "PeerId",
+        )
+    },
+    **{
+        name: "._secret"
+        for name in (
+            "ENV_SECRET",
+            "ENV_SECRET_FILE",
+            "MIN_SECRET_BYTES",
+            "Secret",
+            "SecretError",
+            "load_secret",
+        )
+    },
+}
 
 __all__ = [
     "ENV_SECRET",
@@ -52,3 +92,7 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml
+
+# Hidden from type checkers, which then check every imported name against the table above.
+if not TYPE_CHECKING:
+    __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -17,12 +17,10 @@ import pytest
 import torch
 from mp_test_helpers import our_shm_names, shm_unchanged
 
+from executor_channel.codec import decode, encode
+from executor_channel.shm import Doorbell, Ring, RingLayout, SharedSegment
 from executor_core import Executor, WorkerError, create_executor
 from executor_core.testing import conformance_config
-from executor_plugin_multiproc._codec import decode, encode
-from executor_plugin_multiproc._doorbell import Doorbell
-from executor_plugin_multiproc._ring import Ring, RingLayout
-from executor_plugin_multiproc._shm import SharedSegment
 
 __all__ = ["shm_unchanged"]  # the fixture, imported for the tests below
 

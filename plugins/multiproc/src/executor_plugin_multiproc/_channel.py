@@ -8,15 +8,12 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from executor_channel.codec import DecodeError, decode
+from executor_channel.shm import Doorbell, Received, Ring, SharedSegment, Spinner
 from executor_core import WorkerError
 
-from ._codec import DecodeError, decode
-from ._doorbell import Doorbell
 from ._options import MultiprocOptions
 from ._process import InheritedFd, SegmentLayout
-from ._ring import Received, Ring
-from ._shm import SharedSegment
-from ._spin import Spinner
 
 __all__ = ["DriverChannel", "Reply", "decode_reply"]
 

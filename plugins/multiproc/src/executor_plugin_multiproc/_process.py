@@ -13,13 +13,17 @@ from typing import Any
 
 import attrs
 
+from executor_channel.codec import (
+    KIND_READY,
+    KIND_REPLY,
+    KIND_STOP,
+    DecodeError,
+    Frame,
+    decode,
+    encode,
+)
+from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment, Spinner
 from executor_core.backend import RemoteFailure, WorkerWrapper
-
-from ._codec import KIND_READY, KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
-from ._doorbell import Doorbell
-from ._ring import Received, Ring, RingLayout
-from ._shm import SharedSegment
-from ._spin import Spinner
 
 __all__ = ["PARENT_DIED_EXIT", "InheritedFd", "SegmentLayout", "WorkerSpec", "worker_main"]
 

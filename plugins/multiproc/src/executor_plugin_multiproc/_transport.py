@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
+from executor_channel.codec import KIND_READY, KIND_STOP, encode, encode_call
+from executor_channel.shm import RingAbortedError
 from executor_core import ConfigError, ExecutorError, ExecutorFailedError, WorkerDiedError
 from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
 from ._channel import DriverChannel, decode_reply
-from ._codec import KIND_READY, KIND_STOP, encode, encode_call
 from ._group import WorkerGroup
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT, InheritedFd, WorkerSpec, worker_main
-from ._ring import RingAbortedError
 
 __all__ = ["MultiprocTransport"]
 

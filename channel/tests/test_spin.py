@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from executor_plugin_multiproc import _spin
-from executor_plugin_multiproc._spin import Spinner
+from executor_channel import _spin
+from executor_channel.shm import Spinner
 
 
 def test_zero_spin_never_spins() -> None:

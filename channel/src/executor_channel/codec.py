@@ -1,0 +1,34 @@
+"""The channel's one codec: pickle protocol 5 with out-of-band buffers.
+
+CPU tensors, numpy arrays and large ``bytes`` travel beside the pickle stream, never through
+torch's pickle reducer; a frame is a list of bytes-like parts that a :mod:`~executor_channel.shm`
+ring or a network link carries as they are. See :func:`encode` and :func:`decode`.
+"""
+
+from __future__ import annotations
+
+from ._codec import (
+    KIND_CALL,
+    KIND_READY,
+    KIND_REPLY,
+    KIND_STOP,
+    OOB_BYTES_THRESHOLD,
+    DecodeError,
+    Frame,
+    decode,
+    encode,
+    encode_call,
+)
+
+__all__ = [
+    "KIND_CALL",
+    "KIND_READY",
+    "KIND_REPLY",
+    "KIND_STOP",
+    "OOB_BYTES_THRESHOLD",
+    "DecodeError",
+    "Frame",
+    "decode",
+    "encode",
+    "encode_call",
+]

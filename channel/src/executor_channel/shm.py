@@ -1,0 +1,28 @@
+"""The channel within one node: rings of slots in a shared-memory segment, woken by doorbells.
+
+For backends whose workers share the driver's machine. A :class:`SharedSegment` holds one or
+more :class:`Ring` objects (one writer, any number of readers, each message copied once in
+and once out); a reader or writer that finds nothing to do spins briefly under a
+:class:`Spinner`, then sleeps on a :class:`Doorbell` (an eventfd), so idle processes use no
+CPU. What goes into a ring is a frame of :mod:`executor_channel.codec`.
+"""
+
+from __future__ import annotations
+
+from ._doorbell import Doorbell
+from ._ring import MAX_SLEEP_S, Received, Ring, RingAbortedError, RingLayout
+from ._segment import SHM_DIR, SharedSegment, check_free_space
+from ._spin import Spinner
+
+__all__ = [
+    "MAX_SLEEP_S",
+    "SHM_DIR",
+    "Doorbell",
+    "Received",
+    "Ring",
+    "RingAbortedError",
+    "RingLayout",
+    "SharedSegment",
+    "Spinner",
+    "check_free_space",
+]
