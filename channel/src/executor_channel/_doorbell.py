@@ -47,6 +47,13 @@ class Doorbell:
             except BlockingIOError:
                 pass  # a blocking doorbell's other reader got it first
 
+    def clear(self) -> None:
+        """Consume a pending ring without waiting (after an outside poll saw :attr:`fd`
+        readable)."""
+        if self._poller.poll(0):
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.fd, 8)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)

@@ -231,6 +231,7 @@ class _Link:
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        self._wait_pollers: dict[tuple[int, ...], zmq.Poller] = {}
 
     @property
     def closed(self) -> bool:
@@ -251,6 +252,7 @@ class _Link:
             return
         self._closed = True
         self._poller.unregister(self._socket)
+        self._wait_pollers.clear()
         self._socket.close(linger=_CLOSE_LINGER_MS)
         if self._own_context:
             self._context.term()
@@ -312,6 +314,27 @@ class _Link:
     def limits(self) -> Limits:
         """The limits this link enforces."""
         return self._limits
+
+    def wait(self, timeout: float, fds: Sequence[int] = ()) -> tuple[bool, list[int]]:
+        """Block (in zmq poll, no spinning) until a frame waits on this link, one of ``fds``
+        (plain file descriptors: an eventfd, a pipe) is readable, or ``timeout`` passes.
+
+        Returns ``(frames_waiting, readable_fds)``. A waiting frame may still be dropped: read
+        with ``recv(0)`` until it raises :class:`ChannelTimeoutError`. This lets one thread
+        own a link and also wake for work of its own, since a link is not thread-safe.
+        """
+        self._check_open()
+        _deadline(timeout)
+        poller = self._wait_pollers.get(tuple(fds))
+        if poller is None:
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            for fd in fds:
+                poller.register(fd, zmq.POLLIN)
+            self._wait_pollers[tuple(fds)] = poller
+        events = dict(poller.poll(math.ceil(timeout * 1000)))
+        ready = [fd for fd in fds if events.get(fd)]
+        return bool(events.get(self._socket)), ready
 
 
 class _Session:

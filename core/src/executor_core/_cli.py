@@ -143,8 +143,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``executor`` command."""
+def build_parser(registry: Registry | None = None) -> argparse.ArgumentParser:
+    """The argument parser of the ``executor`` command, with the subcommands of the plugins
+    in ``registry`` (none without one)."""
     parser = argparse.ArgumentParser(
         prog="executor", description="Executor SDK: run a model's workers on any backend."
     )
@@ -158,12 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the main job: the reference model on a backend")
     add_run_arguments(run)
     run.set_defaults(func=run_main_job)
+    if registry is not None:
+        _add_plugin_commands(registry, sub)
     return parser
+
+
+def _add_plugin_commands(registry: Registry, sub: argparse._SubParsersAction[Any]) -> None:
+    """Let every installed plugin add its subcommands (``executor_register_commands``)."""
+    try:
+        registry.hook.executor_register_commands(commands=sub)
+    except argparse.ArgumentError as exc:  # a plugin reused a name
+        raise SystemExit(f"executor: a plugin's command clashes with another: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``executor`` console script."""
-    parser = build_parser()
+    parser = build_parser(default_registry())
     args = parser.parse_args(argv)
     if args.version:
         registry = default_registry()

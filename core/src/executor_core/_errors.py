@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "BackendConflictError",
@@ -122,7 +123,11 @@ class ExecutorFailedError(ExecutorError):
 
 
 class WorkerDiedError(ExecutorFailedError):
-    """A worker process or actor is gone. Names the rank and how it ended."""
+    """A worker process or actor is gone. Names the rank and how it ended.
+
+    When a whole node is lost (its agent or its machine), :attr:`ranks` names every rank that
+    was on it and :attr:`node` the node; :attr:`rank` is the lowest of them.
+    """
 
     def __init__(
         self,
@@ -130,11 +135,18 @@ class WorkerDiedError(ExecutorFailedError):
         exitcode: int | None = None,
         signal: int | None = None,
         detail: str = "",
+        *,
+        ranks: tuple[int, ...] | None = None,
+        node: str | None = None,
     ) -> None:
         self.rank = rank
         self.exitcode = exitcode
         self.signal = signal
         self.detail = detail
+        #: Every rank lost with this failure (``(rank,)`` for a single worker).
+        self.ranks: tuple[int, ...] = tuple(ranks) if ranks else (rank,)
+        #: The node the ranks ran on, when the backend knows it.
+        self.node = node
         how: list[str] = []
         if signal is not None:
             how.append(f"killed by signal {signal}")
@@ -143,10 +155,30 @@ class WorkerDiedError(ExecutorFailedError):
         if detail:
             how.append(detail)
         suffix = f" ({', '.join(how)})" if how else ""
-        super().__init__(f"worker rank {rank} died{suffix}")
+        who = f"worker rank {rank}"
+        if len(self.ranks) > 1:
+            who = f"worker ranks {', '.join(map(str, self.ranks))}"
+        where = f" on node {node}" if node else ""
+        verb = "died" if len(self.ranks) == 1 else "are gone"
+        super().__init__(f"{who}{where} {verb}{suffix}")
 
-    def __reduce__(self) -> tuple[type[WorkerDiedError], tuple[int, int | None, int | None, str]]:
-        return (type(self), (self.rank, self.exitcode, self.signal, self.detail))
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (
+            _rebuild_worker_died,
+            (type(self), self.rank, self.exitcode, self.signal, self.detail, self.ranks, self.node),
+        )
+
+
+def _rebuild_worker_died(
+    cls: type[WorkerDiedError],
+    rank: int,
+    exitcode: int | None,
+    signal: int | None,
+    detail: str,
+    ranks: tuple[int, ...],
+    node: str | None,
+) -> WorkerDiedError:
+    return cls(rank, exitcode, signal, detail, ranks=ranks, node=node)
 
 
 class ExecutorClosedError(ExecutorError):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+
     from ._config import ExecutorConfig
     from ._registry import BackendSpec
     from ._worker import WorkerBase, WorkerContext
@@ -42,6 +44,19 @@ def executor_select_backend(config: ExecutorConfig, available: Sequence[str]) ->
 
     ``available`` lists the names of the backends that are installed and loaded. The first
     non-``None`` answer wins; the core's built-in rule runs last.
+    """
+    raise NotImplementedError  # pragma: no cover
+
+
+@hookspec
+def executor_register_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add subcommands to the ``executor`` command line.
+
+    ``commands`` is the ``argparse`` subparsers object of ``executor``: call
+    ``commands.add_parser(name, help=...)``, add its arguments, and
+    ``set_defaults(func=handler)``, where ``handler(args: argparse.Namespace) -> int``
+    returns the exit status. Import heavy code inside the handler, not here: this hook runs
+    every time ``executor`` starts. A name already taken raises an error naming it.
     """
     raise NotImplementedError  # pragma: no cover
 

@@ -32,6 +32,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _backend_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``executor run``."""
     parser.add_argument(
@@ -62,6 +72,27 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "of one step at a time",
     )
     parser.add_argument("--device", default="cpu", help="device type: cpu (gloo) or cuda (nccl)")
+    parser.add_argument(
+        "--num-nodes",
+        type=_positive,
+        default=1,
+        help="machines the workers span (mp: start 'executor node' on each of the others)",
+    )
+    parser.add_argument(
+        "--distributed-host",
+        default="127.0.0.1",
+        help="this machine's address as the other nodes reach it (default 127.0.0.1: this "
+        "machine only)",
+    )
+    parser.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        type=_backend_option,
+        help="a backend option, VALUE in JSON or a plain string (repeatable), e.g. "
+        "node_port=29551",
+    )
     parser.add_argument(
         "--threads",
         type=_positive,
@@ -201,6 +232,9 @@ def run_main_job(args: argparse.Namespace) -> int:
                 pipeline_parallel_size=args.pp,
                 device=args.device,
                 async_scheduling=args.async_overlap,
+                num_nodes=args.num_nodes,
+                distributed_host=args.distributed_host,
+                backend_options=dict(args.backend_option),
             )
             prompts = make_prompts(args.requests, args.prompt_len, model.vocab_size, args.seed)
             started = time.perf_counter()

@@ -81,12 +81,14 @@ def number(
     return check
 
 
-def integer(*, at_least: int) -> Check:
-    """An int (not bool) of at least ``at_least``."""
+def integer(*, at_least: int, at_most: int | None = None) -> Check:
+    """An int (not bool) of at least ``at_least`` (and at most ``at_most``, if given)."""
 
     def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < at_least:
             raise ValueError(f"must be an integer >= {at_least}")
+        if at_most is not None and value > at_most:
+            raise ValueError(f"must be an integer <= {at_most}")
         return value
 
     return check

@@ -15,6 +15,9 @@ from executor_core.backend import BackendSpec, Capabilities, hookimpl, lazy_geta
 # constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import argparse
+    from typing import Any
+
     from ._executor import MultiprocExecutor
     from ._options import MultiprocOptions
 
@@ -44,12 +47,23 @@ def executor_register_backends() -> list[BackendSpec]:
             aliases=("multiproc",),
             executor="executor_plugin_multiproc._executor:MultiprocExecutor",
             description=(
-                "One worker process per rank on this machine; calls broadcast through a "
-                "shared-memory ring."
+                "One worker process per rank; calls broadcast through a shared-memory ring "
+                "on each node, and to other nodes' agents (executor node) over "
+                "authenticated TCP."
             ),
-            capabilities=Capabilities(pipeline_parallel=True, devices=("cpu", "cuda")),
+            capabilities=Capabilities(
+                pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")
+            ),
         ),
     ]
+
+
+@hookimpl
+def executor_register_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add ``executor node``: the agent that runs another machine's workers."""
+    from ._node_cli import add_node_command
+
+    add_node_command(commands)
 
 
 # Hidden from type checkers, which then check every imported name against the table above.

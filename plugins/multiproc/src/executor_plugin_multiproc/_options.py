@@ -40,6 +40,14 @@ class MultiprocOptions:
     #: SIGKILL.
     shutdown_grace_s: float = option(5.0, number(at_least=0.0))
 
+    #: With ``num_nodes > 1``: the TCP port on which the driver waits for the node agents
+    #: (``executor node --master-port``), on ``ExecutorConfig.distributed_host``.
+    node_port: int = option(29550, integer(at_least=1, at_most=65535))
+    #: With ``num_nodes > 1``: seconds without a heartbeat after which a node (seen from the
+    #: driver) or the driver (seen from an agent) counts as lost. Heartbeats go every quarter
+    #: of it; an agent that loses its driver stops its workers.
+    node_timeout_s: float = option(1.0, number(at_least=0.2, at_most=600.0))
+
     @property
     def reply_bytes(self) -> int:
         """Effective bytes per reply slot."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -82,13 +83,21 @@ class SegmentLayout:
 class WorkerSpec:
     """Everything one worker process needs, pickled to it at start."""
 
-    #: Hosts the user's worker (from ``TransportHost.wrapper``; it carries no hooks: this
-    #: process loads its own). It applies the config's env again, after the start hook.
-    wrapper: WorkerWrapper
+    #: The rank this process runs.
+    rank: int
+    #: The pickled :class:`WorkerWrapper` hosting the user's worker (from
+    #: ``TransportHost.wrapper``; it carries no hooks: this process loads its own). Unpickled
+    #: in the worker, so that whoever starts it (a node agent) never imports the user's code,
+    #: and an import error there is reported like any start-up error. It applies the config's
+    #: env again, after the start hook.
+    wrapper: bytes
     #: Environment applied first thing in the process (config env + backend defaults).
     env: dict[str, str]
     segment: InheritedFd
     layout: SegmentLayout
+    #: This worker's place among its node's workers: the reader it is on the call ring, and
+    #: its reply ring (the rank itself on the driver's node).
+    index: int
     #: Doorbells: this worker's call doorbell, the shared "a call slot is free" doorbell,
     #: the driver's reply doorbell, and this worker's "a reply slot is free" doorbell.
     call_bell: InheritedFd
@@ -190,8 +199,7 @@ def worker_main(spec: WorkerSpec) -> None:
     # Ctrl-C reaches the whole process group; the driver decides what happens to workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal(spec.parent_pid)
-    wrapper = spec.wrapper
-    rank = wrapper.context.rank
+    rank = spec.rank
     _set_thread_name(f"mp-worker-{rank}")
     for fd in spec.close_fds:
         with contextlib.suppress(OSError):
@@ -203,25 +211,29 @@ def worker_main(spec: WorkerSpec) -> None:
     calls = Ring(
         segment.buf,
         spec.layout.broadcast,
-        reader=rank,
+        reader=spec.index,
         data_bells=[Doorbell(spec.call_bell.fd, blocking=True)],
         space_bell=Doorbell(spec.call_space_bell.fd),
         spin=spin,
     )
     replies = Ring(
         segment.buf,
-        spec.layout.replies[rank],
+        spec.layout.replies[spec.index],
         reader=None,
         data_bells=[Doorbell(spec.reply_bell.fd)],
         space_bell=Doorbell(spec.reply_space_bell.fd),
         spin=spin,
     )
+    wrapper: WorkerWrapper | None = None
     try:
+        wrapper = pickle.loads(spec.wrapper)
+        assert isinstance(wrapper, WorkerWrapper)
         wrapper.init_worker()
     except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
         failure = RemoteFailure.capture(rank, "init_worker", exc)
         replies.write(*encode(KIND_READY, False, rank, 0, failure))
-        wrapper.shutdown()
+        if wrapper is not None:
+            wrapper.shutdown()
         sys.exit(1)
     replies.write(*encode(KIND_READY, True, rank, 0, os.getpid()))
     try:

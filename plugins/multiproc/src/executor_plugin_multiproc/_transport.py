@@ -9,22 +9,23 @@ about a call (ordering, reply gathering, timeouts, failure) is the core's.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import os
+import socket
 import sys
 import time
-from collections.abc import Callable
 from typing import ClassVar
 
 from executor_channel.codec import KIND_READY, KIND_STOP, encode, encode_call
-from executor_channel.shm import RingAbortedError
+from executor_channel.shm import Doorbell, RingAbortedError
 from executor_core import ConfigError, ExecutorError, ExecutorFailedError, WorkerDiedError
 from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
-from ._channel import DriverChannel, decode_reply
+from ._channel import DriverChannel, Reply, decode_reply
 from ._group import WorkerGroup
+from ._local import WorkerLaunch, start_workers
+from ._node_protocol import NodeSpec
+from ._nodes import NodeLinks
 from ._options import MultiprocOptions
-from ._process import PARENT_DIED_EXIT, InheritedFd, WorkerSpec, worker_main
+from ._process import PARENT_DIED_EXIT
 
 __all__ = ["MultiprocTransport"]
 
@@ -50,6 +51,11 @@ class MultiprocTransport(Transport):
         self._options: MultiprocOptions | None = None
         self._channel: DriverChannel | None = None
         self._group: WorkerGroup | None = None
+        #: The other nodes' agents (``num_nodes > 1``).
+        self._nodes: NodeLinks | None = None
+        #: A failure reported by another node before the executor was ready.
+        self._start_error: ExecutorFailedError | None = None
+        self._armed = False
         #: Set by :meth:`interrupt`: blocked sends and polls return.
         self._aborted = False
 
@@ -60,74 +66,107 @@ class MultiprocTransport(Transport):
         config = host.config
         options = MultiprocOptions.from_backend_options(config.backend_options)
         self._options = options
-        workers = config.world_size
-        _check_devices(options, config.device, workers, host.worker_env)
-        channel = DriverChannel(workers, options, host.add_cleanup)
+        per_node = _ranks_per_node(config.world_size, config.num_nodes)
+        check_devices(options, config.device, per_node, host.worker_env)
+        channel = DriverChannel(per_node, options, host.add_cleanup)
         self._channel = channel
-        self._segment = channel.segment
         self._calls_ring = channel.calls
         self._reply_rings = channel.replies
         self._reply_bell = channel.reply_bell
         self._spinner = channel.spinner
-
-        # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
-        death_r, death_w = os.pipe()
-        host.add_cleanup(_fd_closer(death_w))
-        ctx = multiprocessing.get_context(options.start_method)
-        parent_pid = os.getpid() if options.start_method != "forkserver" else None
-        processes = []
-        try:
-            for context in host.contexts():
-                rank = context.rank
-                spec = WorkerSpec(
-                    wrapper=host.wrapper(context).portable(),
-                    env=_default_env(config.env, rank, workers),
-                    layout=channel.layout,
-                    death_pipe=InheritedFd(death_r),
-                    parent_pid=parent_pid,
-                    spin_s=options.spin_s,
-                    close_fds=(death_w,) if options.start_method == "fork" else (),
-                    **channel.worker_fds(rank),
+        nodes = None
+        if config.num_nodes > 1:
+            nodes = self._join_nodes(options, channel.reply_bell)
+            node_ids = [socket.gethostname()] + [node.hostname for node in nodes.nodes]
+            if len(set(node_ids)) < len(node_ids):  # several agents on one machine
+                node_ids = [f"{name}#{i}" for i, name in enumerate(node_ids)]
+            contexts = host.contexts(
+                [node_ids[rank // per_node] for rank in range(config.world_size)]
+            )
+        else:
+            contexts = host.contexts()
+        launches = [WorkerLaunch.of(host.wrapper(context), config.env) for context in contexts]
+        group = start_workers(
+            channel, launches[:per_node], options, host.add_cleanup, self._on_worker_death
+        )
+        self._group = group
+        if nodes is not None:
+            for node in nodes.nodes:
+                first = node.node_rank * per_node
+                nodes.send_spec(
+                    node,
+                    NodeSpec(
+                        node_rank=node.node_rank,
+                        node_id=node_ids[node.node_rank],
+                        launches=tuple(launches[first : first + per_node]),
+                        options=options,
+                        device=config.device,
+                        worker_env=host.worker_env,
+                    ),
                 )
-                processes.append(
-                    ctx.Process(  # type: ignore[attr-defined]  # every context has Process
-                        target=worker_main,
-                        args=(spec,),
-                        name=f"executor-mp-worker-{rank}",
-                        daemon=True,
-                    )
-                )
-            # The monitor holds this transport (and so the host), never the executor.
-            group = WorkerGroup(processes, self._on_worker_death)
-            self._group = group
-            group.start()
-        finally:
-            os.close(death_r)  # the children hold their copies
-        self._wait_until_ready(group, options.startup_timeout)
+            nodes.start()
+            self._nodes = nodes
+        self._wait_until_ready(group, options.startup_timeout, config.world_size)
         group.armed = True
+        self._armed = True
         # A worker may have died between its handshake and arming the monitor.
-        for rank in range(workers):
+        for rank in range(per_node):
             code = group.exit_code(rank)
             if code is not None:
                 raise _died(rank, code, "right after start-up")
+        if self._start_error is not None:
+            raise self._start_error
 
-    def _wait_until_ready(self, group: WorkerGroup, timeout: float) -> None:
+    def _join_nodes(self, options: MultiprocOptions, reply_bell: Doorbell) -> NodeLinks:
+        """Listen for the agents of nodes 1.. and wait until each has joined."""
+        # zmq: imported by multi-node executors only
+        from executor_channel import ChannelError, Listener, SecretError, load_secret
+
+        from . import __version__
+
+        config = self.host.config
+        try:
+            secret = load_secret()
+        except SecretError as exc:
+            raise ConfigError(
+                "num_nodes",
+                config.num_nodes,
+                f"the node agents authenticate with a shared secret: {exc}",
+            ) from None
+        try:
+            listener = Listener(secret, host=config.distributed_host, port=options.node_port)
+        except ChannelError as exc:  # the port is taken
+            raise ConfigError(
+                "backend_options",
+                {"node_port": options.node_port},
+                f"{exc}; pick a free port with backend_options['node_port'] (and the agents' "
+                "--master-port)",
+            ) from None
+        self.host.add_cleanup(listener.close)
+        nodes = NodeLinks(listener, options.node_timeout_s, reply_bell, self._on_node_failure)
+        self.host.add_cleanup(lambda: nodes.stop(False, 0.0))
+        nodes.join(range(1, config.num_nodes), __version__, options.startup_timeout)
+        return nodes
+
+    def _wait_until_ready(self, group: WorkerGroup, timeout: float, world_size: int) -> None:
         deadline = time.monotonic() + timeout
-        pending = set(range(len(self._reply_rings)))
+        pending = set(range(world_size))
+        local = range(len(self._reply_rings))
+        inbox = self._nodes.inbox if self._nodes is not None else None
         while True:
-            for rank in sorted(pending):
+            for rank in sorted(pending.intersection(local)):
                 ring = self._reply_rings[rank]
                 while ring.poll():
                     reply = ring.read(decode_reply)
-                    if reply is None or reply[0] != KIND_READY:
-                        continue
-                    _kind, _seq, _rank, ok, value = reply
-                    if not ok:
-                        raise value.to_error() if isinstance(value, RemoteFailure) else value
-                    pending.discard(rank)
+                    if reply is not None:
+                        self._ready(reply, pending)
+            while inbox:
+                self._ready(inbox.popleft(), pending)
             if not pending:
                 return
-            for rank in sorted(pending):
+            if self._start_error is not None:
+                raise self._start_error
+            for rank in sorted(pending.intersection(local)):
                 code = group.exit_code(rank)
                 if code is not None and not self._reply_rings[rank].poll():
                     raise _died(rank, code, "during start-up; its stderr has the details")
@@ -139,6 +178,15 @@ class MultiprocTransport(Transport):
                 )
             # Short naps: a worker that dies before its handshake rings no doorbell.
             self._reply_bell.wait(min(deadline - now, 0.05))
+
+    @staticmethod
+    def _ready(reply: Reply, pending: set[int]) -> None:
+        kind, _seq, rank, ok, value = reply
+        if kind != KIND_READY:
+            return
+        if not ok:
+            raise value.to_error() if isinstance(value, RemoteFailure) else value
+        pending.discard(rank)
 
     # --- calls -------------------------------------------------------------------------
 
@@ -153,7 +201,10 @@ class MultiprocTransport(Transport):
             call.kwargs,
         )
         try:
-            return self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
+            sent = self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
+            if sent and self._nodes is not None:  # only once every local rank has it
+                self._nodes.broadcast(parts)
+            return sent
         except RingAbortedError:
             raise self._closed_error() from None
         except BaseException:
@@ -179,6 +230,8 @@ class MultiprocTransport(Transport):
                 if reply is not None:
                     deliver(reply[1], reply[2], reply[3], reply[4])
                     got = True
+            if self._nodes is not None and self._deliver_remote():
+                got = True
             if not got and (timeout is None or timeout > 0.0) and not self._aborted:
                 self._wait_and_read(timeout)
         except RingAbortedError:
@@ -211,11 +264,25 @@ class MultiprocTransport(Transport):
                 if reply is not None:
                     deliver(reply[1], reply[2], reply[3], reply[4])
                     got = True
+            if self._nodes is not None and self._deliver_remote():
+                got = True
             if got or self._aborted:
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return
+
+    def _deliver_remote(self) -> bool:
+        """Hand the replies that came from other nodes to the core; True if there were any."""
+        assert self._nodes is not None
+        inbox = self._nodes.inbox
+        deliver = self.host.deliver
+        got = False
+        while inbox:
+            _kind, seq, rank, ok, value = inbox.popleft()
+            deliver(seq, rank, ok, value)
+            got = True
+        return got
 
     def _check_abort(self) -> None:
         if self._aborted:
@@ -242,6 +309,14 @@ class MultiprocTransport(Transport):
         if group is not None and options is not None:
             group.terminate(options.shutdown_grace_s)
 
+    def _on_node_failure(self, error: ExecutorFailedError) -> None:
+        """Node pump thread: a node, its agent or one of its workers is gone."""
+        if not self._armed:  # start() raises it
+            if self._start_error is None:
+                self._start_error = error
+            return
+        self.host.worker_died(error)
+
     def interrupt(self) -> None:
         self._aborted = True
         channel = self._channel
@@ -253,31 +328,25 @@ class MultiprocTransport(Transport):
         if group is None or options is None:
             return  # start-up failed before any process was made
         group.closing = True
+        nodes = self._nodes
         if graceful and group.armed and not self._aborted:
             parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
             deadline = time.monotonic() + options.shutdown_grace_s
+            sent = False
             with contextlib.suppress(RingAbortedError):
-                self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
+                sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
+            if sent and nodes is not None:
+                nodes.broadcast(parts)
             group.stop(options.shutdown_grace_s, options.shutdown_grace_s)
+            if nodes is not None:
+                nodes.stop(True, options.shutdown_grace_s)
         else:
+            if nodes is not None:
+                nodes.stop(False, 0.0)
             group.kill_now()
 
 
-def _default_env(config_env: dict[str, str], rank: int, workers: int) -> dict[str, str]:
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(workers),
-        "LOCAL_WORLD_SIZE": str(workers),
-    }
-    if "OMP_NUM_THREADS" not in config_env and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        env["OMP_NUM_THREADS"] = str(max(1, (cores or os.cpu_count() or 1) // workers))
-    env.update(config_env)
-    return env
-
-
-def _check_devices(
+def check_devices(
     options: MultiprocOptions, device: str, workers: int, env: dict[str, str]
 ) -> None:
     """Refuse, before any worker starts, what would fail in the workers: fork once CUDA is
@@ -297,12 +366,15 @@ def _check_devices(
         check_gpu_per_local_rank(workers, env)
 
 
-def _fd_closer(fd: int) -> Callable[[], None]:
-    def close() -> None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-    return close
+def _ranks_per_node(world_size: int, num_nodes: int) -> int:
+    if world_size % num_nodes:
+        raise ConfigError(
+            "num_nodes",
+            num_nodes,
+            f"the mp backend puts the same number of ranks on every node, and world_size="
+            f"{world_size} is not a multiple of num_nodes={num_nodes}",
+        )
+    return world_size // num_nodes
 
 
 def _died(rank: int, exitcode: int, when: str) -> WorkerDiedError:

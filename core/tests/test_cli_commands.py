@@ -1,0 +1,53 @@
+"""Plugins add subcommands to ``executor`` through ``executor_register_commands``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from executor_core import hookimpl
+from executor_core._cli import build_parser
+from executor_core.backend import Registry
+
+
+class _HelloPlugin:
+    @hookimpl
+    def executor_register_commands(self, commands: argparse._SubParsersAction[Any]) -> None:
+        hello = commands.add_parser("hello", help="say hello")
+        hello.add_argument("--name", default="world")
+        hello.set_defaults(func=lambda args: print(f"hello {args.name}") or 7)
+
+
+def test_a_plugin_command_is_parsed_and_run(capsys: pytest.CaptureFixture[str]) -> None:
+    registry = Registry()
+    assert registry.register_plugin(_HelloPlugin(), "hello")
+    args = build_parser(registry).parse_args(["hello", "--name", "you"])
+    assert args.func(args) == 7
+    assert capsys.readouterr().out == "hello you\n"
+
+
+def test_a_clashing_command_stops_with_its_name() -> None:
+    class Clash:
+        @hookimpl
+        def executor_register_commands(self, commands: argparse._SubParsersAction[Any]) -> None:
+            commands.add_parser("run")
+
+    registry = Registry()
+    assert registry.register_plugin(Clash(), "clash")
+    with pytest.raises(SystemExit, match="clashes"):
+        build_parser(registry)
+
+
+def test_the_mp_plugin_adds_executor_node() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "executor_core", "node", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--master-addr" in done.stdout
+    assert "EXECUTOR_NODE_RANK" in done.stdout

@@ -1,0 +1,287 @@
+"""``executor node``: the agent that runs one node's workers for a driver on another machine.
+
+The agent dials the driver's listener (authenticated with the shared secret), says which
+node it is, receives its :class:`~._node_protocol.NodeSpec`, starts that node's workers on a
+shared-memory channel of its own, and then relays: each call frame from the driver is
+written once into the node's ring (every local worker reads it), and each reply frame is
+sent back as it is, never unpickled here. One thread owns the link; it sleeps in one poll on
+the link and the reply and death doorbells.
+
+Heartbeats both ways: if the driver falls silent for ``node_timeout_s`` (it died, or its
+machine or the network did), the agent stops its workers and exits; if the agent dies, its
+workers see it (parent-death signal and death pipe) and exit, and the driver sees its
+silence.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from executor_channel import ChannelError, ChannelTimeoutError, Connection, SecretError, load_secret
+from executor_channel.codec import KIND_STOP
+from executor_channel.shm import Doorbell, Received, Ring
+from executor_core import ConfigError, ExecutorError
+
+from . import _node_protocol as wire
+from ._channel import DriverChannel
+from ._group import WorkerGroup
+from ._local import start_workers
+from ._node_protocol import NodeSpec
+from ._process import PARENT_DIED_EXIT
+
+__all__ = ["DRIVER_LOST_EXIT", "REFUSED_EXIT", "run_agent"]
+
+logger = logging.getLogger("executor_plugin_multiproc.agent")
+
+#: Exit status of an agent whose driver went silent, or that the driver refused.
+DRIVER_LOST_EXIT = 3
+REFUSED_EXIT = 2
+
+
+def run_agent(node_rank: int, master_addr: str, master_port: int, join_timeout: float) -> int:
+    """Join the driver at ``master_addr:master_port`` as ``node_rank`` and serve until it
+    stops this node; returns the process's exit status."""
+    try:
+        secret = load_secret()
+    except SecretError as exc:
+        print(f"executor node: {exc}", file=sys.stderr)
+        return 2
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    address = f"tcp://{host}:{master_port}"
+    logger.info("node %d: joining the driver at %s", node_rank, address)
+    try:
+        link = Connection(address, secret, timeout=join_timeout)
+    except ChannelTimeoutError as exc:
+        print(f"executor node: {exc}", file=sys.stderr)
+        return DRIVER_LOST_EXIT
+    # SIGTERM (a scheduler stopping this job) ends the agent like Ctrl-C: workers stopped.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with link:
+            return _Agent(link, node_rank, join_timeout).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+class _Agent:
+    def __init__(self, link: Connection, node_rank: int, join_timeout: float) -> None:
+        self._link = link
+        self._node_rank = node_rank
+        self._join_timeout = join_timeout
+        self._cleanups: list[Callable[[], None]] = []
+        self._deaths: collections.deque[tuple[int, int]] = collections.deque()
+        self._death_bell = Doorbell()
+        self._cleanups.append(self._death_bell.close)
+        self._group: WorkerGroup | None = None
+        self._spec: NodeSpec | None = None
+        self._last_seen = time.monotonic()
+        self._last_sent = 0.0
+        self._stopping = False
+
+    def run(self) -> int:
+        from . import __version__
+
+        link = self._link
+        try:
+            link.send(
+                wire.control(
+                    wire.JOIN,
+                    {
+                        "node_rank": self._node_rank,
+                        "hostname": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "version": __version__,
+                    },
+                ),
+                timeout=self._join_timeout,
+            )
+            spec = self._receive_spec()
+            if spec is None:
+                return REFUSED_EXIT
+            self._spec = spec
+            try:
+                self._start(spec)
+            except (ConfigError, ExecutorError, OSError) as exc:
+                self._send(wire.control(wire.FAILED, {"reason": f"starting its workers: {exc}"}))
+                return 1
+            return self._relay(spec)
+        except KeyboardInterrupt:
+            logger.info("node %d: interrupted; stopping its workers", self._node_rank)
+            with contextlib.suppress(ChannelError):
+                self._send(wire.control(wire.FAILED, {"reason": "its agent was interrupted"}))
+            return 130
+        finally:
+            group = self._group
+            if group is not None:
+                group.closing = True
+                group.kill_now()
+            for cleanup in reversed(self._cleanups):
+                with contextlib.suppress(Exception):
+                    cleanup()
+
+    def _receive_spec(self) -> NodeSpec | None:
+        message = self._link.recv(self._join_timeout)
+        op = bytes(message.parts[0]) if message.parts else b""
+        if op == wire.REFUSED:
+            reason = wire.read_control(message.parts).get("reason", "?")
+            print(f"executor node: the driver refused this node: {reason}", file=sys.stderr)
+            return None
+        if op != wire.SPEC or len(message.parts) != 2:
+            raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
+        # The link has authenticated the driver: only a holder of the secret sent this.
+        spec = pickle.loads(message.parts[1])
+        if not isinstance(spec, NodeSpec):
+            raise ExecutorError(f"the driver sent a {type(spec).__name__} as this node's spec")
+        return spec
+
+    def _start(self, spec: NodeSpec) -> None:
+        from ._transport import check_devices
+
+        check_devices(spec.options, spec.device, len(spec.launches), spec.worker_env)
+        channel = DriverChannel(len(spec.launches), spec.options, self._cleanups.append)
+        self._channel = channel
+        first = spec.launches[0].rank
+        self._first_rank = first
+        self._group = start_workers(
+            channel, spec.launches, spec.options, self._cleanups.append, self._on_death
+        )
+        self._group.armed = True
+        logger.info(
+            "node %d (%s): started ranks %d..%d",
+            spec.node_rank,
+            spec.node_id,
+            first,
+            first + len(spec.launches) - 1,
+        )
+
+    def _on_death(self, index: int, exitcode: int) -> None:
+        """Monitor thread: hand the death to the relay thread, which owns the link."""
+        self._deaths.append((index, exitcode))
+        self._death_bell.ring()
+
+    # --- the relay ------------------------------------------------------------------------
+
+    def _relay(self, spec: NodeSpec) -> int:
+        link = self._link
+        channel = self._channel
+        calls = channel.calls
+        timeout = spec.options.node_timeout_s
+        interval = timeout / 4
+        fds = [channel.reply_bell.fd, self._death_bell.fd]
+        while True:
+            now = time.monotonic()
+            frames_waiting, woken = link.wait(max(0.0, min(interval, self._next_ping() - now)), fds)
+            if woken:
+                channel.reply_bell.clear()
+                self._death_bell.clear()
+            self._forward_replies()
+            if self._report_deaths():
+                return 1
+            if frames_waiting:
+                status = self._receive(calls)
+                if status is not None:
+                    return status
+            now = time.monotonic()
+            if now >= self._next_ping():
+                self._send([wire.PING])
+            if now - self._last_seen > timeout:
+                logger.error(
+                    "node %d: the driver sent nothing for %.1f s; stopping this node's workers",
+                    self._node_rank,
+                    now - self._last_seen,
+                )
+                return DRIVER_LOST_EXIT
+
+    def _next_ping(self) -> float:
+        assert self._spec is not None
+        return self._last_sent + self._spec.options.node_timeout_s / 4
+
+    def _receive(self, calls: Ring) -> int | None:
+        """Handle what the driver sent; an exit status once this node is done."""
+        while True:
+            try:
+                message = self._link.recv(0)
+            except ChannelTimeoutError:
+                return None
+            self._last_seen = time.monotonic()
+            parts = message.parts
+            op = bytes(parts[0]) if parts else b""
+            if op == wire.CALL and len(parts) == 2:
+                frame = parts[1]
+                calls.write([frame], frame.nbytes, None, self._while_writing)
+                if frame.nbytes and frame[0] == KIND_STOP:
+                    return self._stop()
+            elif op == wire.KILL:
+                logger.info("node %d: the driver stopped this node", self._node_rank)
+                return 0
+
+    def _while_writing(self) -> None:
+        """The node's call ring is full: keep replies and heartbeats flowing meanwhile."""
+        self._forward_replies()
+        if time.monotonic() >= self._next_ping():
+            self._send([wire.PING])
+
+    def _stop(self) -> int:
+        """The stop frame is in the ring: wait for the workers to finish, then say BYE."""
+        assert self._group is not None
+        assert self._spec is not None
+        grace = self._spec.options.shutdown_grace_s
+        self._group.closing = True
+        self._forward_replies()
+        self._group.stop(grace, grace)
+        self._forward_replies()
+        self._send([wire.BYE])
+        logger.info("node %d: its workers stopped", self._node_rank)
+        return 0
+
+    def _forward_replies(self) -> None:
+        for ring in self._channel.replies:
+            while ring.poll():
+                frame = ring.read(_owned)
+                if frame is not None:
+                    self._send([wire.FRAME, frame])
+
+    def _report_deaths(self) -> bool:
+        if not self._deaths:
+            return False
+        while self._deaths:
+            index, exitcode = self._deaths.popleft()
+            rank = self._first_rank + index
+            self._forward_replies()  # what it answered before it died comes first
+            self._send(
+                wire.control(
+                    wire.DIED,
+                    {
+                        "rank": rank,
+                        "exitcode": exitcode,
+                        "parent_died": exitcode == PARENT_DIED_EXIT,
+                    },
+                )
+            )
+        return True
+
+    def _send(self, parts: Sequence[Any]) -> None:
+        assert self._spec is not None or parts[0] != wire.PING
+        timeout = self._spec.options.node_timeout_s if self._spec else self._join_timeout
+        self._link.send(parts, timeout=timeout)
+        self._last_sent = time.monotonic()
+
+
+def _owned(view: Received) -> Any:
+    """A reply frame to forward: the ring's slot memory is reused, so keep a copy (a
+    message gathered from several slots is already a copy of its own)."""
+    return view if isinstance(view, pickle.PickleBuffer) else bytes(view)

@@ -1,0 +1,127 @@
+"""Start the worker processes of one node, fed by that node's shared-memory channel.
+
+The driver does this for the ranks on its own machine, and a node agent (``executor node``)
+for the ranks on its machine: one code path, so a worker cannot tell which started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from executor_core.backend import WorkerWrapper
+
+from ._channel import DriverChannel
+from ._group import DeathCallback, WorkerGroup
+from ._options import MultiprocOptions
+from ._process import InheritedFd, WorkerSpec, worker_main
+
+__all__ = ["WorkerLaunch", "default_env", "start_workers"]
+
+
+@attrs.frozen
+class WorkerLaunch:
+    """What one worker process is started with: its place in the job, its wrapper, pickled
+    (portable: it loads its own hooks), and the config's environment (``ExecutorConfig.env``).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    wrapper: bytes
+    config_env: dict[str, str]
+
+    @classmethod
+    def of(cls, wrapper: WorkerWrapper, config_env: dict[str, str]) -> WorkerLaunch:
+        """The launch of ``wrapper``'s worker (made portable and pickled here)."""
+        context = wrapper.context
+        return cls(
+            rank=context.rank,
+            local_rank=context.local_rank,
+            world_size=context.world_size,
+            local_world_size=context.local_world_size,
+            wrapper=pickle.dumps(wrapper.portable(), protocol=5),
+            config_env=dict(config_env),
+        )
+
+
+def default_env(launch: WorkerLaunch) -> dict[str, str]:
+    """The torchrun-style variables of the worker's rank, an OpenMP thread count that shares
+    this machine's cores between its workers, then the config's env over both."""
+    env = {
+        "RANK": str(launch.rank),
+        "LOCAL_RANK": str(launch.local_rank),
+        "WORLD_SIZE": str(launch.world_size),
+        "LOCAL_WORLD_SIZE": str(launch.local_world_size),
+    }
+    config_env = launch.config_env
+    if "OMP_NUM_THREADS" not in config_env and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        workers = max(1, launch.local_world_size)
+        env["OMP_NUM_THREADS"] = str(max(1, (cores or os.cpu_count() or 1) // workers))
+    env.update(config_env)
+    return env
+
+
+def start_workers(
+    channel: DriverChannel,
+    launches: Sequence[WorkerLaunch],
+    options: MultiprocOptions,
+    add_cleanup: Callable[[Callable[[], None]], None],
+    on_death: DeathCallback,
+) -> WorkerGroup:
+    """Start one process per launch on this node's ``channel`` (the i-th reads its i-th
+    rings); return once the processes exist (not once they are ready).
+
+    ``on_death(index, exitcode)`` is called from the monitor thread when worker ``index``
+    ends while the group is armed. Everything made is handed to ``add_cleanup``.
+    """
+    # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
+    death_r, death_w = os.pipe()
+    add_cleanup(_fd_closer(death_w))
+    ctx = multiprocessing.get_context(options.start_method)
+    parent_pid = os.getpid() if options.start_method != "forkserver" else None
+    try:
+        processes = []
+        for index, launch in enumerate(launches):
+            spec = WorkerSpec(
+                rank=launch.rank,
+                wrapper=launch.wrapper,
+                env=default_env(launch),
+                layout=channel.layout,
+                index=index,
+                death_pipe=InheritedFd(death_r),
+                parent_pid=parent_pid,
+                spin_s=options.spin_s,
+                close_fds=(death_w,) if options.start_method == "fork" else (),
+                **channel.worker_fds(index),
+            )
+            processes.append(
+                ctx.Process(  # type: ignore[attr-defined]  # every context has Process
+                    target=worker_main,
+                    args=(spec,),
+                    name=f"executor-mp-worker-{launch.rank}",
+                    daemon=True,
+                )
+            )
+        # The monitor holds the callback's owner (the transport or the agent), never the
+        # executor.
+        group = WorkerGroup(processes, on_death)
+        group.start()
+    finally:
+        os.close(death_r)  # the children hold their copies
+    return group
+
+
+def _fd_closer(fd: int) -> Callable[[], None]:
+    def close() -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    return close

@@ -1,0 +1,303 @@
+"""The driver's links to the node agents of other machines (``num_nodes > 1``).
+
+One thread (the node pump) owns the listener, since a zmq socket is not thread-safe: it
+forwards each call to every agent, hands the replies it receives to the transport's poll
+(through :attr:`NodeLinks.inbox` and the reply doorbell), exchanges heartbeats, and reports a
+node that stops answering or a worker that died there. Callers only queue calls
+(:meth:`NodeLinks.broadcast`): a deque and an eventfd, no socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from executor_channel import ChannelError, ChannelTimeoutError, Listener, PeerId
+from executor_channel.shm import Doorbell
+from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
+
+from . import _node_protocol as wire
+from ._channel import Reply, decode_reply
+from ._node_protocol import NodeSpec
+
+__all__ = ["NodeLinks", "RemoteNode"]
+
+logger = logging.getLogger("executor_plugin_multiproc")
+
+#: Called from the pump thread with the error that fails the executor.
+FailureCallback = Callable[[ExecutorFailedError], None]
+
+
+@attrs.define
+class RemoteNode:
+    """A joined agent, as the driver sees it."""
+
+    node_rank: int
+    hostname: str
+    pid: int
+    peer: PeerId
+    node_id: str = ""
+    ranks: tuple[int, ...] = ()
+    last_seen: float = 0.0
+    #: Its workers have stopped (it said BYE).
+    done: bool = False
+    lost: bool = False
+
+    def describe(self) -> str:
+        return f"{self.node_id} (node rank {self.node_rank}, agent pid {self.pid})"
+
+
+class NodeLinks:
+    """The listener, the joined agents and the pump thread."""
+
+    def __init__(
+        self,
+        listener: Listener,
+        node_timeout_s: float,
+        reply_bell: Doorbell,
+        on_failure: FailureCallback,
+    ) -> None:
+        self._listener = listener
+        self._timeout = node_timeout_s
+        self._interval = node_timeout_s / 4
+        self._reply_bell = reply_bell
+        self._on_failure = on_failure
+        self.nodes: list[RemoteNode] = []
+        self._by_peer: dict[PeerId, RemoteNode] = {}
+        #: Replies (and ready frames) from the agents, for the transport's poll.
+        self.inbox: collections.deque[Reply] = collections.deque()
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._wake = Doorbell()
+        self._wake_closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- start-up (the starting thread owns the listener until start()) ------------------
+
+    def join(self, node_ranks: Sequence[int], version: str, timeout: float) -> None:
+        """Wait until an agent has joined for every one of ``node_ranks``."""
+        deadline = time.monotonic() + timeout
+        missing = set(node_ranks)
+        listener = self._listener
+        while missing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ExecutorError(
+                    f"node rank(s) {sorted(missing)} did not join within startup_timeout="
+                    f"{timeout:g} s: on each of those machines run 'executor node --node-rank "
+                    f"N --master-addr HOST --master-port {listener.port}', where HOST is this "
+                    "machine's distributed_host as seen from there, with the same "
+                    "EXECUTOR_CHANNEL_SECRET (or EXECUTOR_CHANNEL_SECRET_FILE) as here"
+                )
+            try:
+                message = listener.recv(min(remaining, 1.0))
+            except ChannelTimeoutError:
+                continue
+            if not message.parts or bytes(message.parts[0]) != wire.JOIN:
+                continue  # a stray message of an agent from an earlier run
+            info = wire.read_control(message.parts)
+            refusal = _refusal(info, missing, version)
+            if refusal:
+                logger.warning("refused a node agent: %s", refusal)
+                self._send_now(message.peer, wire.control(wire.REFUSED, {"reason": refusal}))
+                continue
+            rank = int(info["node_rank"])
+            missing.discard(rank)
+            node = RemoteNode(rank, str(info["hostname"]), int(info["pid"]), message.peer)
+            self.nodes.append(node)
+            self._by_peer[message.peer] = node
+        self.nodes.sort(key=lambda node: node.node_rank)
+
+    def send_spec(self, node: RemoteNode, spec: NodeSpec) -> None:
+        """Send a joined agent what it starts (before :meth:`start`)."""
+        node.node_id = spec.node_id
+        node.ranks = tuple(launch.rank for launch in spec.launches)
+        self._send_now(node.peer, [wire.SPEC, pickle.dumps(spec, protocol=5)])
+
+    def _send_now(self, peer: PeerId, parts: Sequence[bytes]) -> None:
+        try:
+            self._listener.send(peer, parts, timeout=self._timeout)
+        except ChannelError as exc:
+            raise ExecutorError(f"could not reach a node agent: {exc}") from exc
+
+    def start(self) -> None:
+        """Hand the listener to the pump thread."""
+        now = time.monotonic()
+        for node in self.nodes:
+            node.last_seen = now
+        self._thread = threading.Thread(target=self._run, name="executor-mp-nodes", daemon=True)
+        self._thread.start()
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def broadcast(self, parts: Sequence[Any]) -> None:
+        """Queue a call frame for every node. Its bytes are copied now: the caller may
+        change its arguments as soon as the call is sent."""
+        self._outbox.append([wire.CALL, b"".join(parts)])
+        self._wake.ring()
+
+    def stop(self, graceful: bool, grace_s: float) -> None:
+        """Stop the pump: gracefully, once every agent said its workers stopped (at most
+        ``grace_s``; the stop frame must be queued already), else at once with KILL."""
+        thread, self._thread = self._thread, None
+        if thread is None:  # not started, or stopped already
+            self._close_wake()
+            return
+        if graceful:
+            deadline = time.monotonic() + grace_s
+            while not all(n.done or n.lost for n in self.nodes) and thread.is_alive():
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+        self._stop.set()
+        self._wake.ring()
+        thread.join(10.0)
+        if not thread.is_alive():  # the listener is this thread's now
+            self._kill_all()
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        if not self._wake_closed:
+            self._wake_closed = True
+            self._wake.close()
+
+    # --- the pump thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._pump()
+        except Exception as exc:
+            logger.exception("the mp node link failed")
+            self._on_failure(ExecutorFailedError(f"the link to the node agents failed: {exc}"))
+
+    def _pump(self) -> None:
+        listener = self._listener
+        fds = [self._wake.fd]
+        next_ping = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            frames_waiting, woken = listener.wait(
+                max(0.0, min(next_ping - now, self._interval)), fds
+            )
+            if woken:
+                self._wake.clear()
+            self._flush()
+            if frames_waiting:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_ping:
+                for node in self._live():
+                    self._send(node, [wire.PING])
+                next_ping = now + self._interval
+            for node in self._live():
+                if now - node.last_seen > self._timeout:
+                    self._lose(node, f"its agent sent nothing for {now - node.last_seen:.1f} s")
+
+    def _live(self) -> list[RemoteNode]:
+        return [node for node in self.nodes if not node.lost]
+
+    def _flush(self) -> None:
+        outbox = self._outbox
+        while outbox:
+            message = outbox.popleft()
+            for node in self._live():
+                self._send(node, message)
+
+    def _send(self, node: RemoteNode, parts: Sequence[bytes]) -> None:
+        try:
+            self._listener.send(node.peer, parts, timeout=self._timeout)
+        except ChannelError as exc:
+            self._lose(node, f"sending to its agent failed: {exc}")
+
+    def _receive(self) -> None:
+        listener = self._listener
+        got_reply = False
+        while True:
+            try:
+                message = listener.recv(0)
+            except ChannelTimeoutError:
+                break
+            node = self._by_peer.get(message.peer)
+            if node is None or node.lost or not message.parts:
+                continue
+            node.last_seen = time.monotonic()
+            op = bytes(message.parts[0])
+            if op == wire.FRAME and len(message.parts) == 2:
+                reply = decode_reply(message.parts[1])
+                if reply[2] not in node.ranks:
+                    logger.warning(
+                        "%s sent a reply of rank %d, not its own", node.describe(), reply[2]
+                    )
+                    continue
+                self.inbox.append(reply)
+                got_reply = True
+            elif op == wire.DIED:
+                info = wire.read_control(message.parts)
+                self._on_failure(_died_on(node, info))
+            elif op == wire.FAILED:
+                info = wire.read_control(message.parts)
+                node.lost = True
+                self._on_failure(
+                    ExecutorFailedError(f"node {node.describe()}: {info.get('reason', '?')}")
+                )
+            elif op == wire.BYE:
+                node.done = True
+        if got_reply:
+            self._reply_bell.ring()
+
+    def _lose(self, node: RemoteNode, why: str) -> None:
+        if node.lost or node.done:
+            return
+        node.lost = True
+        self._on_failure(
+            WorkerDiedError(
+                min(node.ranks, default=-1),
+                detail=f"{why}; its node agent or its machine is gone",
+                ranks=node.ranks,
+                node=node.node_id,
+            )
+        )
+
+    def _kill_all(self) -> None:
+        """Tell every agent not done yet to stop its workers now (best effort)."""
+        for node in self.nodes:
+            if not node.lost and not node.done:
+                with contextlib.suppress(ChannelError):
+                    self._listener.send(node.peer, [wire.KILL], timeout=0.1)
+
+
+def _refusal(info: dict[str, Any], missing: set[int], version: str) -> str:
+    rank = info.get("node_rank")
+    if not isinstance(rank, int) or "hostname" not in info or "pid" not in info:
+        return f"a malformed join request {info!r}"
+    if info.get("version") != version:
+        return (
+            f"node rank {rank} runs executor-plugin-multiproc {info.get('version')}, the "
+            f"driver {version}: install the same version on every node"
+        )
+    if rank not in missing:
+        return f"node rank {rank} is not expected or has joined already"
+    return ""
+
+
+def _died_on(node: RemoteNode, info: dict[str, Any]) -> WorkerDiedError:
+    rank = info.get("rank")
+    code = info.get("exitcode")
+    detail = f"on node {node.node_id}"
+    if info.get("parent_died"):
+        detail += ", it saw its node agent die"
+    if not isinstance(rank, int):
+        rank = min(node.ranks, default=-1)
+    if isinstance(code, int) and code < 0:
+        return WorkerDiedError(rank, signal=-code, detail=detail, node=node.node_id)
+    return WorkerDiedError(
+        rank, exitcode=code if isinstance(code, int) else None, detail=detail, node=node.node_id
+    )

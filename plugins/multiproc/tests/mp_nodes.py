@@ -1,0 +1,93 @@
+"""Node agents for the multi-node tests: ``executor node`` processes on this machine."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from executor_channel import ENV_SECRET
+
+
+def agent_env(secret_hex: str) -> dict[str, str]:
+    """The environment of an agent: the test's import path and the shared secret."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        ENV_SECRET: secret_hex,
+    }
+
+
+class Agents:
+    """Starts agents and makes sure none outlives the test that started it."""
+
+    def __init__(self, secret_hex: str) -> None:
+        self.secret_hex = secret_hex
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        self,
+        port: int,
+        node_rank: int = 1,
+        *,
+        master_addr: str = "127.0.0.1",
+        join_timeout: float = 60.0,
+        stderr: int | None = None,
+    ) -> subprocess.Popen[bytes]:
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "executor_core",
+                "node",
+                "--node-rank",
+                str(node_rank),
+                "--master-addr",
+                master_addr,
+                "--master-port",
+                str(port),
+                "--join-timeout",
+                str(join_timeout),
+            ],
+            env=agent_env(self.secret_hex),
+            stderr=stderr,
+        )
+        self.started.append(agent)
+        return agent
+
+    def stop_all(self) -> None:
+        for agent in self.started:
+            if agent.poll() is None:
+                try:
+                    agent.wait(10)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+                    agent.wait(10)
+
+
+@pytest.fixture(scope="class")
+def node_secret() -> Iterator[str]:
+    """A fresh secret in this process's environment (the driver reads it from there)."""
+    secret_hex = secrets.token_hex(32)
+    saved = os.environ.get(ENV_SECRET)
+    os.environ[ENV_SECRET] = secret_hex
+    try:
+        yield secret_hex
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_SECRET, None)
+        else:
+            os.environ[ENV_SECRET] = saved
+
+
+@pytest.fixture(scope="class")
+def agents(node_secret: str) -> Iterator[Agents]:
+    made = Agents(node_secret)
+    try:
+        yield made
+    finally:
+        made.stop_all()

@@ -1,0 +1,262 @@
+"""``mp`` across nodes: the conformance kit with a node agent per extra node, an agent or a
+driver killed, agents refused, and garbage thrown at the driver's listener."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import attrs
+import psutil
+import pytest
+import zmq
+from mp_nodes import Agents, agent_env, agents, node_secret
+from mp_test_helpers import wait_gone
+
+from executor_core import ConfigError, Executor, ExecutorError, WorkerDiedError, create_executor
+from executor_core.backend import Registry, find_free_port
+from executor_core.testing import ExecutorConformanceTests, conformance_config
+from executor_core.testing._base import ExecutorFactory
+
+__all__ = ["agents", "node_secret"]  # fixtures, imported for the tests below
+
+
+class _TwoNodes(ExecutorConformanceTests):
+    """Every executor with an even world size spans two nodes: this process and an agent."""
+
+    backend = "mp"
+    world_size = 2
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def executor_factory(cls, agents: Agents) -> ExecutorFactory:  # type: ignore[override]
+        def make(registry: Registry | None = None, **overrides: Any) -> Executor:
+            config = cls.make_config(**overrides)
+            if config.world_size % 2:
+                return create_executor(config, registry)
+            port = find_free_port()
+            agents.start(port)
+            options = {**config.backend_options, "node_port": port}
+            config = attrs.evolve(config, num_nodes=2, backend_options=options)
+            return create_executor(config, registry)
+
+        return make
+
+
+class TestTwoNodeConformance(_TwoNodes):
+    """One tensor-parallel rank on each node."""
+
+
+class TestTwoNodePipelineConformance(_TwoNodes):
+    """Four ranks, two pipeline stages: one stage on each node."""
+
+    world_size = 4
+    pipeline_parallel_size = 2
+
+
+def _two_nodes(agents: Agents, world_size: int = 4, **options: Any) -> Executor:
+    port = find_free_port()
+    agents.start(port)
+    return create_executor(
+        conformance_config(
+            "mp",
+            world_size=world_size,
+            num_nodes=2,
+            backend_options={"node_port": port, "shutdown_grace_s": 1.0, **options},
+        )
+    )
+
+
+@pytest.mark.usefixtures("node_secret")
+class TestNodes:
+    def test_ranks_are_contiguous_per_node(self, agents: Agents) -> None:
+        with _two_nodes(agents) as executor:
+            contexts = executor.collective_rpc("get_context")
+            nodes = [c.node_id for c in contexts]
+            assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+            assert [c.local_rank for c in contexts] == [0, 1, 0, 1]
+            assert {c.local_world_size for c in contexts} == {2}
+            env = executor.collective_rpc("get_env", args=("LOCAL_RANK",))
+            assert env == ["0", "1", "0", "1"]
+            pids = executor.collective_rpc("get_pid")
+            agent = agents.started[-1]
+            # ranks 2 and 3 are the agent's children, not the driver's
+            assert set(pids[2:]) <= {p.pid for p in psutil.Process(agent.pid).children()}
+            assert not set(pids[2:]) & {p.pid for p in psutil.Process().children()}
+        assert agent.wait(10) == 0
+
+    def test_killed_agent_fails_calls_naming_its_ranks_and_node(self, agents: Agents) -> None:
+        executor = _two_nodes(agents)
+        try:
+            pids = executor.collective_rpc("get_pid")
+            pending = executor.collective_rpc("slow", args=(30.0,), non_block=True)
+            time.sleep(0.2)
+            killed_at = time.monotonic()
+            agents.started[-1].kill()
+            with pytest.raises(WorkerDiedError) as info:
+                pending.result(timeout=10)
+            took = time.monotonic() - killed_at
+            assert took < 2.0, f"the loss of the node was seen after {took:.2f} s"
+            assert info.value.ranks == (2, 3)
+            assert info.value.node is not None
+            assert "#1" in info.value.node
+            assert "node" in str(info.value)
+            # the agent's workers went with it
+            assert wait_gone(pids[2:], 2.0) == []
+            assert executor.is_failed
+        finally:
+            executor.shutdown()
+        assert wait_gone(pids, 5.0) == []
+
+    def test_worker_killed_on_another_node(self, agents: Agents) -> None:
+        executor = _two_nodes(agents)
+        try:
+            pids = executor.collective_rpc("get_pid")
+            pending = executor.collective_rpc("slow", args=(30.0,), non_block=True)
+            os.kill(pids[3], signal.SIGKILL)
+            with pytest.raises(WorkerDiedError) as info:
+                pending.result(timeout=10)
+            assert info.value.rank == 3
+            assert info.value.signal == signal.SIGKILL
+        finally:
+            executor.shutdown()
+        assert wait_gone(pids, 5.0) == []
+        assert agents.started[-1].wait(5) is not None
+
+    def test_refused_agent_and_join_timeout(self, agents: Agents) -> None:
+        port = find_free_port()
+        wrong = agents.start(port, node_rank=5, stderr=subprocess.PIPE)
+        config = conformance_config(
+            "mp",
+            world_size=2,
+            num_nodes=2,
+            backend_options={"node_port": port, "startup_timeout": 2.0},
+        )
+        started = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"node rank\(s\) \[1\] did not join"):
+            create_executor(config)
+        assert time.monotonic() - started < 5
+        _, err = wrong.communicate(timeout=10)
+        assert wrong.returncode == 2
+        assert b"node rank 5 is not expected" in err
+
+    def test_world_size_must_divide(self, agents: Agents) -> None:
+        with pytest.raises(ConfigError, match="multiple of num_nodes"):
+            create_executor(conformance_config("mp", world_size=3, num_nodes=2))
+
+    def test_garbage_at_the_listener_is_dropped_and_calls_go_on(self, agents: Agents) -> None:
+        executor = _two_nodes(agents, world_size=2)
+        port = executor.config.backend_options["node_port"]
+        sent = 0
+        try:
+            stop = threading.Event()
+            counts: list[int] = []
+
+            def calls() -> None:
+                done = 0
+                while not stop.is_set():
+                    assert executor.collective_rpc("echo", args=(done,)) == [
+                        (0, (done,), {}),
+                        (1, (done,), {}),
+                    ]
+                    done += 1
+                counts.append(done)
+
+            caller = threading.Thread(target=calls)
+            caller.start()
+            sent = _fuzz(port, 10_000)
+            stop.set()
+            caller.join(30)
+            assert counts
+            assert counts[0] > 0
+            assert executor.collective_rpc("get_rank") == [0, 1]
+        finally:
+            executor.shutdown()
+        assert sent >= 10_000
+
+
+def _fuzz(port: int, count: int) -> int:
+    """Send ``count`` unsigned, truncated and random frames to the listener at ``port`` from
+    several fresh connections; return how many were sent."""
+    import random
+
+    rng = random.Random(13)
+    context = zmq.Context()
+    sent = 0
+    try:
+        for batch in range(10):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            for i in range(count // 10):
+                kind = (i + batch) % 4
+                if kind == 0:
+                    parts = [rng.randbytes(rng.randrange(0, 200))]
+                elif kind == 1:
+                    parts = [rng.randbytes(86), b"\x80\x05K\x01.", rng.randbytes(32)]
+                elif kind == 2:
+                    parts = [
+                        rng.randbytes(rng.randrange(1, 64)) for _ in range(rng.randrange(1, 6))
+                    ]
+                else:
+                    parts = [b"J", json.dumps({"node_rank": 1}).encode()]
+                sock.send_multipart(parts)
+                sent += 1
+            sock.close(linger=1000)
+    finally:
+        context.term()
+    return sent
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from executor_core import create_executor
+    from executor_core.testing import conformance_config
+
+    if __name__ == "__main__":
+        executor = create_executor(conformance_config(
+            "mp", world_size=2, num_nodes=2, backend_options={"node_port": int(sys.argv[1])}
+        ))
+        print(json.dumps(executor.collective_rpc("get_pid")), flush=True)
+        executor.collective_rpc("slow", args=(60.0,))
+    """
+)
+
+
+@pytest.mark.usefixtures("node_secret")
+def test_killed_driver_stops_every_node(agents: Agents, tmp_path: Any) -> None:
+    port = find_free_port()
+    agent = agents.start(port)
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(port)],
+        stdout=subprocess.PIPE,
+        env=agent_env(os.environ["EXECUTOR_CHANNEL_SECRET"]),
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        line = driver.stdout.readline()
+        assert line, "the driver did not start"
+        pids = json.loads(line)
+        time.sleep(0.2)
+        killed_at = time.monotonic()
+        driver.kill()
+        driver.wait(10)
+        assert wait_gone([agent.pid, *pids], 2.0) == [], "a node outlived its driver by 2 s"
+        took = time.monotonic() - killed_at
+        assert took < 2.0
+        assert agent.wait(1) == 3  # DRIVER_LOST_EXIT
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.communicate(timeout=10)
