@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -402,3 +403,39 @@ def test_every_rank_reports_its_step_times(executor: Executor) -> None:
         # One batch in flight: the executor's and the model's parts of a step do not overlap.
         assert record.executor_time_s >= 0
         assert record.executor_time_s + record.model_time_s <= record.latency_s + 1e-6
+
+
+@pytest.mark.skipif("mp" not in INSTALLED, reason="backend 'mp' not installed")
+def test_main_job_across_three_nodes_gives_the_same_tokens(
+    tmp_path: Path, cli_reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``executor run --backend mp`` with two node agents: one pipeline stage per node."""
+    from executor_core.backend import find_free_port
+
+    monkeypatch.setenv("EXECUTOR_CHANNEL_SECRET", secrets.token_hex(32))
+    port = find_free_port()
+    agent_cmd = [sys.executable, "-m", "executor_core", "node", "--master-port", str(port)]
+    agents = [
+        subprocess.Popen([*agent_cmd, "--node-rank", str(rank), "--join-timeout", "120"])
+        for rank in (1, 2)
+    ]
+    try:
+        data = _run_cli(
+            tmp_path,
+            "mp-3-nodes",
+            "--backend",
+            "mp",
+            "--pp",
+            "3",
+            "--num-nodes",
+            "3",
+            "--backend-option",
+            f"node_port={port}",
+        )
+        assert data["tokens"] == cli_reference["tokens"]
+        assert [agent.wait(10) for agent in agents] == [0, 0]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(10)
