@@ -90,8 +90,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         type=_backend_option,
-        help="a backend option, VALUE in JSON or a plain string (repeatable), e.g. "
-        "node_port=29551",
+        help="a backend option, VALUE in JSON or a plain string (repeatable), e.g. node_port=29551",
     )
     parser.add_argument(
         "--threads",
