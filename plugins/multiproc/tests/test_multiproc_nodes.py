@@ -133,19 +133,24 @@ class TestNodes:
     def test_refused_agent_and_join_timeout(self, agents: Agents) -> None:
         port = find_free_port()
         wrong = agents.start(port, node_rank=5, stderr=subprocess.PIPE)
+        joined = agents.start(port, node_rank=1, stderr=subprocess.PIPE)
         config = conformance_config(
             "mp",
-            world_size=2,
-            num_nodes=2,
+            world_size=3,
+            num_nodes=3,
             backend_options={"node_port": port, "startup_timeout": 2.0},
         )
         started = time.monotonic()
-        with pytest.raises(ExecutorError, match=r"node rank\(s\) \[1\] did not join"):
+        with pytest.raises(ExecutorError, match=r"node rank\(s\) \[2\] did not join"):
             create_executor(config)
         assert time.monotonic() - started < 5
         _, err = wrong.communicate(timeout=10)
         assert wrong.returncode == 2
         assert b"node rank 5 is not expected" in err
+        # the node that had joined is released at once, not after its join timeout
+        _, err = joined.communicate(timeout=5)
+        assert joined.returncode == 2
+        assert b"gave up before this node started" in err
 
     def test_world_size_must_divide(self, agents: Agents) -> None:
         with pytest.raises(ConfigError, match="multiple of num_nodes"):

@@ -140,6 +140,9 @@ class _Agent:
             reason = wire.read_control(message.parts).get("reason", "?")
             print(f"executor node: the driver refused this node: {reason}", file=sys.stderr)
             return None
+        if op == wire.KILL:
+            print("executor node: the driver gave up before this node started", file=sys.stderr)
+            return None
         if op != wire.SPEC or len(message.parts) != 2:
             raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
         # The link has authenticated the driver: only a holder of the secret sent this.

@@ -77,6 +77,7 @@ class NodeLinks:
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         self._wake = Doorbell()
         self._wake_closed = False
+        self._stopped = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -148,7 +149,10 @@ class NodeLinks:
         """Stop the pump: gracefully, once every agent said its workers stopped (at most
         ``grace_s``; the stop frame must be queued already), else at once with KILL."""
         thread, self._thread = self._thread, None
-        if thread is None:  # not started, or stopped already
+        if thread is None:  # not started (start-up failed: release who joined), or stopped
+            if not self._stopped:
+                self._kill_all()
+            self._stopped = True
             self._close_wake()
             return
         if graceful:
@@ -162,6 +166,7 @@ class NodeLinks:
         thread.join(10.0)
         if not thread.is_alive():  # the listener is this thread's now
             self._kill_all()
+        self._stopped = True
         self._close_wake()
 
     def _close_wake(self) -> None:
