@@ -129,6 +129,23 @@ def remove_node_cleanly(cluster: Cluster, node: Any) -> None:
     remove_orphan_semaphores(pids, wait_s=10.0)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run this directory's tests on the simulated cluster one after the other, where the
+    last of them runs (modules run in name order, and a switch of session costs seconds)."""
+    here = os.path.dirname(__file__)
+    on_cluster = [
+        item
+        for item in items
+        if os.path.dirname(item.path) == here and "ray_cluster" in getattr(item, "fixturenames", ())
+    ]
+    if not on_cluster:
+        return
+    moved = {id(item) for item in on_cluster}
+    last = max(index for index, item in enumerate(items) if id(item) in moved)
+    before = [item for item in items[: last + 1] if id(item) not in moved]
+    items[:] = before + on_cluster + items[last + 1 :]
+
+
 @pytest.fixture(scope="session")
 def ray_sessions() -> Iterator[RaySessions]:
     sessions = RaySessions()

@@ -13,6 +13,7 @@ from executor_core.backend import RemoteFailure, WorkerWrapper, find_free_port
 
 from ._direct import Address, DirectServer
 from ._encoding import Failed, decode_call, encode_reply, reply_of
+from ._lifeline import ActorLifeline, hold
 from ._ranks import ActorInfo
 
 __all__ = ["MONITOR_GROUP", "RayWorker", "RayWorkerActor", "WireCall"]
@@ -42,6 +43,7 @@ class RayWorker:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._direct: DirectServer | None = None
+        self._lifeline: ActorLifeline | None = None
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -80,6 +82,15 @@ class RayWorker:
         from ray.experimental.channel.common import ChannelContext
 
         _ = ChannelContext.get_current().torch_available
+
+    def hold_lifeline(self, address: Address, key: bytes, timeout_s: float) -> str | None:
+        """Connect to the driver's lifeline (see ``_lifeline``): from now on this process
+        exits as soon as the driver's process is gone. None, or why it could not."""
+        try:
+            self._lifeline = hold(address, key, timeout_s)
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def open_channel(self, authkey: bytes, host: str | None = None) -> Address:
         """Listen for the driver's direct calls (see ``_direct``): on an abstract Unix socket,

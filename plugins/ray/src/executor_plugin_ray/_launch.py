@@ -22,6 +22,7 @@ from executor_core import ExecutorConfig, ExecutorError, WorkerDiedError, Worker
 from ._actor import RayWorkerActor
 from ._direct import DirectChannels
 from ._encoding import Failed
+from ._lifeline import HOLD_S, DriverLifelines
 from ._monitor import death_detail
 from ._options import RayOptions
 from ._placement import bundle_for
@@ -30,6 +31,7 @@ from ._ranks import WorkerPlacement
 __all__ = [
     "Startup",
     "create_actors",
+    "hold_lifelines",
     "kill_actors",
     "open_direct_channels",
     "raise_failures",
@@ -132,6 +134,48 @@ def raise_failures(replies: Sequence[Any]) -> None:
     for reply in replies:
         if isinstance(reply, Failed):
             raise reply.failure.to_error()
+
+
+def hold_lifelines(
+    lifelines: DriverLifelines,
+    actors: Sequence[Any],
+    placements: Sequence[WorkerPlacement],
+    driver_node: str,
+    startup: Startup,
+    deadline: float,
+) -> None:
+    """Give each actor a lifeline to this process (see ``_lifeline``): on an abstract Unix
+    socket when every actor is on the driver's node, else on TCP at the driver's node IP.
+    Actors that cannot connect are logged and go on without one."""
+    if ray.util.client.ray.is_connected():  # type: ignore[no-untyped-call]  # unannotated in ray
+        # Ray Client: this process is not the job's driver (Ray's client server is), and
+        # the actors may not reach it; the client server ends the job when it is gone.
+        return
+    one_node = all(p.node_id == driver_node for p in placements)
+    host = None if one_node else ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated in ray
+    try:
+        address = lifelines.listen(host)
+    except OSError as exc:
+        logger.warning("no lifeline for the Ray workers: %s: %s", type(exc).__name__, exc)
+        return
+    timeout_s = min(HOLD_S, max(1.0, deadline - time.monotonic()))
+    try:
+        replies = startup.gather(
+            [actor.hold_lifeline.remote(address, lifelines.key, timeout_s) for actor in actors],
+            "hold_lifeline",
+            deadline,
+        )
+    finally:
+        lifelines.stop_listening()
+    failed = {rank: reply for rank, reply in enumerate(replies) if reply is not None}
+    if failed:
+        logger.warning(
+            "Ray workers %s hold no lifeline to the driver at %r (%s): if this process is "
+            "killed, they live on until Ray ends the job",
+            sorted(failed),
+            address,
+            "; ".join(sorted(set(failed.values()))),
+        )
 
 
 def open_direct_channels(

@@ -59,11 +59,13 @@ from ._gate import ACTOR, COMPILED, DIRECT, PathGate, Pending
 from ._launch import (
     Startup,
     create_actors,
+    hold_lifelines,
     kill_actors,
     open_direct_channels,
     raise_failures,
     remove_group,
 )
+from ._lifeline import DriverLifelines
 from ._monitor import DeathMonitor, death_detail
 from ._options import RayOptions
 from ._placement import reserve_placement_group
@@ -139,6 +141,11 @@ class RayTransport(Transport):
         monitor = DeathMonitor([actor.watch.remote() for actor in self.actors], self._report_death)
         self._monitor = monitor
         host.add_cleanup(monitor.stop)
+        # Before the workers load their model (which may take long): from here on, the
+        # actors exit as soon as this process dies, even if Ray does not notice.
+        lifelines = DriverLifelines()
+        host.add_cleanup(lifelines.close)
+        hold_lifelines(lifelines, self.actors, placements, driver_node, startup, deadline)
         init_method = self._init_method(startup, deadline)
         wrappers = []
         for placement in placements:
