@@ -37,6 +37,7 @@ from ._channel import DriverChannel
 from ._group import WorkerGroup
 from ._local import start_workers
 from ._node_protocol import NodeSpec
+from ._nodes import STARTUP_SILENCE_S
 from ._process import PARENT_DIED_EXIT
 
 __all__ = ["DRIVER_LOST_EXIT", "REFUSED_EXIT", "run_agent"]
@@ -90,7 +91,7 @@ class _Agent:
         self._spec: NodeSpec | None = None
         self._last_seen = time.monotonic()
         self._last_sent = 0.0
-        self._stopping = False
+        self._all_ready = False
 
     def run(self) -> int:
         from . import __version__
@@ -201,7 +202,10 @@ class _Agent:
             now = time.monotonic()
             if now >= self._next_ping():
                 self._send([wire.PING])
-            if now - self._last_seen > timeout:
+            # Both ends wait out silence longer until every rank is ready (machines are busy
+            # starting workers); the driver says when.
+            limit = timeout if self._all_ready else max(timeout, STARTUP_SILENCE_S)
+            if now - self._last_seen > limit:
                 logger.error(
                     "node %d: the driver sent nothing for %.1f s; stopping this node's workers",
                     self._node_rank,
@@ -228,6 +232,8 @@ class _Agent:
                 calls.write([frame], frame.nbytes, None, self._while_writing)
                 if frame.nbytes and frame[0] == KIND_STOP:
                     return self._stop()
+            elif op == wire.READY:
+                self._all_ready = True
             elif op == wire.KILL:
                 logger.info("node %d: the driver stopped this node", self._node_rank)
                 return 0

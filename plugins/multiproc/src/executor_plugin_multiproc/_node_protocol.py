@@ -4,7 +4,8 @@ Every message is a list of parts whose first part is one byte, the operation. Co
 messages carry JSON; the node's spec carries pickle (the link has authenticated the driver
 before it is unpickled); calls and replies carry codec frames, forwarded as they are.
 
-Driver to agent: ``SPEC`` (or ``REFUSED``), then ``CALL`` frames (the stop message is a
+Driver to agent: ``SPEC`` (or ``REFUSED``), ``READY`` once every rank of every node is
+ready, then ``CALL`` frames (the stop message is a
 call frame of kind ``KIND_STOP``), ``PING`` and, to stop at once, ``KILL``.
 Agent to driver: ``JOIN``, then ``FRAME`` (a worker's ready or reply frame), ``DIED``,
 ``FAILED``, ``PING`` and, once its workers have stopped, ``BYE``.
@@ -25,6 +26,7 @@ __all__ = ["NodeSpec", "control", "read_control"]
 JOIN = b"J"
 SPEC = b"S"
 REFUSED = b"R"
+READY = b"A"
 CALL = b"C"
 FRAME = b"F"
 PING = b"P"

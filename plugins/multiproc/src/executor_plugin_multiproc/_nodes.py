@@ -32,6 +32,9 @@ __all__ = ["NodeLinks", "RemoteNode"]
 
 logger = logging.getLogger("executor_plugin_multiproc")
 
+#: Seconds of silence that lose a node (or, for an agent, the driver) while workers start.
+STARTUP_SILENCE_S = 10.0
+
 #: Called from the pump thread with the error that fails the executor.
 FailureCallback = Callable[[ExecutorFailedError], None]
 
@@ -79,6 +82,9 @@ class NodeLinks:
         self._wake_closed = False
         self._stopped = False
         self._stop = threading.Event()
+        #: Set by the transport once every rank is ready: from then on ``node_timeout_s``
+        #: of silence loses a node.
+        self.ready = False
         self._thread: threading.Thread | None = None
 
     # --- start-up (the starting thread owns the listener until start()) ------------------
@@ -145,6 +151,10 @@ class NodeLinks:
         self._outbox.append([wire.CALL, b"".join(parts)])
         self._wake.ring()
 
+    def wake(self) -> None:
+        """Make the pump look at its state now (``ready`` was set)."""
+        self._wake.ring()
+
     def stop(self, graceful: bool, grace_s: float) -> None:
         """Stop the pump: gracefully, once every agent said its workers stopped (at most
         ``grace_s``; the stop frame must be queued already), else at once with KILL."""
@@ -187,6 +197,7 @@ class NodeLinks:
         listener = self._listener
         fds = [self._wake.fd]
         next_ping = 0.0
+        announced = False
         while not self._stop.is_set():
             now = time.monotonic()
             frames_waiting, woken = listener.wait(
@@ -198,12 +209,19 @@ class NodeLinks:
             if frames_waiting:
                 self._receive()
             now = time.monotonic()
+            if self.ready and not announced:
+                for node in self._live():
+                    self._send(node, [wire.READY])
+                announced = True
             if now >= next_ping:
                 for node in self._live():
                     self._send(node, [wire.PING])
                 next_ping = now + self._interval
+            # Until every rank is ready, machines are busy starting workers (imports, model
+            # loads): a silence is waited out longer, but not for ever.
+            limit = self._timeout if self.ready else max(self._timeout, STARTUP_SILENCE_S)
             for node in self._live():
-                if now - node.last_seen > self._timeout:
+                if now - node.last_seen > limit:
                     self._lose(node, f"its agent sent nothing for {now - node.last_seen:.1f} s")
 
     def _live(self) -> list[RemoteNode]:

@@ -109,6 +109,9 @@ class MultiprocTransport(Transport):
         self._wait_until_ready(group, options.startup_timeout, config.world_size)
         group.armed = True
         self._armed = True
+        if nodes is not None:
+            nodes.ready = True
+            nodes.wake()
         # A worker may have died between its handshake and arming the monitor.
         for rank in range(per_node):
             code = group.exit_code(rank)
