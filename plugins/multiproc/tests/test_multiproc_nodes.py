@@ -115,6 +115,23 @@ class TestNodes:
             executor.shutdown()
         assert wait_gone(pids, 5.0) == []
 
+    def test_agent_stopped_with_sigterm(self, agents: Agents) -> None:
+        executor = _two_nodes(agents)
+        try:
+            pids = executor.collective_rpc("get_pid")
+            pending = executor.collective_rpc("slow", args=(30.0,), non_block=True)
+            agent = agents.started[-1]
+            stopped_at = time.monotonic()
+            agent.send_signal(signal.SIGTERM)
+            with pytest.raises(WorkerDiedError, match="its agent was interrupted") as info:
+                pending.result(timeout=10)
+            assert time.monotonic() - stopped_at < 1.0  # said, not waited for
+            assert info.value.ranks == (2, 3)
+            assert agent.wait(5) == 130
+            assert wait_gone(pids[2:], 2.0) == []
+        finally:
+            executor.shutdown()
+
     def test_worker_killed_on_another_node(self, agents: Agents) -> None:
         executor = _two_nodes(agents)
         try:

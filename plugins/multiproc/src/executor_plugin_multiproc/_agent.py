@@ -117,13 +117,22 @@ class _Agent:
             try:
                 self._start(spec)
             except (ConfigError, ExecutorError, OSError) as exc:
-                self._send(wire.control(wire.FAILED, {"reason": f"starting its workers: {exc}"}))
+                self._send(
+                    wire.control(
+                        wire.FAILED, {"reason": f"starting its workers: {exc}", "started": False}
+                    )
+                )
                 return 1
             return self._relay(spec)
         except KeyboardInterrupt:
             logger.info("node %d: interrupted; stopping its workers", self._node_rank)
             with contextlib.suppress(ChannelError):
-                self._send(wire.control(wire.FAILED, {"reason": "its agent was interrupted"}))
+                self._send(
+                    wire.control(
+                        wire.FAILED,
+                        {"reason": "its agent was interrupted", "started": self._group is not None},
+                    )
+                )
             return 130
         finally:
             group = self._group

@@ -222,7 +222,11 @@ class NodeLinks:
             limit = self._timeout if self.ready else max(self._timeout, STARTUP_SILENCE_S)
             for node in self._live():
                 if now - node.last_seen > limit:
-                    self._lose(node, f"its agent sent nothing for {now - node.last_seen:.1f} s")
+                    self._lose(
+                        node,
+                        f"its agent sent nothing for {now - node.last_seen:.1f} s: the agent "
+                        "or its machine is gone",
+                    )
 
     def _live(self) -> list[RemoteNode]:
         return [node for node in self.nodes if not node.lost]
@@ -267,10 +271,12 @@ class NodeLinks:
                 self._on_failure(_died_on(node, info))
             elif op == wire.FAILED:
                 info = wire.read_control(message.parts)
-                node.lost = True
-                self._on_failure(
-                    ExecutorFailedError(f"node {node.describe()}: {info.get('reason', '?')}")
-                )
+                reason = str(info.get("reason", "?"))
+                if info.get("started"):  # its workers were running: they are gone
+                    self._lose(node, reason)
+                else:
+                    node.lost = True
+                    self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
             elif op == wire.BYE:
                 node.done = True
         if got_reply:
@@ -283,7 +289,7 @@ class NodeLinks:
         self._on_failure(
             WorkerDiedError(
                 min(node.ranks, default=-1),
-                detail=f"{why}; its node agent or its machine is gone",
+                detail=why,
                 ranks=node.ranks,
                 node=node.node_id,
             )
