@@ -4,25 +4,47 @@ For backends whose workers share the driver's machine. A :class:`SharedSegment` 
 more :class:`Ring` objects (one writer, any number of readers, each message copied once in
 and once out); a reader or writer that finds nothing to do spins briefly under a
 :class:`Spinner`, then sleeps on a :class:`Doorbell` (an eventfd), so idle processes use no
-CPU. What goes into a ring is a frame of :mod:`executor_channel.codec`.
+CPU. What goes into a ring is a frame of :mod:`executor_channel.codec`. :class:`NodeRings`
+(the writer's) and :class:`WorkerRings` (a worker's) are one node's set: a broadcast ring of
+calls and a reply ring per worker; :func:`serve_rings` is a worker's loop over them.
 """
 
 from __future__ import annotations
 
 from ._doorbell import Doorbell
+from ._node_rings import (
+    NodeRings,
+    Reply,
+    RingSizes,
+    SegmentLayout,
+    WorkerFds,
+    WorkerRings,
+    decode_reply,
+)
 from ._ring import MAX_SLEEP_S, Received, Ring, RingAbortedError, RingLayout
 from ._segment import SHM_DIR, SharedSegment, check_free_space
+from ._serve import decode_call, reply_frame, serve_rings
 from ._spin import Spinner
 
 __all__ = [
     "MAX_SLEEP_S",
     "SHM_DIR",
     "Doorbell",
+    "NodeRings",
     "Received",
+    "Reply",
     "Ring",
     "RingAbortedError",
     "RingLayout",
+    "RingSizes",
+    "SegmentLayout",
     "SharedSegment",
     "Spinner",
+    "WorkerFds",
+    "WorkerRings",
     "check_free_space",
+    "decode_call",
+    "decode_reply",
+    "reply_frame",
+    "serve_rings",
 ]

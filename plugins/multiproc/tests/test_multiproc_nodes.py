@@ -282,3 +282,29 @@ def test_killed_driver_stops_every_node(agents: Agents, tmp_path: Any) -> None:
         if driver.poll() is None:
             driver.kill()
         driver.communicate(timeout=10)
+
+
+ONE_NODE = textwrap.dedent(
+    """
+    import sys
+    from executor_core import create_executor
+    from executor_core.testing import conformance_config
+
+    def zmq_loaded(worker):
+        return "zmq" in sys.modules
+
+    if __name__ == "__main__":
+        with create_executor(conformance_config("mp", world_size=2)) as executor:
+            print("zmq" in sys.modules, executor.collective_rpc(zmq_loaded))
+    """
+)
+
+
+def test_one_node_never_imports_zmq(tmp_path: Any) -> None:
+    """The network half of the channel costs nothing to an executor on one machine."""
+    script = tmp_path / "one_node.py"
+    script.write_text(ONE_NODE)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False [False, False]", done.stdout + done.stderr

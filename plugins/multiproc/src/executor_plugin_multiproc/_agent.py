@@ -28,16 +28,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from executor_channel import ChannelError, ChannelTimeoutError, Connection, SecretError, load_secret
+from executor_channel import hub as wire
 from executor_channel.codec import KIND_STOP
-from executor_channel.shm import Doorbell, Received, Ring
+from executor_channel.shm import Doorbell, NodeRings, Received, Ring
 from executor_core import ConfigError, ExecutorError
 
-from . import _node_protocol as wire
-from ._channel import DriverChannel
 from ._group import WorkerGroup
 from ._local import start_workers
 from ._node_protocol import NodeSpec
-from ._nodes import STARTUP_SILENCE_S
 from ._process import PARENT_DIED_EXIT
 
 __all__ = ["DRIVER_LOST_EXIT", "REFUSED_EXIT", "run_agent"]
@@ -165,7 +163,7 @@ class _Agent:
         from ._transport import check_devices
 
         check_devices(spec.options, spec.device, len(spec.launches), spec.worker_env)
-        channel = DriverChannel(len(spec.launches), spec.options, self._cleanups.append)
+        channel = NodeRings(len(spec.launches), spec.options.ring_sizes, self._cleanups.append)
         self._channel = channel
         first = spec.launches[0].rank
         self._first_rank = first
@@ -213,7 +211,7 @@ class _Agent:
                 self._send([wire.PING])
             # Both ends wait out silence longer until every rank is ready (machines are busy
             # starting workers); the driver says when.
-            limit = timeout if self._all_ready else max(timeout, STARTUP_SILENCE_S)
+            limit = timeout if self._all_ready else max(timeout, wire.STARTUP_SILENCE_S)
             if now - self._last_seen > limit:
                 logger.error(
                     "node %d: the driver sent nothing for %.1f s; stopping this node's workers",

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from executor_channel.shm import NodeRings, WorkerFds
 from executor_core.backend import WorkerWrapper
 
-from ._channel import DriverChannel
 from ._group import DeathCallback, WorkerGroup
 from ._options import MultiprocOptions
 from ._process import InheritedFd, WorkerSpec, worker_main
@@ -70,7 +70,7 @@ def default_env(launch: WorkerLaunch) -> dict[str, str]:
 
 
 def start_workers(
-    channel: DriverChannel,
+    channel: NodeRings,
     launches: Sequence[WorkerLaunch],
     options: MultiprocOptions,
     add_cleanup: Callable[[Callable[[], None]], None],
@@ -100,7 +100,7 @@ def start_workers(
                 parent_pid=parent_pid,
                 spin_s=options.spin_s,
                 close_fds=(death_w,) if options.start_method == "fork" else (),
-                **channel.worker_fds(index),
+                **_inherited(channel.worker_fds(index)),
             )
             processes.append(
                 ctx.Process(  # type: ignore[attr-defined]  # every context has Process
@@ -117,6 +117,11 @@ def start_workers(
     finally:
         os.close(death_r)  # the children hold their copies
     return group
+
+
+def _inherited(fds: WorkerFds) -> dict[str, InheritedFd]:
+    """The ``WorkerSpec`` fields that hand ``fds`` to a worker process."""
+    return {name: InheritedFd(fd) for name, fd in attrs.asdict(fds).items()}
 
 
 def _fd_closer(fd: int) -> Callable[[], None]:

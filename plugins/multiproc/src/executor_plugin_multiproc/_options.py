@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from executor_channel.shm import RingSizes
 from executor_core.options import integer, number, one_of, option, optional, parse_backend_options
 
 __all__ = ["MultiprocOptions"]
@@ -47,6 +48,17 @@ class MultiprocOptions:
     #: driver) or the driver (seen from an agent) counts as lost. Heartbeats go every quarter
     #: of it; an agent that loses its driver stops its workers.
     node_timeout_s: float = option(1.0, number(at_least=0.2, at_most=600.0))
+
+    @property
+    def ring_sizes(self) -> RingSizes:
+        """The sizes of each node's rings."""
+        return RingSizes(
+            slots=self.slots,
+            slot_bytes=self.slot_bytes,
+            reply_slots=self.reply_slots,
+            reply_slot_bytes=self.reply_bytes,
+            spin_s=self.spin_s,
+        )
 
     @property
     def reply_bytes(self) -> int:

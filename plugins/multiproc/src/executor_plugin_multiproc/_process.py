@@ -14,19 +14,11 @@ from typing import Any
 
 import attrs
 
-from executor_channel.codec import (
-    KIND_READY,
-    KIND_REPLY,
-    KIND_STOP,
-    DecodeError,
-    Frame,
-    decode,
-    encode,
-)
-from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment, Spinner
+from executor_channel.codec import KIND_READY, encode
+from executor_channel.shm import SegmentLayout, WorkerFds, WorkerRings, serve_rings
 from executor_core.backend import RemoteFailure, WorkerWrapper
 
-__all__ = ["PARENT_DIED_EXIT", "InheritedFd", "SegmentLayout", "WorkerSpec", "worker_main"]
+__all__ = ["PARENT_DIED_EXIT", "InheritedFd", "WorkerSpec", "worker_main"]
 
 #: Exit status of a worker that left because its driver died.
 PARENT_DIED_EXIT = 70
@@ -51,32 +43,6 @@ class InheritedFd:
 
 def _rebuild_fd(dup: Any) -> InheritedFd:
     return InheritedFd(dup.detach())
-
-
-@attrs.frozen
-class SegmentLayout:
-    """The broadcast ring and one reply ring per worker, back to back in one segment."""
-
-    broadcast: RingLayout
-    replies: tuple[RingLayout, ...]
-
-    @property
-    def nbytes(self) -> int:
-        last = self.replies[-1]
-        return last.offset + last.nbytes
-
-    @classmethod
-    def build(
-        cls, workers: int, slots: int, slot_bytes: int, reply_slots: int, reply_slot_bytes: int
-    ) -> SegmentLayout:
-        broadcast = RingLayout(0, workers, slots, slot_bytes)
-        replies = []
-        offset = broadcast.nbytes
-        for _ in range(workers):
-            ring = RingLayout(offset, 1, reply_slots, reply_slot_bytes)
-            replies.append(ring)
-            offset += ring.nbytes
-        return cls(broadcast, tuple(replies))
 
 
 @attrs.frozen(kw_only=True)
@@ -153,47 +119,6 @@ def watch_death_pipe(fd: int) -> threading.Thread:
     return thread
 
 
-def _decode_call(view: Received) -> tuple[int, int, int | None, Any]:
-    """``(kind, seq, reply_rank, body)``; ``reply_rank`` is None for every rank (-1 on the
-    wire), and a body that cannot be unpickled is a RemoteFailure."""
-    try:
-        kind, _ok, reply_rank, seq, body = decode(view)
-    except DecodeError as exc:  # reported to the driver as this call's failure
-        failure = RemoteFailure.capture(-1, "<decode>", exc.cause)
-        return exc.kind, exc.seq, None, failure
-    return kind, seq, None if reply_rank < 0 else reply_rank, body
-
-
-def _reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame:
-    try:
-        return encode(KIND_REPLY, ok, rank, seq, value)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable result becomes the call's error
-        # The method's name is only needed here, so it is not worked out on every call.
-        name = method if isinstance(method, str) else "<callable>"
-        failure = RemoteFailure.capture(rank, name, exc)
-        return encode(KIND_REPLY, False, rank, seq, failure)
-
-
-def serve(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None:
-    """Run calls from the broadcast ring until the stop message; answer as
-    :meth:`WorkerWrapper.handle` says (it knows which ranks answer)."""
-    read, write, handle = calls.read, replies.write, wrapper.handle
-    while True:
-        item = read(_decode_call)
-        assert item is not None  # no deadline: read returns a message
-        kind, seq, reply_rank, body = item
-        if kind == KIND_STOP:
-            return
-        if isinstance(body, RemoteFailure):
-            failure = attrs.evolve(body, rank=rank)
-            write(*_reply_frame(rank, seq, "<decode>", False, failure))
-            continue
-        method, args, kwargs = body
-        reply = handle(method, args, kwargs, reply_rank)
-        if reply is not None:
-            write(*_reply_frame(rank, seq, method, *reply))
-
-
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group; the driver decides what happens to workers.
@@ -206,24 +131,19 @@ def worker_main(spec: WorkerSpec) -> None:
             os.close(fd)
     os.environ.update(spec.env)
     watch_death_pipe(spec.death_pipe.fd)
-    segment = SharedSegment.attach(spec.segment.fd, spec.layout.nbytes)
-    spin = Spinner(spec.spin_s)  # one budget for the process: contention is per machine
-    calls = Ring(
-        segment.buf,
-        spec.layout.broadcast,
-        reader=spec.index,
-        data_bells=[Doorbell(spec.call_bell.fd, blocking=True)],
-        space_bell=Doorbell(spec.call_space_bell.fd),
-        spin=spin,
+    rings = WorkerRings.attach(
+        WorkerFds(
+            segment=spec.segment.fd,
+            call_bell=spec.call_bell.fd,
+            call_space_bell=spec.call_space_bell.fd,
+            reply_bell=spec.reply_bell.fd,
+            reply_space_bell=spec.reply_space_bell.fd,
+        ),
+        spec.layout,
+        spec.index,
+        spec.spin_s,
     )
-    replies = Ring(
-        segment.buf,
-        spec.layout.replies[spec.index],
-        reader=None,
-        data_bells=[Doorbell(spec.reply_bell.fd)],
-        space_bell=Doorbell(spec.reply_space_bell.fd),
-        spin=spin,
-    )
+    calls, replies = rings.calls, rings.replies
     wrapper: WorkerWrapper | None = None
     try:
         wrapper = pickle.loads(spec.wrapper)
@@ -237,6 +157,6 @@ def worker_main(spec: WorkerSpec) -> None:
         sys.exit(1)
     replies.write(*encode(KIND_READY, True, rank, 0, os.getpid()))
     try:
-        serve(wrapper, calls, replies, rank)
+        serve_rings(wrapper, calls, replies, rank)
     finally:
         wrapper.shutdown()

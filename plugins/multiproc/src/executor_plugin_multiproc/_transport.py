@@ -9,23 +9,27 @@ about a call (ordering, reply gathering, timeouts, failure) is the core's.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import socket
 import sys
 import time
 from typing import ClassVar
 
 from executor_channel.codec import KIND_READY, KIND_STOP, encode, encode_call
-from executor_channel.shm import Doorbell, RingAbortedError
+from executor_channel.shm import Doorbell, NodeRings, Reply, RingAbortedError, decode_reply
 from executor_core import ConfigError, ExecutorError, ExecutorFailedError, WorkerDiedError
 from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
-from ._channel import DriverChannel, Reply, decode_reply
 from ._group import WorkerGroup
 from ._local import WorkerLaunch, start_workers
 from ._node_protocol import NodeSpec
-from ._nodes import NodeLinks
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT
+
+# Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from executor_channel.hub import Hub  # zmq: imported by multi-node executors only
 
 __all__ = ["MultiprocTransport"]
 
@@ -49,10 +53,10 @@ class MultiprocTransport(Transport):
     def __init__(self, host: TransportHost) -> None:
         super().__init__(host)
         self._options: MultiprocOptions | None = None
-        self._channel: DriverChannel | None = None
+        self._channel: NodeRings | None = None
         self._group: WorkerGroup | None = None
         #: The other nodes' agents (``num_nodes > 1``).
-        self._nodes: NodeLinks | None = None
+        self._nodes: Hub | None = None
         #: A failure reported by another node before the executor was ready.
         self._start_error: ExecutorFailedError | None = None
         self._armed = False
@@ -68,7 +72,7 @@ class MultiprocTransport(Transport):
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
         check_devices(options, config.device, per_node, host.worker_env)
-        channel = DriverChannel(per_node, options, host.add_cleanup)
+        channel = NodeRings(per_node, options.ring_sizes, host.add_cleanup)
         self._channel = channel
         self._calls_ring = channel.calls
         self._reply_rings = channel.replies
@@ -93,17 +97,16 @@ class MultiprocTransport(Transport):
         if nodes is not None:
             for node in nodes.nodes:
                 first = node.node_rank * per_node
-                nodes.send_spec(
-                    node,
-                    NodeSpec(
-                        node_rank=node.node_rank,
-                        node_id=node_ids[node.node_rank],
-                        launches=tuple(launches[first : first + per_node]),
-                        options=options,
-                        device=config.device,
-                        worker_env=host.worker_env,
-                    ),
+                spec = NodeSpec(
+                    node_rank=node.node_rank,
+                    node_id=node_ids[node.node_rank],
+                    launches=tuple(launches[first : first + per_node]),
+                    options=options,
+                    device=config.device,
+                    worker_env=host.worker_env,
                 )
+                ranks = range(first, first + per_node)
+                nodes.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
             nodes.start()
             self._nodes = nodes
         self._wait_until_ready(group, options.startup_timeout, config.world_size)
@@ -120,10 +123,11 @@ class MultiprocTransport(Transport):
         if self._start_error is not None:
             raise self._start_error
 
-    def _join_nodes(self, options: MultiprocOptions, reply_bell: Doorbell) -> NodeLinks:
+    def _join_nodes(self, options: MultiprocOptions, reply_bell: Doorbell) -> Hub:
         """Listen for the agents of nodes 1.. and wait until each has joined."""
         # zmq: imported by multi-node executors only
         from executor_channel import ChannelError, Listener, SecretError, load_secret
+        from executor_channel.hub import Hub
 
         from . import __version__
 
@@ -146,9 +150,15 @@ class MultiprocTransport(Transport):
                 "--master-port)",
             ) from None
         self.host.add_cleanup(listener.close)
-        nodes = NodeLinks(listener, options.node_timeout_s, reply_bell, self._on_node_failure)
+        nodes = Hub(listener, options.node_timeout_s, reply_bell, self._on_node_failure)
         self.host.add_cleanup(lambda: nodes.stop(False, 0.0))
-        nodes.join(range(1, config.num_nodes), __version__, options.startup_timeout)
+        hint = (
+            "on each of those machines run 'executor node --node-rank N --master-addr HOST "
+            f"--master-port {listener.port}', where HOST is this machine's distributed_host as "
+            "seen from there, with the same EXECUTOR_CHANNEL_SECRET (or "
+            "EXECUTOR_CHANNEL_SECRET_FILE) as here"
+        )
+        nodes.join(range(1, config.num_nodes), __version__, options.startup_timeout, hint)
         return nodes
 
     def _wait_until_ready(self, group: WorkerGroup, timeout: float, world_size: int) -> None:

@@ -1,10 +1,11 @@
-"""The driver's links to the node agents of other machines (``num_nodes > 1``).
+"""A hub: the driver's links to the members that run ranks on other machines.
 
-One thread (the node pump) owns the listener, since a zmq socket is not thread-safe: it
-forwards each call to every agent, hands the replies it receives to the transport's poll
-(through :attr:`NodeLinks.inbox` and the reply doorbell), exchanges heartbeats, and reports a
-node that stops answering or a worker that died there. Callers only queue calls
-(:meth:`NodeLinks.broadcast`): a deque and an eventfd, no socket.
+Members (an ``executor node`` agent for a node's ranks, say) dial the hub's listener, join
+under an index, and get a spec of what to run. Then one thread (the hub's pump) owns the
+listener, since a zmq socket is not thread-safe: it forwards each call to every member, hands
+the replies it receives to the backend's poll (through :attr:`Hub.inbox` and a doorbell),
+exchanges heartbeats, and reports a member that stops answering or a worker that died
+there. Callers only queue calls (:meth:`Hub.broadcast`): a deque and an eventfd, no socket.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,17 +20,16 @@ from typing import Any
 
 import attrs
 
-from executor_channel import ChannelError, ChannelTimeoutError, Listener, PeerId
-from executor_channel.shm import Doorbell
 from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
 
-from . import _node_protocol as wire
-from ._channel import Reply, decode_reply
-from ._node_protocol import NodeSpec
+from . import _hub_protocol as wire
+from ._doorbell import Doorbell
+from ._link import ChannelError, ChannelTimeoutError, Listener, PeerId
+from ._node_rings import Reply, decode_reply
 
-__all__ = ["NodeLinks", "RemoteNode"]
+__all__ = ["STARTUP_SILENCE_S", "Hub", "Member"]
 
-logger = logging.getLogger("executor_plugin_multiproc")
+logger = logging.getLogger("executor_channel")
 
 #: Seconds of silence that lose a node (or, for an agent, the driver) while workers start.
 STARTUP_SILENCE_S = 10.0
@@ -40,8 +39,8 @@ FailureCallback = Callable[[ExecutorFailedError], None]
 
 
 @attrs.define
-class RemoteNode:
-    """A joined agent, as the driver sees it."""
+class Member:
+    """A joined member, as the hub sees it."""
 
     node_rank: int
     hostname: str
@@ -58,7 +57,7 @@ class RemoteNode:
         return f"{self.node_id} (node rank {self.node_rank}, agent pid {self.pid})"
 
 
-class NodeLinks:
+class Hub:
     """The listener, the joined agents and the pump thread."""
 
     def __init__(
@@ -73,8 +72,8 @@ class NodeLinks:
         self._interval = node_timeout_s / 4
         self._reply_bell = reply_bell
         self._on_failure = on_failure
-        self.nodes: list[RemoteNode] = []
-        self._by_peer: dict[PeerId, RemoteNode] = {}
+        self.nodes: list[Member] = []
+        self._by_peer: dict[PeerId, Member] = {}
         #: Replies (and ready frames) from the agents, for the transport's poll.
         self.inbox: collections.deque[Reply] = collections.deque()
         self._outbox: collections.deque[list[bytes]] = collections.deque()
@@ -89,8 +88,10 @@ class NodeLinks:
 
     # --- start-up (the starting thread owns the listener until start()) ------------------
 
-    def join(self, node_ranks: Sequence[int], version: str, timeout: float) -> None:
-        """Wait until an agent has joined for every one of ``node_ranks``."""
+    def join(self, node_ranks: Sequence[int], version: str, timeout: float, hint: str) -> None:
+        """Wait until a member has joined for every one of ``node_ranks``; one that says
+        another ``version`` is refused. ``hint`` ends the error if some never join (how to
+        start them)."""
         deadline = time.monotonic() + timeout
         missing = set(node_ranks)
         listener = self._listener
@@ -99,10 +100,7 @@ class NodeLinks:
             if remaining <= 0:
                 raise ExecutorError(
                     f"node rank(s) {sorted(missing)} did not join within startup_timeout="
-                    f"{timeout:g} s: on each of those machines run 'executor node --node-rank "
-                    f"N --master-addr HOST --master-port {listener.port}', where HOST is this "
-                    "machine's distributed_host as seen from there, with the same "
-                    "EXECUTOR_CHANNEL_SECRET (or EXECUTOR_CHANNEL_SECRET_FILE) as here"
+                    f"{timeout:g} s: {hint}"
                 )
             try:
                 message = listener.recv(min(remaining, 1.0))
@@ -118,16 +116,17 @@ class NodeLinks:
                 continue
             rank = int(info["node_rank"])
             missing.discard(rank)
-            node = RemoteNode(rank, str(info["hostname"]), int(info["pid"]), message.peer)
+            node = Member(rank, str(info["hostname"]), int(info["pid"]), message.peer)
             self.nodes.append(node)
             self._by_peer[message.peer] = node
         self.nodes.sort(key=lambda node: node.node_rank)
 
-    def send_spec(self, node: RemoteNode, spec: NodeSpec) -> None:
-        """Send a joined agent what it starts (before :meth:`start`)."""
-        node.node_id = spec.node_id
-        node.ranks = tuple(launch.rank for launch in spec.launches)
-        self._send_now(node.peer, [wire.SPEC, pickle.dumps(spec, protocol=5)])
+    def send_spec(self, member: Member, node_id: str, ranks: Sequence[int], spec: bytes) -> None:
+        """Send a joined member what it runs (before :meth:`start`): ``spec`` is the
+        backend's (pickled, say); ``ranks`` are the ranks whose replies it may send."""
+        member.node_id = node_id
+        member.ranks = tuple(ranks)
+        self._send_now(member.peer, [wire.SPEC, spec])
 
     def _send_now(self, peer: PeerId, parts: Sequence[bytes]) -> None:
         try:
@@ -228,7 +227,7 @@ class NodeLinks:
                         "or its machine is gone",
                     )
 
-    def _live(self) -> list[RemoteNode]:
+    def _live(self) -> list[Member]:
         return [node for node in self.nodes if not node.lost]
 
     def _flush(self) -> None:
@@ -238,7 +237,7 @@ class NodeLinks:
             for node in self._live():
                 self._send(node, message)
 
-    def _send(self, node: RemoteNode, parts: Sequence[bytes]) -> None:
+    def _send(self, node: Member, parts: Sequence[bytes]) -> None:
         try:
             self._listener.send(node.peer, parts, timeout=self._timeout)
         except ChannelError as exc:
@@ -282,7 +281,7 @@ class NodeLinks:
         if got_reply:
             self._reply_bell.ring()
 
-    def _lose(self, node: RemoteNode, why: str) -> None:
+    def _lose(self, node: Member, why: str) -> None:
         if node.lost or node.done:
             return
         node.lost = True
@@ -309,15 +308,15 @@ def _refusal(info: dict[str, Any], missing: set[int], version: str) -> str:
         return f"a malformed join request {info!r}"
     if info.get("version") != version:
         return (
-            f"node rank {rank} runs executor-plugin-multiproc {info.get('version')}, the "
-            f"driver {version}: install the same version on every node"
+            f"node rank {rank} runs version {info.get('version')}, the driver {version}: "
+            "install the same versions on every node"
         )
     if rank not in missing:
         return f"node rank {rank} is not expected or has joined already"
     return ""
 
 
-def _died_on(node: RemoteNode, info: dict[str, Any]) -> WorkerDiedError:
+def _died_on(node: Member, info: dict[str, Any]) -> WorkerDiedError:
     rank = info.get("rank")
     code = info.get("exitcode")
     detail = f"on node {node.node_id}"

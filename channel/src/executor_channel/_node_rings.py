@@ -1,0 +1,229 @@
+"""One node's rings: the writer's side (:class:`NodeRings`) and a worker's (:class:`WorkerRings`).
+
+A node's workers read every call from one broadcast ring and each answers through a reply
+ring of its own, all in one shared-memory segment, with eventfd doorbells both ways. The
+writer (the driver, or the agent of another node) makes them; a worker attaches with the
+descriptors it inherited or received.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from executor_core import WorkerError
+
+from ._codec import DecodeError, decode
+from ._doorbell import Doorbell
+from ._ring import Received, Ring, RingLayout
+from ._segment import SharedSegment
+from ._spin import Spinner
+
+__all__ = [
+    "NodeRings",
+    "Reply",
+    "RingSizes",
+    "SegmentLayout",
+    "WorkerFds",
+    "WorkerRings",
+    "decode_reply",
+]
+
+
+@attrs.frozen(kw_only=True)
+class RingSizes:
+    """How big a node's rings are, and how long their readers and writers spin."""
+
+    #: Slots in the broadcast ring.
+    slots: int
+    #: Bytes per broadcast slot (a bigger message streams through several).
+    slot_bytes: int
+    #: Slots in each worker's reply ring.
+    reply_slots: int
+    #: Bytes per reply slot.
+    reply_slot_bytes: int
+    #: Seconds a waiting reader or writer spins before it sleeps on a doorbell.
+    spin_s: float
+
+
+@attrs.frozen(kw_only=True)
+class WorkerFds:
+    """The descriptors of one worker's view of a node's rings."""
+
+    segment: int
+    #: This worker's call doorbell, and the shared "a call slot is free" doorbell.
+    call_bell: int
+    call_space_bell: int
+    #: The writer's reply doorbell, and this worker's "a reply slot is free" doorbell.
+    reply_bell: int
+    reply_space_bell: int
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (
+            self.segment,
+            self.call_bell,
+            self.call_space_bell,
+            self.reply_bell,
+            self.reply_space_bell,
+        )
+
+
+@attrs.frozen
+class SegmentLayout:
+    """The broadcast ring and one reply ring per worker, back to back in one segment."""
+
+    broadcast: RingLayout
+    replies: tuple[RingLayout, ...]
+
+    @property
+    def nbytes(self) -> int:
+        last = self.replies[-1]
+        return last.offset + last.nbytes
+
+    @classmethod
+    def build(
+        cls, workers: int, slots: int, slot_bytes: int, reply_slots: int, reply_slot_bytes: int
+    ) -> SegmentLayout:
+        broadcast = RingLayout(0, workers, slots, slot_bytes)
+        replies = []
+        offset = broadcast.nbytes
+        for _ in range(workers):
+            ring = RingLayout(offset, 1, reply_slots, reply_slot_bytes)
+            replies.append(ring)
+            offset += ring.nbytes
+        return cls(broadcast, tuple(replies))
+
+
+#: kind, seq, rank, ok, value (a RemoteFailure or a WorkerError when not ok)
+Reply = tuple[int, int, int, bool, Any]
+
+
+def decode_reply(view: Received) -> Reply:
+    """A reply frame; one whose body cannot be unpickled becomes that rank's WorkerError."""
+    try:
+        kind, ok, rank, seq, body = decode(view)
+    except DecodeError as exc:  # becomes this call's error; the executor goes on
+        error = WorkerError(
+            exc.rank,
+            "<reply>",
+            type(exc.cause).__name__,
+            f"the driver could not unpickle the reply of rank {exc.rank}: {exc.cause}",
+            "",
+            exc.cause,
+        )
+        return exc.kind, exc.seq, exc.rank, False, error
+    return kind, seq, rank, ok, body
+
+
+class NodeRings:
+    """The segment, rings and doorbells that feed one node's workers, as their writer (the
+    driver, or a node agent) holds them: a broadcast ring of calls that every worker reads,
+    and a reply ring per worker.
+
+    Every descriptor and the mapping are handed to ``add_cleanup`` as they are made, so they
+    are released (after the workers stopped and every reader left) whatever fails later.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        sizes: RingSizes,
+        add_cleanup: Callable[[Callable[[], None]], None],
+    ) -> None:
+        layout = SegmentLayout.build(
+            workers, sizes.slots, sizes.slot_bytes, sizes.reply_slots, sizes.reply_slot_bytes
+        )
+        self.layout = layout
+        segment = SharedSegment.create(layout.nbytes)
+        add_cleanup(segment.close)
+        self.segment = segment
+        # The calls' doorbells (one per worker: each blocks in a read on its own) and the
+        # "a call slot is free" one; the replies' doorbell and each worker's "a reply slot
+        # is free" one.
+        self.call_bells = [Doorbell(blocking=True) for _ in range(workers)]
+        self.call_space = Doorbell()
+        self.reply_bell = Doorbell(blocking=True)
+        self.reply_spaces = [Doorbell() for _ in range(workers)]
+        for bell in (*self.call_bells, self.call_space, self.reply_bell, *self.reply_spaces):
+            add_cleanup(bell.close)
+        spin = Spinner(sizes.spin_s)  # one budget for the writer's waits
+        self.spinner = spin
+        self.calls = Ring(
+            segment.buf,
+            layout.broadcast,
+            reader=None,
+            data_bells=self.call_bells,
+            space_bell=self.call_space,
+            spin=spin,
+        )
+        self.replies = [
+            Ring(
+                segment.buf,
+                ring,
+                reader=0,
+                data_bells=[self.reply_bell],
+                space_bell=self.reply_spaces[rank],
+                spin=spin,
+            )
+            for rank, ring in enumerate(layout.replies)
+        ]
+
+    def worker_fds(self, index: int) -> WorkerFds:
+        """The descriptors worker ``index`` needs (to inherit, or to receive over a Unix
+        socket): see :meth:`WorkerRings.attach`."""
+        return WorkerFds(
+            segment=self.segment.fd,
+            call_bell=self.call_bells[index].fd,
+            call_space_bell=self.call_space.fd,
+            reply_bell=self.reply_bell.fd,
+            reply_space_bell=self.reply_spaces[index].fd,
+        )
+
+    @property
+    def broken(self) -> bool:
+        """True if a transfer spanning several slots was interrupted half-way."""
+        return self.calls.broken or any(ring.broken for ring in self.replies)
+
+    def wake(self) -> None:
+        """Wake the driver's waits: for a reply, and for a free call slot."""
+        with contextlib.suppress(OSError):
+            self.reply_bell.ring()
+            self.call_space.ring()
+
+
+class WorkerRings:
+    """A worker's end of its node's rings: it reads calls and writes its replies."""
+
+    def __init__(self, segment: SharedSegment, calls: Ring, replies: Ring) -> None:
+        self.segment = segment
+        self.calls = calls
+        self.replies = replies
+
+    @classmethod
+    def attach(
+        cls, fds: WorkerFds, layout: SegmentLayout, index: int, spin_s: float
+    ) -> WorkerRings:
+        """Map the segment and wrap the doorbells given as ``fds`` (they now belong to the
+        returned object's process), as worker ``index`` of the node."""
+        segment = SharedSegment.attach(fds.segment, layout.nbytes)
+        spin = Spinner(spin_s)  # one budget for the process: contention is per machine
+        calls = Ring(
+            segment.buf,
+            layout.broadcast,
+            reader=index,
+            data_bells=[Doorbell(fds.call_bell, blocking=True)],
+            space_bell=Doorbell(fds.call_space_bell),
+            spin=spin,
+        )
+        replies = Ring(
+            segment.buf,
+            layout.replies[index],
+            reader=None,
+            data_bells=[Doorbell(fds.reply_bell)],
+            space_bell=Doorbell(fds.reply_space_bell),
+            spin=spin,
+        )
+        return cls(segment, calls, replies)

@@ -1,0 +1,59 @@
+"""A worker's side of a call: read it, run it through the core's wrapper, answer.
+
+:func:`serve_rings` is the loop of a worker fed by a node's rings (:mod:`._node_rings`);
+:func:`decode_call` and :func:`reply_frame` are its steps, for a worker fed otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from executor_core.backend import RemoteFailure, WorkerWrapper
+
+from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
+from ._ring import Received, Ring
+
+__all__ = ["decode_call", "reply_frame", "serve_rings"]
+
+
+def decode_call(view: Received) -> tuple[int, int, int | None, Any]:
+    """``(kind, seq, reply_rank, body)``; ``reply_rank`` is None for every rank (-1 on the
+    wire), and a body that cannot be unpickled is a RemoteFailure."""
+    try:
+        kind, _ok, reply_rank, seq, body = decode(view)
+    except DecodeError as exc:  # reported to the driver as this call's failure
+        failure = RemoteFailure.capture(-1, "<decode>", exc.cause)
+        return exc.kind, exc.seq, None, failure
+    return kind, seq, None if reply_rank < 0 else reply_rank, body
+
+
+def reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame:
+    try:
+        return encode(KIND_REPLY, ok, rank, seq, value)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result becomes the call's error
+        # The method's name is only needed here, so it is not worked out on every call.
+        name = method if isinstance(method, str) else "<callable>"
+        failure = RemoteFailure.capture(rank, name, exc)
+        return encode(KIND_REPLY, False, rank, seq, failure)
+
+
+def serve_rings(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None:
+    """Run calls from the broadcast ring until the stop message; answer as
+    :meth:`WorkerWrapper.handle` says (it knows which ranks answer)."""
+    read, write, handle = calls.read, replies.write, wrapper.handle
+    while True:
+        item = read(decode_call)
+        assert item is not None  # no deadline: read returns a message
+        kind, seq, reply_rank, body = item
+        if kind == KIND_STOP:
+            return
+        if isinstance(body, RemoteFailure):
+            failure = attrs.evolve(body, rank=rank)
+            write(*reply_frame(rank, seq, "<decode>", False, failure))
+            continue
+        method, args, kwargs = body
+        reply = handle(method, args, kwargs, reply_rank)
+        if reply is not None:
+            write(*reply_frame(rank, seq, method, *reply))

@@ -1,0 +1,45 @@
+"""The channel between machines, for a driver and its members on other nodes.
+
+:class:`Hub` is the driver's side: a listener that members join, a pump thread that carries
+calls out and replies in, heartbeats both ways. A member (a node agent, say) speaks the
+operations below over a :class:`~executor_channel.Connection`. Importing this module imports
+zmq.
+"""
+
+from __future__ import annotations
+
+from ._hub import STARTUP_SILENCE_S, Hub, Member
+from ._hub_protocol import (
+    BYE,
+    CALL,
+    DIED,
+    FAILED,
+    FRAME,
+    JOIN,
+    KILL,
+    PING,
+    READY,
+    REFUSED,
+    SPEC,
+    control,
+    read_control,
+)
+
+__all__ = [
+    "BYE",
+    "CALL",
+    "DIED",
+    "FAILED",
+    "FRAME",
+    "JOIN",
+    "KILL",
+    "PING",
+    "READY",
+    "REFUSED",
+    "SPEC",
+    "STARTUP_SILENCE_S",
+    "Hub",
+    "Member",
+    "control",
+    "read_control",
+]
