@@ -8,17 +8,15 @@ about a call (ordering, reply gathering, timeouts, failure) is the core's.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import socket
 import sys
-import time
 from typing import ClassVar
 
-from executor_channel.codec import KIND_READY, KIND_STOP, encode, encode_call
-from executor_channel.shm import Doorbell, NodeRings, Reply, RingAbortedError, decode_reply
-from executor_core import ConfigError, ExecutorError, ExecutorFailedError, WorkerDiedError
-from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
+from executor_channel.driver import ChannelDriver
+from executor_channel.shm import Doorbell, NodeRings
+from executor_core import ConfigError, ExecutorFailedError, WorkerDiedError
+from executor_core.backend import Call, Transport, TransportHost
 
 from ._group import WorkerGroup
 from ._local import WorkerLaunch, start_workers
@@ -32,11 +30,6 @@ if TYPE_CHECKING:
     from executor_channel.hub import Hub  # zmq: imported by multi-node executors only
 
 __all__ = ["MultiprocTransport"]
-
-_BROKEN = (
-    "a call was interrupted half-way through a transfer that spans several ring slots, so "
-    "the rings are out of step; shut this executor down and create a new one"
-)
 
 
 class MultiprocTransport(Transport):
@@ -53,15 +46,14 @@ class MultiprocTransport(Transport):
     def __init__(self, host: TransportHost) -> None:
         super().__init__(host)
         self._options: MultiprocOptions | None = None
-        self._channel: NodeRings | None = None
+        #: Carries calls and replies: this node's rings, and the hub of the other nodes.
+        self._driver: ChannelDriver | None = None
         self._group: WorkerGroup | None = None
-        #: The other nodes' agents (``num_nodes > 1``).
-        self._nodes: Hub | None = None
+        #: Ranks on this node (0 .. _local - 1).
+        self._local = 0
         #: A failure reported by another node before the executor was ready.
         self._start_error: ExecutorFailedError | None = None
         self._armed = False
-        #: Set by :meth:`interrupt`: blocked sends and polls return.
-        self._aborted = False
 
     # --- start-up ----------------------------------------------------------------------
 
@@ -72,12 +64,9 @@ class MultiprocTransport(Transport):
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
         check_devices(options, config.device, per_node, host.worker_env)
+        self._local = per_node
         channel = NodeRings(per_node, options.ring_sizes, host.add_cleanup)
-        self._channel = channel
-        self._calls_ring = channel.calls
-        self._reply_rings = channel.replies
-        self._reply_bell = channel.reply_bell
-        self._spinner = channel.spinner
+        self._driver = ChannelDriver(host, channel)
         nodes = None
         if config.num_nodes > 1:
             nodes = self._join_nodes(options, channel.reply_bell)
@@ -108,13 +97,13 @@ class MultiprocTransport(Transport):
                 ranks = range(first, first + per_node)
                 nodes.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
             nodes.start()
-            self._nodes = nodes
-        self._wait_until_ready(group, options.startup_timeout, config.world_size)
+            self._driver.hub = nodes
+        self._driver.wait_until_ready(
+            range(config.world_size), options.startup_timeout, self._check_start
+        )
         group.armed = True
         self._armed = True
-        if nodes is not None:
-            nodes.ready = True
-            nodes.wake()
+        self._driver.ready()
         # A worker may have died between its handshake and arming the monitor.
         for rank in range(per_node):
             code = group.exit_code(rank)
@@ -161,157 +150,33 @@ class MultiprocTransport(Transport):
         nodes.join(range(1, config.num_nodes), __version__, options.startup_timeout, hint)
         return nodes
 
-    def _wait_until_ready(self, group: WorkerGroup, timeout: float, world_size: int) -> None:
-        deadline = time.monotonic() + timeout
-        pending = set(range(world_size))
-        local = range(len(self._reply_rings))
-        inbox = self._nodes.inbox if self._nodes is not None else None
-        while True:
-            for rank in sorted(pending.intersection(local)):
-                ring = self._reply_rings[rank]
-                while ring.poll():
-                    reply = ring.read(decode_reply)
-                    if reply is not None:
-                        self._ready(reply, pending)
-            while inbox:
-                self._ready(inbox.popleft(), pending)
-            if not pending:
-                return
-            if self._start_error is not None:
-                raise self._start_error
-            for rank in sorted(pending.intersection(local)):
-                code = group.exit_code(rank)
-                if code is not None and not self._reply_rings[rank].poll():
-                    raise _died(rank, code, "during start-up; its stderr has the details")
-            now = time.monotonic()
-            if now >= deadline:
-                raise ExecutorError(
-                    f"worker rank(s) {sorted(pending)} did not finish init_device/load_model "
-                    f"within startup_timeout={timeout:g} s (backend_options)"
-                )
-            # Short naps: a worker that dies before its handshake rings no doorbell.
-            self._reply_bell.wait(min(deadline - now, 0.05))
+    def _check_start(self, pending: set[int]) -> None:
+        """Between waits for the ready frames: a local worker that died, or another node's
+        failure, ends the start."""
+        if self._start_error is not None:
+            raise self._start_error
+        group = self._group
+        assert group is not None
+        for rank in sorted(pending):
+            if rank >= self._local:
+                continue
+            code = group.exit_code(rank)
+            if code is not None and not self._channel_rings().replies[rank].poll():
+                raise _died(rank, code, "during start-up; its stderr has the details")
 
-    @staticmethod
-    def _ready(reply: Reply, pending: set[int]) -> None:
-        kind, _seq, rank, ok, value = reply
-        if kind != KIND_READY:
-            return
-        if not ok:
-            raise value.to_error() if isinstance(value, RemoteFailure) else value
-        pending.discard(rank)
+    def _channel_rings(self) -> NodeRings:
+        assert self._driver is not None
+        return self._driver.rings
 
     # --- calls -------------------------------------------------------------------------
 
     def send(self, call: Call) -> bool:
-        method = call.method
-        reply_rank = call.reply_rank
-        parts, nbytes = encode_call(
-            -1 if reply_rank is None else reply_rank,
-            call.seq,
-            method if type(method) is str else call.wire_method,
-            call.args,
-            call.kwargs,
-        )
-        try:
-            sent = self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
-            if sent and self._nodes is not None:  # only once every local rank has it
-                self._nodes.broadcast(parts)
-            return sent
-        except RingAbortedError:
-            raise self._closed_error() from None
-        except BaseException:
-            self._check_rings()
-            raise
-
-    def _while_sending(self) -> None:
-        """The call ring is full: stop if interrupted, else let replies flow (a worker blocked
-        on a full reply ring can then go on and free its call slot)."""
-        self._check_abort()
-        self.host.while_blocked()
+        assert self._driver is not None
+        return self._driver.send(call)
 
     def poll(self, timeout: float | None) -> None:
-        """Hand every reply ready on the rings to the core; if none was, wait for one (spin,
-        then the reply doorbell) up to ``timeout``. Often the replies are already there: one
-        look at each ring is the whole call."""
-        deliver = self.host.deliver
-        abort = self._check_abort
-        got = False
-        try:
-            for ring in self._reply_rings:
-                reply = ring.try_read(decode_reply, abort)
-                if reply is not None:
-                    deliver(reply[1], reply[2], reply[3], reply[4])
-                    got = True
-            if self._nodes is not None and self._deliver_remote():
-                got = True
-            if not got and (timeout is None or timeout > 0.0) and not self._aborted:
-                self._wait_and_read(timeout)
-        except RingAbortedError:
-            return
-        except BaseException:
-            self._check_rings()
-            raise
-
-    def _wait_and_read(self, timeout: float | None) -> None:
-        """Spin briefly, then sleep on the reply doorbell, until a reply is delivered, the
-        timeout passes or :meth:`interrupt` is called."""
-        rings = self._reply_rings
-        deliver = self.host.deliver
-        abort = self._check_abort
-        spinner = self._spinner
-        bell = self._reply_bell
-        now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        spin_until = spinner.start()
-        while True:
-            if now < spin_until and spinner.pause():
-                pass  # a reply is often only microseconds away
-            else:
-                spin_until = 0.0
-                # Replies and interrupt() ring this doorbell; a stale ring costs one look.
-                bell.wait(None if deadline is None else max(0.0, deadline - now))
-            got = False
-            for ring in rings:
-                reply = ring.try_read(decode_reply, abort)
-                if reply is not None:
-                    deliver(reply[1], reply[2], reply[3], reply[4])
-                    got = True
-            if self._nodes is not None and self._deliver_remote():
-                got = True
-            if got or self._aborted:
-                return
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return
-
-    def _deliver_remote(self) -> bool:
-        """Hand the replies that came from other nodes to the core; True if there were any."""
-        assert self._nodes is not None
-        inbox = self._nodes.inbox
-        deliver = self.host.deliver
-        got = False
-        while inbox:
-            _kind, seq, rank, ok, value = inbox.popleft()
-            deliver(seq, rank, ok, value)
-            got = True
-        return got
-
-    def _check_abort(self) -> None:
-        if self._aborted:
-            raise RingAbortedError("the executor failed or is closing")
-
-    def _closed_error(self) -> ExecutorError:
-        error = self.host.closed_error
-        if error is not None:
-            return error
-        return ExecutorError("the executor failed or is closing")
-
-    def _check_rings(self) -> None:
-        """After an interrupted send or read: fail the executor if a ring is mid-message."""
-        channel = self._channel
-        if channel is not None and channel.broken:
-            self.host.worker_died(ExecutorFailedError(_BROKEN))
+        assert self._driver is not None
+        self._driver.poll(timeout)
 
     # --- failure and stop ------------------------------------------------------------------
 
@@ -331,31 +196,20 @@ class MultiprocTransport(Transport):
         self.host.worker_died(error)
 
     def interrupt(self) -> None:
-        self._aborted = True
-        channel = self._channel
-        if channel is not None:
-            channel.wake()
+        if self._driver is not None:
+            self._driver.interrupt()
 
     def close(self, graceful: bool) -> None:
-        group, options = self._group, self._options
-        if group is None or options is None:
+        group, options, driver = self._group, self._options, self._driver
+        if group is None or options is None or driver is None:
             return  # start-up failed before any process was made
         group.closing = True
-        nodes = self._nodes
-        if graceful and group.armed and not self._aborted:
-            parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
-            deadline = time.monotonic() + options.shutdown_grace_s
-            sent = False
-            with contextlib.suppress(RingAbortedError):
-                sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
-            if sent and nodes is not None:
-                nodes.broadcast(parts)
+        if graceful and group.armed and not driver.aborted:
+            driver.send_stop(options.shutdown_grace_s)
             group.stop(options.shutdown_grace_s, options.shutdown_grace_s)
-            if nodes is not None:
-                nodes.stop(True, options.shutdown_grace_s)
+            driver.stop_hub(True, options.shutdown_grace_s)
         else:
-            if nodes is not None:
-                nodes.stop(False, 0.0)
+            driver.stop_hub(False, 0.0)
             group.kill_now()
 
 

@@ -1,0 +1,241 @@
+"""The driver's end of the channel, for any backend whose workers run out of process.
+
+:class:`ChannelDriver` carries a backend's calls and replies: each call is encoded once,
+written into the driver node's rings (its ranks there read it) and queued on the hub for the
+members on other machines; replies come from the reply rings and the hub's inbox. A backend's
+``Transport`` makes the rings and the hub, starts its workers however it does (processes,
+Ray actors), and hands ``send``, ``poll`` and ``interrupt`` to this object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from executor_core import ExecutorError, ExecutorFailedError
+from executor_core.backend import Call, RemoteFailure, TransportHost
+
+from ._codec import KIND_READY, KIND_STOP, encode, encode_call
+from ._node_rings import NodeRings, Reply, decode_reply
+from ._ring import RingAbortedError
+
+# Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._hub import Hub  # zmq: imported by multi-node executors only
+
+__all__ = ["ChannelDriver"]
+
+_BROKEN = (
+    "a call was interrupted half-way through a transfer that spans several ring slots, so "
+    "the rings are out of step; shut this executor down and create a new one"
+)
+
+
+class ChannelDriver:
+    """Sends calls to every rank and reads their replies: ``rings`` for the ranks on this
+    machine, ``hub`` (optional) for the ranks on others."""
+
+    def __init__(self, host: TransportHost, rings: NodeRings, hub: Hub | None = None) -> None:
+        self.host = host
+        self.rings = rings
+        self.hub = hub
+        self._calls_ring = rings.calls
+        self._reply_rings = rings.replies
+        self._reply_bell = rings.reply_bell
+        self._spinner = rings.spinner
+        #: Set by :meth:`interrupt`: blocked sends and polls return.
+        self.aborted = False
+
+    # --- start-up ----------------------------------------------------------------------------
+
+    def wait_until_ready(
+        self, ranks: Iterable[int], timeout: float, check: Callable[[set[int]], None]
+    ) -> None:
+        """Wait until every one of ``ranks`` has sent its ready frame; a failed one raises
+        its error. ``check(pending)`` runs between waits and raises if a pending rank can
+        no longer answer (its process died, say)."""
+        deadline = time.monotonic() + timeout
+        pending = set(ranks)
+        inbox = self.hub.inbox if self.hub is not None else None
+        while True:
+            for ring in self._reply_rings:
+                while ring.poll():
+                    reply = ring.read(decode_reply)
+                    if reply is not None:
+                        _ready(reply, pending)
+            while inbox:
+                _ready(inbox.popleft(), pending)
+            if not pending:
+                return
+            check(pending)
+            now = time.monotonic()
+            if now >= deadline:
+                raise ExecutorError(
+                    f"worker rank(s) {sorted(pending)} did not finish init_device/load_model "
+                    f"within startup_timeout={timeout:g} s (backend_options)"
+                )
+            # Short naps: a worker that dies before its handshake rings no doorbell.
+            self._reply_bell.wait(min(deadline - now, 0.05))
+
+    def ready(self) -> None:
+        """Every rank is ready: from now on the hub counts silences strictly."""
+        hub = self.hub
+        if hub is not None:
+            hub.ready = True
+            hub.wake()
+
+    # --- calls -------------------------------------------------------------------------------
+
+    def send(self, call: Call) -> bool:
+        """Encode ``call`` once; write it into the rings (waiting, up to the call's deadline,
+        for a free slot), then queue it for the other machines."""
+        method = call.method
+        reply_rank = call.reply_rank
+        parts, nbytes = encode_call(
+            -1 if reply_rank is None else reply_rank,
+            call.seq,
+            method if type(method) is str else call.wire_method,
+            call.args,
+            call.kwargs,
+        )
+        try:
+            sent = self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
+            if sent and self.hub is not None:  # only once every local rank has it
+                self.hub.broadcast(parts)
+            return sent
+        except RingAbortedError:
+            raise self._closed_error() from None
+        except BaseException:
+            self._check_rings()
+            raise
+
+    def _while_sending(self) -> None:
+        """The call ring is full: stop if interrupted, else let replies flow (a worker blocked
+        on a full reply ring can then go on and free its call slot)."""
+        self._check_abort()
+        self.host.while_blocked()
+
+    def poll(self, timeout: float | None) -> None:
+        """Hand every reply ready on the rings to the core; if none was, wait for one (spin,
+        then the reply doorbell) up to ``timeout``. Often the replies are already there: one
+        look at each ring is the whole call."""
+        deliver = self.host.deliver
+        abort = self._check_abort
+        got = False
+        try:
+            for ring in self._reply_rings:
+                reply = ring.try_read(decode_reply, abort)
+                if reply is not None:
+                    deliver(reply[1], reply[2], reply[3], reply[4])
+                    got = True
+            if self.hub is not None and self._deliver_remote():
+                got = True
+            if not got and (timeout is None or timeout > 0.0) and not self.aborted:
+                self._wait_and_read(timeout)
+        except RingAbortedError:
+            return
+        except BaseException:
+            self._check_rings()
+            raise
+
+    def _wait_and_read(self, timeout: float | None) -> None:
+        """Spin briefly, then sleep on the reply doorbell, until a reply is delivered, the
+        timeout passes or :meth:`interrupt` is called."""
+        rings = self._reply_rings
+        deliver = self.host.deliver
+        abort = self._check_abort
+        spinner = self._spinner
+        bell = self._reply_bell
+        remote = self.hub is not None
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        spin_until = spinner.start()
+        while True:
+            if now < spin_until and spinner.pause():
+                pass  # a reply is often only microseconds away
+            else:
+                spin_until = 0.0
+                # Replies, the hub and interrupt() ring this doorbell; a stale ring costs one
+                # look.
+                bell.wait(None if deadline is None else max(0.0, deadline - now))
+            got = False
+            for ring in rings:
+                reply = ring.try_read(decode_reply, abort)
+                if reply is not None:
+                    deliver(reply[1], reply[2], reply[3], reply[4])
+                    got = True
+            if remote and self._deliver_remote():
+                got = True
+            if got or self.aborted:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+
+    def _deliver_remote(self) -> bool:
+        """Hand the replies that came from other machines to the core; True if any came."""
+        assert self.hub is not None
+        inbox = self.hub.inbox
+        deliver = self.host.deliver
+        got = False
+        while inbox:
+            _kind, seq, rank, ok, value = inbox.popleft()
+            deliver(seq, rank, ok, value)
+            got = True
+        return got
+
+    def _check_abort(self) -> None:
+        if self.aborted:
+            raise RingAbortedError("the executor failed or is closing")
+
+    def _closed_error(self) -> ExecutorError:
+        error = self.host.closed_error
+        if error is not None:
+            return error
+        return ExecutorError("the executor failed or is closing")
+
+    def _check_rings(self) -> None:
+        """After an interrupted send or read: fail the executor if a ring is mid-message."""
+        if self.rings.broken:
+            self.host.worker_died(ExecutorFailedError(_BROKEN))
+
+    # --- failure and stop --------------------------------------------------------------------
+
+    def interrupt(self) -> None:
+        """The executor failed or is closing: wake every blocked send and poll."""
+        self.aborted = True
+        self.rings.wake()
+
+    def send_stop(self, grace_s: float) -> bool:
+        """Send every rank the stop message (waiting at most ``grace_s`` for a free slot);
+        False if it could not be sent."""
+        parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
+        deadline = time.monotonic() + grace_s
+        sent = False
+        with contextlib.suppress(RingAbortedError):
+            sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
+        if sent and self.hub is not None:
+            self.hub.broadcast(parts)
+        return sent
+
+    def stop_hub(self, graceful: bool, grace_s: float) -> None:
+        """Stop the hub: gracefully once every member's workers stopped (at most
+        ``grace_s``), else at once."""
+        if self.hub is not None:
+            self.hub.stop(graceful, grace_s)
+
+
+def _ready(reply: Reply, pending: set[int]) -> None:
+    kind, _seq, rank, ok, value = reply
+    if kind != KIND_READY:
+        return
+    if not ok:
+        raise _error_of(value)
+    pending.discard(rank)
+
+
+def _error_of(value: Any) -> BaseException:
+    return value.to_error() if isinstance(value, RemoteFailure) else value
