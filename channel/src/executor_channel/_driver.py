@@ -18,8 +18,10 @@ from executor_core import ExecutorError, ExecutorFailedError
 from executor_core.backend import Call, RemoteFailure, TransportHost
 
 from ._codec import KIND_READY, KIND_STOP, encode, encode_call
+from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
-from ._ring import RingAbortedError
+from ._ring import Ring, RingAbortedError
+from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
 TYPE_CHECKING = False
@@ -38,14 +40,28 @@ class ChannelDriver:
     """Sends calls to every rank and reads their replies: ``rings`` for the ranks on this
     machine, ``hub`` (optional) for the ranks on others."""
 
-    def __init__(self, host: TransportHost, rings: NodeRings, hub: Hub | None = None) -> None:
+    def __init__(
+        self,
+        host: TransportHost,
+        rings: NodeRings | None,
+        hub: Hub | None = None,
+        reply_bell: Doorbell | None = None,
+    ) -> None:
         self.host = host
         self.rings = rings
         self.hub = hub
-        self._calls_ring = rings.calls
-        self._reply_rings = rings.replies
-        self._reply_bell = rings.reply_bell
-        self._spinner = rings.spinner
+        if rings is not None:
+            self._calls_ring: Ring | None = rings.calls
+            self._reply_rings = rings.replies
+            self._reply_bell = rings.reply_bell
+            self._spinner = rings.spinner
+        else:  # no rank on this machine: the hub's doorbell wakes the driver
+            if reply_bell is None:
+                raise ValueError("without rings, give the reply_bell the hub rings")
+            self._calls_ring = None
+            self._reply_rings = []
+            self._reply_bell = reply_bell
+            self._spinner = Spinner(0.0)
         #: Set by :meth:`interrupt`: blocked sends and polls return.
         self.aborted = False
 
@@ -101,8 +117,11 @@ class ChannelDriver:
             call.args,
             call.kwargs,
         )
+        ring = self._calls_ring
         try:
-            sent = self._calls_ring.write(parts, nbytes, call.deadline, self._while_sending)
+            sent = True
+            if ring is not None:
+                sent = ring.write(parts, nbytes, call.deadline, self._while_sending)
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)
             return sent
@@ -199,7 +218,7 @@ class ChannelDriver:
 
     def _check_rings(self) -> None:
         """After an interrupted send or read: fail the executor if a ring is mid-message."""
-        if self.rings.broken:
+        if self.rings is not None and self.rings.broken:
             self.host.worker_died(ExecutorFailedError(_BROKEN))
 
     # --- failure and stop --------------------------------------------------------------------
@@ -207,16 +226,21 @@ class ChannelDriver:
     def interrupt(self) -> None:
         """The executor failed or is closing: wake every blocked send and poll."""
         self.aborted = True
-        self.rings.wake()
+        if self.rings is not None:
+            self.rings.wake()
+        else:
+            with contextlib.suppress(OSError):
+                self._reply_bell.ring()
 
     def send_stop(self, grace_s: float) -> bool:
         """Send every rank the stop message (waiting at most ``grace_s`` for a free slot);
         False if it could not be sent."""
         parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
         deadline = time.monotonic() + grace_s
-        sent = False
+        sent = self._calls_ring is None
         with contextlib.suppress(RingAbortedError):
-            sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
+            if self._calls_ring is not None:
+                sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
         if sent and self.hub is not None:
             self.hub.broadcast(parts)
         return sent

@@ -6,16 +6,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from executor_core.backend import RemoteFailure, WorkerWrapper
+from executor_core.backend import RemoteFailure
 
 from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
 from ._ring import Received, Ring
 
-__all__ = ["decode_call", "reply_frame", "serve_rings"]
+__all__ = ["Handler", "decode_call", "reply_frame", "serve_rings"]
+
+#: ``handle(method, args, kwargs, reply_rank)``: None if this rank does not answer, else
+#: ``(ok, value)``, as :meth:`WorkerWrapper.handle <executor_core.backend.WorkerWrapper.handle>`.
+Handler = Callable[[Any, Any, Any, "int | None"], "tuple[bool, Any] | None"]
 
 
 def decode_call(view: Received) -> tuple[int, int, int | None, Any]:
@@ -39,10 +44,11 @@ def reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame
         return encode(KIND_REPLY, False, rank, seq, failure)
 
 
-def serve_rings(wrapper: WorkerWrapper, calls: Ring, replies: Ring, rank: int) -> None:
-    """Run calls from the broadcast ring until the stop message; answer as
-    :meth:`WorkerWrapper.handle` says (it knows which ranks answer)."""
-    read, write, handle = calls.read, replies.write, wrapper.handle
+def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
+    """Run calls from the broadcast ring until the stop message; answer as ``handle`` says
+    (:meth:`WorkerWrapper.handle <executor_core.backend.WorkerWrapper.handle>`, or a
+    function with its signature: it knows which ranks answer)."""
+    read, write = calls.read, replies.write
     while True:
         item = read(decode_call)
         assert item is not None  # no deadline: read returns a message

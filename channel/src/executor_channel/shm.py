@@ -23,13 +23,14 @@ from ._node_rings import (
 )
 from ._ring import MAX_SLEEP_S, Received, Ring, RingAbortedError, RingLayout
 from ._segment import SHM_DIR, SharedSegment, check_free_space
-from ._serve import decode_call, reply_frame, serve_rings
+from ._serve import Handler, decode_call, reply_frame, serve_rings
 from ._spin import Spinner
 
 __all__ = [
     "MAX_SLEEP_S",
     "SHM_DIR",
     "Doorbell",
+    "Handler",
     "NodeRings",
     "Received",
     "Reply",

@@ -157,6 +157,6 @@ def worker_main(spec: WorkerSpec) -> None:
         sys.exit(1)
     replies.write(*encode(KIND_READY, True, rank, 0, os.getpid()))
     try:
-        serve_rings(wrapper, calls, replies, rank)
+        serve_rings(wrapper.handle, calls, replies, rank)
     finally:
         wrapper.shutdown()

@@ -166,6 +166,7 @@ class MultiprocTransport(Transport):
 
     def _channel_rings(self) -> NodeRings:
         assert self._driver is not None
+        assert self._driver.rings is not None  # the driver's node always runs ranks
         return self._driver.rings
 
     # --- calls -------------------------------------------------------------------------
