@@ -86,6 +86,11 @@ class Hub:
         self.ready = False
         self._thread: threading.Thread | None = None
 
+    @property
+    def reply_bell(self) -> Doorbell:
+        """The doorbell rung when replies wait in :attr:`inbox`."""
+        return self._reply_bell
+
     # --- start-up (the starting thread owns the listener until start()) ------------------
 
     def join(self, node_ranks: Sequence[int], version: str, timeout: float, hint: str) -> None:

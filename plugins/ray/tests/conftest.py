@@ -136,7 +136,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     on_cluster = [
         item
         for item in items
-        if os.path.dirname(item.path) == here and "ray_cluster" in getattr(item, "fixturenames", ())
+        if os.path.dirname(item.path) == here
+        and any(name.startswith("ray_cluster") for name in getattr(item, "fixturenames", ()))
     ]
     if not on_cluster:
         return
@@ -164,6 +165,12 @@ def ray_local(ray_sessions: RaySessions) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster(ray_sessions: RaySessions) -> Cluster:
     """The shared simulated two-node cluster."""
+    return ray_sessions.cluster()
+
+
+@pytest.fixture(scope="class")
+def ray_cluster_for_class(ray_sessions: RaySessions) -> Cluster:
+    """The shared simulated cluster, for a class-wide executor (the conformance kit)."""
     return ray_sessions.cluster()
 
 

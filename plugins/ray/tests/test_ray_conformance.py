@@ -1,12 +1,13 @@
-"""The Ray backend runs the core's whole conformance kit on each of its call paths: tp2 with
-calls on the executor's direct sockets (the default on one node), tp2 with Ray actor calls
-(as across nodes), and tp1 x pp2 with execute_model through a Ray Compiled Graph."""
+"""The Ray backend runs the core's whole conformance kit on both halves of the channel: tp2
+and tp1 x pp2 with the workers on the driver's node (shared-memory rings), and tp2 on a
+simulated cluster with the workers on the other nodes (the authenticated hub)."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 import pytest
+from ray.cluster_utils import Cluster
 
 from executor_core import Executor, create_executor
 from executor_core.backend import Registry
@@ -18,39 +19,58 @@ class _RayKit(ExecutorConformanceTests):
     backend = "ray"
     world_size = 2
     #: The process's Ray connection outlives each executor (the tests share one session) and
-    #: opens sockets of its own on first use; test_ray_direct checks the executor's own
-    #: descriptors instead.
+    #: opens sockets of its own on first use, so descriptors are not the executor's alone.
     check_fds = False
-    #: Whether the executors of the class use the direct sockets.
-    direct_calls: ClassVar[bool] = True
     #: Ray starts and stops actors in seconds.
     time_limit_s = 120.0
+    #: Whether the workers of the class's executors are on the driver's node.
+    on_rings: ClassVar[bool] = True
 
+    @classmethod
+    def _check(cls, executor: Executor) -> Executor:
+        assert isinstance(executor, RayExecutor)
+        ranks = tuple(range(executor.world_size))
+        assert executor.ranks_on_rings == (ranks if cls.on_rings else ())
+        assert executor.ranks_on_hub == (() if cls.on_rings else ranks)
+        return executor
+
+
+class _LocalKit(_RayKit):
     @pytest.fixture(scope="class")
     @classmethod
     def executor_factory(cls, ray_local: None) -> ExecutorFactory:
         def make(registry: Registry | None = None, **overrides: Any) -> Executor:
-            executor = create_executor(cls.make_config(**overrides), registry)
-            assert isinstance(executor, RayExecutor)
-            assert executor.uses_direct_calls == cls.direct_calls
-            return executor
+            return cls._check(create_executor(cls.make_config(**overrides), registry))
 
         return make
 
 
-class TestRayConformance(_RayKit):
-    """Direct calls (the default on one node)."""
+class TestRayConformance(_LocalKit):
+    """Two tensor-parallel workers on the driver's node."""
 
 
-class TestRayActorCallConformance(_RayKit):
-    """Ray actor calls, as for workers on other nodes."""
-
-    backend_options: ClassVar[dict[str, Any]] = {"direct_calls": False}
-    direct_calls = False
-
-
-class TestRayPipelineConformance(_RayKit):
-    """tp1 x pp2, execute_model through a Ray Compiled Graph."""
+class TestRayPipelineConformance(_LocalKit):
+    """tp1 x pp2 on the driver's node."""
 
     pipeline_parallel_size = 2
-    backend_options: ClassVar[dict[str, Any]] = {"compiled_graph": True}
+
+
+class TestRayClusterConformance(_RayKit):
+    """Two workers on the other nodes of a simulated cluster: every call crosses the hub."""
+
+    on_rings = False
+    backend_options: ClassVar[dict[str, Any]] = {
+        "placement_strategy": "SPREAD",
+        # The cluster's worker nodes have one CPU each, and the kit runs several executors
+        # at once.
+        "num_cpus_per_worker": 0.1,
+        "log_to_driver": False,
+    }
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def executor_factory(cls, ray_cluster_for_class: Cluster) -> ExecutorFactory:
+        def make(registry: Registry | None = None, **overrides: Any) -> Executor:
+            return cls._check(create_executor(cls.make_config(**overrides), registry))
+
+        return make

@@ -1,4 +1,4 @@
-"""Single-node behaviour on the shared local Ray instance: placement, compiled graph, failures."""
+"""Single-node behaviour on the shared local Ray instance: placement, the channel, failures."""
 
 from __future__ import annotations
 
@@ -17,13 +17,10 @@ import ray
 
 from executor_core import (
     ExecutorFailedError,
-    RPCTimeoutError,
     WorkerDiedError,
-    WorkerError,
     create_executor,
 )
 from executor_core.testing import conformance_config
-from executor_plugin_ray._compiled import max_inflight_steps
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._placement import PlacementTimeoutError
 
@@ -34,13 +31,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def make(**overrides: Any) -> RayExecutor:
-    # Actor output is not forwarded, to keep the test log readable. The compiled graph is
-    # on unless a test turns it off: most tests here are about that path.
-    options = {
-        "log_to_driver": False,
-        "compiled_graph": True,
-        **overrides.pop("backend_options", {}),
-    }
+    # Actor output is not forwarded, to keep the test log readable.
+    options = {"log_to_driver": False, **overrides.pop("backend_options", {})}
     executor = create_executor(
         conformance_config("ray", world_size=2, backend_options=options, **overrides)
     )
@@ -80,140 +72,7 @@ def test_workers_know_their_node(shared: RayExecutor) -> None:
     assert contexts[0].distributed_init_method.startswith("tcp://127.0.0.1:")
 
 
-def _record_steps(worker: Any) -> None:
-    worker.execute_model = lambda batch: worker.record(batch)
-
-
-def test_compiled_graph_and_actor_calls_keep_submission_order(shared: RayExecutor) -> None:
-    assert shared.uses_compiled_graph
-    shared.collective_rpc("clear_recorded")
-    shared.collective_rpc(_record_steps)
-    try:
-        futures = [shared.execute_model(i, non_block=True) for i in range(6)]
-        # Submitted while the steps may still run: must see all of them, in order.
-        assert shared.collective_rpc("get_recorded") == [list(range(6))] * 2
-        assert [f.result(timeout=30) for f in futures] == list(range(1, 7))
-        more = shared.collective_rpc("record", args=("rpc",), non_block=True)
-        assert shared.execute_model("step") == 8
-        assert more.result(timeout=30) == [7, 7]
-    finally:
-        shared.collective_rpc(lambda w: w.__dict__.pop("execute_model", None))
-
-
-def _fail_steps_on_last_rank(worker: Any) -> None:
-    def execute_model(batch: Any) -> Any:
-        if worker.rank == worker.world_size - 1:
-            raise KeyError(f"bad batch {batch!r}")
-        return batch
-
-    worker.execute_model = execute_model
-
-
-def test_compiled_graph_worker_error_keeps_executor_usable(shared: RayExecutor) -> None:
-    shared.collective_rpc(_fail_steps_on_last_rank)
-    try:
-        with pytest.raises(WorkerError) as info:
-            shared.execute_model("x")
-        assert info.value.rank == 1
-        assert info.value.exc_type == "KeyError"
-        assert "bad batch" in info.value.remote_traceback
-    finally:
-        shared.collective_rpc(lambda w: w.__dict__.pop("execute_model", None))
-    assert shared.execute_model("y") == {"rank": 0, "batch": "y"}
-
-
-def _cpu_seconds_over(pids: list[int], wall_s: float) -> float:
-    """CPU seconds the processes ``pids`` used (all threads) during ``wall_s`` of waiting."""
-    procs = [psutil.Process(pid) for pid in pids]
-
-    def used() -> float:
-        return sum(sum(proc.cpu_times()[:2]) for proc in procs)
-
-    before = used()
-    time.sleep(wall_s)
-    return used() - before
-
-
-def test_release_compiled_graph_stops_the_polling_loops_until_the_next_step(
-    shared: RayExecutor,
-) -> None:
-    assert shared.execute_model("a") == {"rank": 0, "batch": "a"}
-    assert shared.compiled_graph_live
-    pids = [placement.pid for placement in shared.placements]
-    polling = _cpu_seconds_over(pids, 1.0)
-    assert shared.release_compiled_graph() is True
-    assert not shared.compiled_graph_live
-    assert shared.release_compiled_graph() is False
-    idle = _cpu_seconds_over(pids, 1.0)
-    # Live, Ray's loops poll on both workers (each takes a large part of a core); released,
-    # the workers wait without using the CPU.
-    assert polling > 0.3, f"the live graph's loops used {polling:.3f} CPU s in 1 s"
-    assert idle < 0.1, f"the released workers used {idle:.3f} CPU s in 1 s"
-    assert shared.execute_model("b") == {"rank": 0, "batch": "b"}  # compiles again
-    assert shared.compiled_graph_live
-    assert shared.collective_rpc("get_rank") == [0, 1]
-
-
-def test_release_compiled_graph_waits_for_steps_in_flight_and_sleep_releases(
-    shared: RayExecutor,
-) -> None:
-    shared.collective_rpc(_slow_steps)
-    try:
-        steps = [shared.execute_model(0.3, non_block=True) for _ in range(2)]
-        assert shared.release_compiled_graph() is True
-        assert [step.result(timeout=0) for step in steps] == [{"slept": 0.3}] * 2
-    finally:
-        shared.collective_rpc(lambda w: w.__dict__.pop("execute_model", None))
-    assert shared.execute_model("c") == {"rank": 0, "batch": "c"}
-    shared.sleep()
-    assert not shared.compiled_graph_live
-    shared.wake_up()
-    assert shared.execute_model("d") == {"rank": 0, "batch": "d"}
-    assert shared.compiled_graph_live
-
-
-def _slow_steps(worker: Any) -> None:
-    import time
-
-    def execute_model(batch: Any) -> Any:
-        time.sleep(batch)
-        return {"slept": batch}
-
-    worker.execute_model = execute_model
-
-
-def test_compiled_graph_timeout_names_the_output_rank_and_recovers() -> None:
-    executor = make(rpc_timeout=0.5)
-    try:
-        executor.collective_rpc(_slow_steps)
-        assert executor.execute_model(0) == {"slept": 0}
-        start = time.monotonic()
-        with pytest.raises(RPCTimeoutError) as info:
-            executor.execute_model(2.0)
-        assert time.monotonic() - start < 1.9
-        assert info.value.method == "execute_model"
-        # The core names the ranks whose answer was awaited: execute_model's is the output
-        # rank's alone.
-        assert list(info.value.ranks) == [executor.output_rank]
-        time.sleep(1.6)  # let the late step finish; its result is dropped
-        assert executor.execute_model(0.01) == {"slept": 0.01}
-    finally:
-        executor.shutdown()
-
-
-def test_more_steps_in_flight_than_the_graph_holds_wait_for_a_slot() -> None:
-    executor = make()  # no rpc_timeout: a step waits for a free slot as long as it takes
-    try:
-        executor.collective_rpc(_slow_steps)
-        steps = max_inflight_steps() + 8
-        futures = [executor.execute_model(0.01, non_block=True) for _ in range(steps)]
-        assert [f.result(timeout=60) for f in futures] == [{"slept": 0.01}] * steps
-    finally:
-        executor.shutdown()
-
-
-def test_actor_path_by_default_and_idle_workers_use_no_cpu() -> None:
-    # The defaults, but for the log: execute_model as actor calls, so that nothing spins.
+def test_calls_on_the_rings_and_idle_workers_use_no_cpu() -> None:
     executor = create_executor(
         conformance_config(
             "ray", world_size=2, pipeline_parallel_size=2, backend_options={"log_to_driver": False}
@@ -221,7 +80,8 @@ def test_actor_path_by_default_and_idle_workers_use_no_cpu() -> None:
     )
     assert isinstance(executor, RayExecutor)
     try:
-        assert not executor.uses_compiled_graph
+        assert executor.ranks_on_rings == (0, 1)
+        assert executor.ranks_on_hub == ()
         assert executor.execute_model([7]) == {"rank": 1, "batch": [7]}
         futures = [executor.execute_model(i, non_block=True) for i in range(3)]
         assert [f.result(timeout=30)["batch"] for f in futures] == [0, 1, 2]
@@ -305,29 +165,17 @@ def _kill_during(executor: RayExecutor, pending: Future[Any]) -> WorkerDiedError
     return err
 
 
-@pytest.mark.parametrize("direct_calls", [True, False], ids=["direct", "actor-calls"])
-def test_killing_an_actor_during_a_call_fails_it_with_rank_and_node(direct_calls: bool) -> None:
-    executor = make(backend_options={"compiled_graph": False, "direct_calls": direct_calls})
-    assert executor.uses_direct_calls == direct_calls
+def test_killing_an_actor_during_a_call_fails_it_with_rank_and_node() -> None:
+    executor = make()
     try:
         _kill_during(executor, executor.collective_rpc("slow", args=(60.0,), non_block=True))
     finally:
         executor.shutdown()
 
 
-def test_killing_an_actor_during_a_compiled_step() -> None:
-    executor = make()
-    try:
-        executor.collective_rpc(_slow_steps)
-        assert executor.execute_model(0) == {"slept": 0}
-        _kill_during(executor, executor.execute_model(60.0, non_block=True))
-    finally:
-        executor.shutdown()
-
-
 def test_shutdown_removes_actors_and_placement_group() -> None:
     executor = make()
-    executor.execute_model(1)  # build the compiled graph, so that teardown is exercised
+    executor.execute_model(1)
     pids = [p.pid for p in executor.placements]
     groups_before = _live_groups()
     executor.shutdown()

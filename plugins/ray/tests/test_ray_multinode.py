@@ -49,8 +49,8 @@ def test_spread_puts_workers_on_different_nodes(ray_cluster: Cluster) -> None:
         contexts = executor.collective_rpc("get_context")
         assert [ctx.node_id for ctx in contexts] == [p.node_id for p in placements]
         assert executor.collective_rpc(_node_of) == [p.node_id for p in placements]
-        # Workers on other nodes than the driver's: calls go as Ray actor tasks.
-        assert not executor.uses_direct_calls
+        # Workers on other nodes than the driver's: calls go through the hub.
+        assert executor.ranks_on_hub == (0, 1)
         assert [(ctx.local_rank, ctx.local_world_size) for ctx in contexts] == [(0, 1), (0, 1)]
         # Two nodes: the rendezvous is on rank 0's node address, not loopback.
         init = contexts[0].distributed_init_method
@@ -73,12 +73,12 @@ def test_strict_pack_that_cannot_fit_times_out_clearly(ray_cluster: Cluster) -> 
         assert node.node_id[:12] in text
 
 
-def test_direct_calls_across_nodes_when_turned_on(ray_cluster: Cluster) -> None:
-    executor = make(placement_strategy="SPREAD", direct_calls_across_nodes=True)
+def test_calls_across_nodes_go_through_the_hub(ray_cluster: Cluster) -> None:
+    executor = make(placement_strategy="SPREAD")
     try:
         placements = executor.placements
         assert len({p.node_id for p in placements}) == 2  # neither on the driver's (head) node
-        assert executor.uses_direct_calls  # over TCP at each worker's node IP
+        assert executor.ranks_on_hub == (0, 1)  # over TCP, authenticated
         assert executor.collective_rpc(_node_of) == [p.node_id for p in placements]
         assert executor.collective_rpc("echo", args=(b"x" * 1000,)) == [
             (rank, (b"x" * 1000,), {}) for rank in (0, 1)
@@ -91,13 +91,9 @@ def test_direct_calls_across_nodes_when_turned_on(ray_cluster: Cluster) -> None:
         executor.shutdown()
 
 
-@pytest.mark.parametrize("across_nodes", [False, True], ids=["actor-calls", "direct-tcp"])
-def test_removing_a_node_during_a_call_fails_it_with_that_rank(
-    ray_cluster: Cluster, across_nodes: bool
-) -> None:
-    executor = make(placement_strategy="SPREAD", direct_calls_across_nodes=across_nodes)
+def test_removing_a_node_during_a_call_fails_it_with_that_rank(ray_cluster: Cluster) -> None:
+    executor = make(placement_strategy="SPREAD")
     try:
-        assert executor.uses_direct_calls == across_nodes
         victim = executor.placements[1]
         [node] = [n for n in ray_cluster.worker_nodes if n.node_id == victim.node_id]
         pending = executor.collective_rpc("slow", args=(60.0,), non_block=True)

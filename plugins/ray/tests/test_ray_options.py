@@ -42,10 +42,9 @@ def test_defaults() -> None:
     options = RayOptions.from_backend_options({})
     assert options.placement_strategy == "PACK"
     assert options.num_cpus_per_worker == 1.0
-    assert options.compiled_graph is False  # opt-in: Ray's graph channels busy-wait
     assert options.address is None
-    assert options.direct_calls is True  # on one node: a Unix socket, loopback only
-    assert options.direct_calls_across_nodes is False  # it would open a port on each node
+    assert options.node_timeout_s == 1.0
+    assert options.ring_sizes.slot_bytes == 16 << 20
 
 
 @pytest.mark.parametrize(
@@ -57,8 +56,8 @@ def test_defaults() -> None:
         ({"num_cpus_per_worker": -1}, "num_cpus_per_worker"),
         ({"resources_per_worker": {"GPU": 1}}, "device"),
         ({"resources_per_worker": {"accel": "one"}}, "number"),
-        ({"compiled_graph": "yes"}, "True or False"),
-        ({"direct_calls_across_nodes": 1}, "True or False"),
+        ({"log_to_driver": "yes"}, "True or False"),
+        ({"slot_bytes": 100}, "integer >= 4096"),
         ({"address": ""}, "non-empty"),
     ],
 )

@@ -7,34 +7,40 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import ray
 
+from executor_channel.codec import KIND_READY, encode
+from executor_channel.shm import SegmentLayout, WorkerRings, serve_rings
 from executor_core.backend import RemoteFailure, WorkerWrapper, find_free_port
 
-from ._direct import Address, DirectServer
-from ._encoding import Failed, decode_call, encode_reply, reply_of
-from ._lifeline import ActorLifeline, hold
+from ._lifeline import ActorLifeline, Address, hold
 from ._ranks import ActorInfo
 
-__all__ = ["MONITOR_GROUP", "RayWorker", "RayWorkerActor", "WireCall"]
+__all__ = ["MONITOR_GROUP", "Failed", "RayWorker", "RayWorkerActor"]
 
 #: The actor's second thread: the liveness watch, so that it answers while the worker is
 #: busy in a long call.
 MONITOR_GROUP = "executor_monitor"
 
-#: What :meth:`RayWorker.execute` takes: ``[method, args, kwargs, unique_reply_rank,
-#: lifted_positions]``, pickled to bytes by :func:`~._encoding.pack` or, when Ray's serializer
-#: carries it, as a list (not a tuple: Ray encodes lists with msgpack but pickles tuples,
-#: about 7 µs more per message). ``args[i]`` for each lifted position arrives as an argument
-#: of the Ray call of its own (large buffers; see :func:`~._encoding.encode_call`).
-WireCall = list[Any]
+#: Seconds a worker on the driver's node waits for the driver's rings (they are offered by
+#: then: the driver serves the handoff while this call runs).
+_ATTACH_S = 60.0
+
+
+@attrs.frozen
+class Failed:
+    """A worker's failure as the reply of a start-up step."""
+
+    failure: RemoteFailure
 
 
 class RayWorker:
-    """One rank. Calls run one at a time (a lock), whether they come as actor tasks, on the
-    direct socket's thread, or through a compiled graph's loop, which Ray runs on another
-    thread of the actor. The core's :class:`~executor_core.backend.WorkerWrapper` runs each
-    call and decides whether this rank answers."""
+    """One rank. Ray calls its start-up steps and its shutdown; the calls of the executor come
+    through the channel, on a thread of their own (the driver's rings on its node, the hub
+    elsewhere). One at a time (a lock); the core's
+    :class:`~executor_core.backend.WorkerWrapper` runs each call and decides whether this rank
+    answers."""
 
     def __init__(self) -> None:
         self._wrapper: WorkerWrapper | None = None
@@ -42,8 +48,9 @@ class RayWorker:
         self._output_rank = -1
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._direct: DirectServer | None = None
         self._lifeline: ActorLifeline | None = None
+        self._rings: WorkerRings | None = None
+        self._member: Any = None  # a MemberServer, for a worker on another node
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -76,13 +83,6 @@ class RayWorker:
                 return Failed(RemoteFailure.capture(context.rank, "init_worker", exc))
         return None
 
-    def prepare_compiled(self) -> None:
-        """Import what a compiled graph's loop imports (Ray's graph code, and torch when it is
-        installed: seconds), so that the first step does not pay for it inside its timeout."""
-        from ray.experimental.channel.common import ChannelContext
-
-        _ = ChannelContext.get_current().torch_available
-
     def hold_lifeline(self, address: Address, key: bytes, timeout_s: float) -> str | None:
         """Connect to the driver's lifeline (see ``_lifeline``): from now on this process
         exits as soon as the driver's process is gone. None, or why it could not."""
@@ -92,40 +92,60 @@ class RayWorker:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def open_channel(self, authkey: bytes, host: str | None = None) -> Address:
-        """Listen for the driver's direct calls (see ``_direct``): on an abstract Unix socket,
-        or on TCP at ``host`` (this node's IP) for a driver on another node. The address."""
-        self._direct = DirectServer(authkey, self._execute_direct, host)
-        return self._direct.address
+    def attach_rings(
+        self, address: str, key: bytes, index: int, layout: SegmentLayout, spin_s: float
+    ) -> Failed | None:
+        """Attach to the driver's rings as worker ``index`` of its node (the descriptors come
+        over the Unix socket ``address``, to a holder of ``key``), say ready on them and
+        serve calls from them on a thread of their own. None, or why it could not."""
+        from executor_channel.handoff import receive_fds  # the driver's node only
+
+        try:
+            fds = receive_fds(address, key, index, _ATTACH_S)
+            rings = WorkerRings.attach(fds, layout, index, spin_s)
+        except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
+            return Failed(RemoteFailure.capture(self._rank, "attach_rings", exc))
+        self._rings = rings
+        rings.replies.write(*encode(KIND_READY, True, self._rank, 0, os.getpid()))
+        thread = threading.Thread(
+            target=serve_rings,
+            args=(self._handle, rings.calls, rings.replies, self._rank),
+            name="executor-ray-calls",
+            daemon=True,
+        )
+        thread.start()
+        return None
+
+    def join_hub(
+        self,
+        address: str,
+        key: bytes,
+        rank: int,
+        version: str,
+        node_timeout_s: float,
+        join_timeout: float,
+    ) -> Failed | None:
+        """Join the driver's hub at ``address`` (another node's driver) as the member for
+        this rank, authenticated with ``key``, and serve its calls. None, or why it could
+        not."""
+        from executor_channel import Secret  # zmq: workers on other nodes only
+        from executor_channel.member import MemberServer
+
+        try:
+            self._member = MemberServer(
+                address,
+                Secret(key),
+                rank,
+                self._handle,
+                version=version,
+                node_timeout_s=node_timeout_s,
+                join_timeout=join_timeout,
+            )
+        except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
+            return Failed(RemoteFailure.capture(self._rank, "join_hub", exc))
+        return None
 
     # --- calls -----------------------------------------------------------------------------
-
-    def _execute_direct(self, call: bytes) -> Any:
-        try:
-            return self.execute(call)
-        except Exception as exc:  # noqa: BLE001 - a call that cannot be read: the driver's error
-            return Failed(RemoteFailure.capture(self._rank, "<direct call>", exc))
-
-    def execute(self, call: WireCall | bytes, *lifted: Any) -> Any:
-        """Run a :data:`WireCall`; the reply encoded by :func:`~._encoding.encode_reply`
-        (``None`` when this rank need not answer, the result, or :class:`Failed`).
-
-        The call is one argument, the same for every rank, so that Ray serialises it once per
-        actor call (each actor-call argument costs tens of microseconds); only large buffers
-        come as arguments of their own (``lifted``).
-        """
-        method, args, kwargs, reply_rank, positions = decode_call(call)
-        for position, value in zip(positions, lifted, strict=True):
-            args[position] = value
-        return encode_reply(self._handle(method, args, kwargs, reply_rank))
-
-    def execute_model_compiled(self, batch: Any) -> Any:
-        """``execute_model`` as a compiled-graph stage: only the output rank returns a result
-        (the others ``None``, or a :class:`Failed`). Unlike :meth:`execute`, the result is not
-        pickled to bytes first: a graph's channel serialises a small value in about 2 µs, less
-        than pickling it here would add (a Ray task result costs ~100 µs more than bytes,
-        hence the bytes there)."""
-        return self._handle("execute_model", (batch,), None, self._output_rank)
 
     def _handle(
         self,
@@ -133,13 +153,14 @@ class RayWorker:
         args: Sequence[Any],
         kwargs: Mapping[str, Any] | None,
         reply_rank: int | None,
-    ) -> Any:
+    ) -> tuple[bool, Any] | None:
+        """Run one call from the channel (one at a time, as the actor's own methods)."""
         wrapper = self._wrapper
         if wrapper is None:
             error = RuntimeError(f"the worker of rank {self._rank} is not initialised")
-            return Failed(RemoteFailure.capture(self._rank, "<call>", error))
+            return False, RemoteFailure.capture(self._rank, "<call>", error)
         with self._lock:
-            return reply_of(wrapper.handle(method, args, kwargs, reply_rank))
+            return wrapper.handle(method, args, kwargs, reply_rank)
 
     # --- monitoring ------------------------------------------------------------------------
 

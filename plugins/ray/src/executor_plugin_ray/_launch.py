@@ -7,7 +7,6 @@ ends early when the executor fails or closes meanwhile (``check``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,9 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from executor_core import ExecutorConfig, ExecutorError, WorkerDiedError, WorkerError
 
-from ._actor import RayWorkerActor
-from ._direct import DirectChannels
-from ._encoding import Failed
+from ._actor import Failed, RayWorkerActor
 from ._lifeline import HOLD_S, DriverLifelines
 from ._monitor import death_detail
 from ._options import RayOptions
@@ -33,7 +30,6 @@ __all__ = [
     "create_actors",
     "hold_lifelines",
     "kill_actors",
-    "open_direct_channels",
     "raise_failures",
     "remove_group",
 ]
@@ -42,8 +38,6 @@ logger = logging.getLogger("executor_plugin_ray")
 
 #: Longest uninterrupted wait on Ray at start; between slices ``check`` runs.
 _SLICE_S = 0.5
-#: Longest wait for a worker's direct channel to accept the driver (it takes milliseconds).
-_CONNECT_S = 30.0
 
 
 def create_actors(group: PlacementGroup, options: RayOptions, config: ExecutorConfig) -> list[Any]:
@@ -176,33 +170,6 @@ def hold_lifelines(
             address,
             "; ".join(sorted(set(failed.values()))),
         )
-
-
-def open_direct_channels(
-    actors: Sequence[Any],
-    placements: Sequence[WorkerPlacement],
-    driver_node: str,
-    startup: Startup,
-    deadline: float,
-) -> DirectChannels | None:
-    """Connect to each worker's direct socket (see ``_direct``): a Unix socket on the driver's
-    node, TCP at the node's IP elsewhere. None (logged) if one cannot be reached."""
-    authkey = os.urandom(32)
-    hosts = [None if p.node_id == driver_node else p.node_ip for p in placements]
-    opened = [
-        actor.open_channel.remote(authkey, host) for actor, host in zip(actors, hosts, strict=True)
-    ]
-    addresses = startup.gather(opened, "open_channel", deadline)
-    try:
-        timeout_s = min(_CONNECT_S, max(1.0, deadline - time.monotonic()))
-        return DirectChannels(addresses, authkey, timeout_s)
-    # OSError: unreachable (another network namespace, a firewall) or a stalled
-    # handshake; EOFError: the worker dropped a handshake that took too long.
-    except (OSError, EOFError) as exc:
-        logger.warning(
-            "direct calls unavailable, using Ray actor calls: %s: %s", type(exc).__name__, exc
-        )
-        return None
 
 
 def kill_actors(actors: Sequence[Any]) -> None:

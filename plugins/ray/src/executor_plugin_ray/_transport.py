@@ -1,67 +1,38 @@
-"""RayTransport: one Ray actor per rank, and the three paths a call takes to them.
+"""RayTransport: Ray places and watches the workers; the channel carries every call.
 
-The core owns every rule of a call (order, timeouts, reply gathering, failure, shutdown);
-this transport starts the actors, carries each call on one of three paths, and hands every
-rank's reply to ``host.deliver``:
-
-* **direct** (``_direct``): a small call goes on the executor's own socket to each worker,
-  when every worker is on the driver's node (or with ``direct_calls_across_nodes``);
-* **actor calls**: one Ray actor task per rank, for workers elsewhere and for calls that Ray
-  carries better (large buffers, Ray object refs; see ``_encoding``);
-* **compiled graph** (``_compiled``): ``execute_model`` with ``compiled_graph`` enabled.
-
-Replies are read by the core's waiting threads (``polls = True``): :meth:`RayTransport.poll`
-reads the replies of the calls in flight, oldest first. A call on another path than the
-calls in flight waits until they are all answered (``_gate``), so that every worker runs
-all calls in one order. A monitor (``_monitor``) reports a dead actor or node with
-``host.worker_died``.
+Ray keeps what it is good at: placement groups, actor lifecycle, and the death monitor
+(``_monitor``). Calls and replies never cross Ray: the workers on the driver's node read each
+call from the driver's shared-memory rings (their descriptors handed over a Unix socket,
+``executor_channel.handoff``), and the workers on other nodes join the driver's hub over
+authenticated TCP (``executor_channel.member``), as ``mp``'s node agents do. So a call is
+encoded once (pickle 5, tensors out of band), one wake-up each way on the driver's node, and
+every rule of a call is the core's. The driver's side is a
+:class:`~executor_channel.driver.ChannelDriver`; this module starts the actors and connects
+them to it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
+import secrets
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import (
-    GetTimeoutError,
-    RayActorError,
-    RayChannelTimeoutError,
-    RayError,
-    RayTaskError,
-)
 
-from executor_core import (
-    ExecutorClosedError,
-    ExecutorFailedError,
-    WorkerDiedError,
-    WorkerError,
-)
+from executor_channel.driver import ChannelDriver
+from executor_channel.shm import Doorbell, NodeRings
+from executor_core import ExecutorClosedError, ExecutorFailedError, WorkerDiedError
 from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
 
 from ._cluster import acquire_ray
-from ._compiled import (
-    CompiledStep,
-    compiled_graphs_available,
-    max_inflight_steps,
-    read_outputs,
-    teardown_quietly,
-)
-from ._direct import ChannelClosedError, DirectChannels
-from ._encoding import Failed, decode_reply, encode_call
-from ._gate import ACTOR, COMPILED, DIRECT, PathGate, Pending
 from ._launch import (
     Startup,
     create_actors,
     hold_lifelines,
     kill_actors,
-    open_direct_channels,
     raise_failures,
     remove_group,
 )
@@ -71,29 +42,21 @@ from ._options import RayOptions
 from ._placement import reserve_placement_group
 from ._ranks import WorkerPlacement, assign_ranks
 
+# Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from executor_channel.hub import Hub
+
 __all__ = ["RayTransport"]
 
 logger = logging.getLogger("executor_plugin_ray")
 
 #: Seconds the graceful part of close may take before the actors are killed.
 _GRACEFUL_S = 5.0
-#: After a transport noticed a worker gone: how long to wait for the monitor's report, which
-#: names the rank, node and Ray's reason (it notices about when the transport does).
-_MONITOR_GRACE_S = 2.0
-#: Longest wait of a poll with nothing to read, and the default slice of one with no timeout.
-_IDLE_S = 0.01
-_SLICE_S = 1.0
-#: Longest single wait of a sender waiting for its path (or a graph slot): it reads replies
-#: meanwhile when no other thread does (``host.while_blocked``), else waits for the reader.
-_ROOM_MAX_S = 0.02
-
-
-def _succeeded(reply: tuple[int, int, Any]) -> bool:
-    return type(reply[2]) is not Failed
 
 
 class RayTransport(Transport):
-    """Starts one Ray actor per rank in a placement group and carries calls to them."""
+    """Starts one Ray actor per rank in a placement group and connects each to the channel."""
 
     polls = True
 
@@ -102,29 +65,22 @@ class RayTransport(Transport):
         config = host.config
         #: The validated ``backend_options`` (validated here, before Ray starts).
         self.options = RayOptions.from_backend_options(config.backend_options)
-        self._world_size = config.world_size
-        self._output_rank = config.output_rank
         #: The actors, in rank order, and where each runs.
         self.actors: list[Any] = []
         self.placements: list[WorkerPlacement] = []
         self._monitor: DeathMonitor | None = None
-        self._direct: DirectChannels | None = None
-        self._gate = PathGate()
-        self._interrupted = threading.Event()
-        self._closing = False
-        self._stopped = False  # interrupted or closing: one flag for the hot path
-        self._wake_r = self._wake_w = -1  # a pipe that wakes a poll waiting on the sockets
-        self._use_compiled = self.options.compiled_graph and compiled_graphs_available()
-        self._max_inflight = max_inflight_steps() if self._use_compiled else 0
-        self._compiled: CompiledStep | None = None
-        self._compiled_lock = threading.Lock()
+        self._driver: ChannelDriver | None = None
+        self._stopped = threading.Event()
+        self._armed = False
+        self._start_error: ExecutorFailedError | None = None
+        #: The ranks on the driver's node (served from its rings) and on others (the hub).
+        self.ranks_on_rings: tuple[int, ...] = ()
+        self.ranks_on_hub: tuple[int, ...] = ()
 
     # --- start -----------------------------------------------------------------------------
 
     def start(self) -> None:
         host, options, config = self.host, self.options, self.host.config
-        self._wake_r, self._wake_w = os.pipe()
-        host.add_cleanup(self._close_pipe)
         lease = acquire_ray(options, world_size=config.world_size)
         host.add_cleanup(lease.release)
         group, _bundles = reserve_placement_group(options, config.device, config.world_size)
@@ -167,12 +123,76 @@ class RayTransport(Transport):
             for actor, wrapper in zip(self.actors, wrappers, strict=True)
         ]
         raise_failures(startup.gather(inits, "init_worker", deadline))
-        one_node = all(p.node_id == driver_node for p in placements)
-        if options.direct_calls and (one_node or options.direct_calls_across_nodes):
-            direct = open_direct_channels(self.actors, placements, driver_node, startup, deadline)
-            if direct is not None:
-                self._direct = direct
-                host.add_cleanup(direct.close)
+        local = [p.rank for p in placements if p.node_id == driver_node]
+        remote = [p.rank for p in placements if p.node_id != driver_node]
+        self.ranks_on_rings, self.ranks_on_hub = tuple(local), tuple(remote)
+        rings = self._attach_local(local, startup, deadline) if local else None
+        hub = self._join_remote(remote, rings, startup, deadline) if remote else None
+        driver = ChannelDriver(host, rings, hub, hub.reply_bell if hub is not None else None)
+        self._driver = driver
+        remaining = max(0.0, deadline - time.monotonic())
+        driver.wait_until_ready(range(config.world_size), remaining, self._check_start)
+        self._armed = True
+        driver.ready()
+
+    def _attach_local(self, ranks: list[int], startup: Startup, deadline: float) -> NodeRings:
+        """The rings of the ranks on the driver's node, handed to their actors."""
+        from executor_channel.handoff import RingHandoff  # Unix sockets: start-up only
+
+        host, options = self.host, self.options
+        rings = NodeRings(len(ranks), options.ring_sizes, host.add_cleanup)
+        key = secrets.token_bytes(32)
+        handoff = RingHandoff(key, {index: rings.worker_fds(index) for index in range(len(ranks))})
+        try:
+            refs = [
+                self.actors[rank].attach_rings.remote(
+                    handoff.address, key, index, rings.layout, options.ring_sizes.spin_s
+                )
+                for index, rank in enumerate(ranks)
+            ]
+            handoff.serve(deadline, self._check_running)
+        finally:
+            handoff.close()
+        raise_failures(startup.gather(refs, "attach_rings", deadline))
+        return rings
+
+    def _join_remote(
+        self, ranks: list[int], rings: NodeRings | None, startup: Startup, deadline: float
+    ) -> Hub:
+        """The hub that the ranks on other nodes join, over TCP at this node's IP."""
+        from executor_channel import Listener, Secret  # zmq: only with workers elsewhere
+        from executor_channel.hub import Hub
+
+        from . import __version__
+
+        host, options = self.host, self.options
+        secret = Secret.generate()  # given to the actors through Ray, never written anywhere
+        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated in ray
+        listener = Listener(secret, host=address)
+        host.add_cleanup(listener.close)
+        bell = rings.reply_bell if rings is not None else _new_bell(host)
+        hub = Hub(listener, options.node_timeout_s, bell, self._on_channel_failure)
+        host.add_cleanup(lambda: hub.stop(False, 0.0))
+        refs = [
+            self.actors[rank].join_hub.remote(
+                listener.address,
+                secret.key,
+                rank,
+                __version__,
+                options.node_timeout_s,
+                max(1.0, deadline - time.monotonic()),
+            )
+            for rank in ranks
+        ]
+        hint = "their Ray actors could not reach this node's IP; see the actors' logs"
+        hub.join(ranks, __version__, max(0.0, deadline - time.monotonic()), hint)
+        placements = self.placements
+        for member in hub.nodes:
+            rank = member.node_rank
+            hub.send_spec(member, placements[rank].node_id, [rank], b"")
+        hub.start()
+        raise_failures(startup.gather(refs, "join_hub", deadline))
+        return hub
 
     def _init_method(self, startup: Startup, deadline: float) -> str:
         """``tcp://`` on rank 0's node: the configured host when every rank shares one node
@@ -185,285 +205,31 @@ class RayTransport(Transport):
 
     def _check_running(self) -> None:
         """Raise if the executor failed or is closing (ends a wait at start)."""
-        if self._stopped:
+        if self._stopped.is_set():
             raise self.host.failure or ExecutorClosedError("the executor was shut down")
 
-    # --- extras (see RayExecutor) ------------------------------------------------------------
+    def _check_start(self, pending: set[int]) -> None:
+        self._check_running()
+        if self._start_error is not None:
+            raise self._start_error
 
-    @property
-    def uses_direct_calls(self) -> bool:
-        return self._direct is not None
-
-    @property
-    def uses_compiled_graph(self) -> bool:
-        return self._use_compiled
-
-    @property
-    def compiled_graph_live(self) -> bool:
-        step = self._compiled
-        return step is not None and step.compiled
-
-    def wait_compiled_drained(self, deadline: float | None) -> bool:
-        """Wait until no compiled-graph step is in flight (False at ``deadline``, or if the
-        executor failed or closed). Call it holding the executor's send lock."""
-        gate = self._gate
-        return self._wait_room(lambda: gate.drained(COMPILED), deadline)
-
-    def release_compiled_graph(self) -> bool:
-        """Tear the compiled graph down (see :meth:`wait_compiled_drained`); True if one was
-        live. The next compiled step compiles it again."""
-        with self._compiled_lock:
-            step = self._compiled
-            return step is not None and step.release()
-
-    # --- send ------------------------------------------------------------------------------
+    # --- calls -----------------------------------------------------------------------------
 
     def send(self, call: Call) -> bool:
-        if (
-            self._use_compiled
-            and call.method == "execute_model"
-            and call.reply_rank == self._output_rank
-            and len(call.args) == 1
-            and not call.kwargs
-        ):
-            return self._send_compiled(call)
-        encoded, lifted = encode_call(
-            call.wire_method, call.args, call.kwargs, call.reply_rank, self._world_size
-        )
-        direct = self._direct
-        gate = self._gate
-        if direct is not None and type(encoded) is bytes and not lifted:
-            if not gate.admits(DIRECT) and not self._wait_room(
-                lambda: gate.admits(DIRECT), call.deadline
-            ):
-                return False
-            entry = Pending(call.seq, DIRECT, call.name, self._world_size)
-            gate.add(entry)  # first: the reply may be read before send() returns
-            try:
-                direct.send(call.seq, encoded)
-            except ChannelClosedError as exc:
-                gate.remove(entry)
-                self._channel_closed(exc)
-                raise self.host.failure or ExecutorClosedError(
-                    "the executor was shut down during the call"
-                ) from None
-            return True
-        if not gate.admits(ACTOR) and not self._wait_room(
-            lambda: gate.admits(ACTOR), call.deadline
-        ):
-            return False
-        refs = [actor.execute.remote(encoded, *lifted) for actor in self.actors]
-        gate.add(Pending(call.seq, ACTOR, call.name, len(refs), refs=refs))
-        return True
-
-    def _send_compiled(self, call: Call) -> bool:
-        gate, limit = self._gate, self._max_inflight
-        # Up to Ray's own limit of steps in flight: a further one waits for the oldest.
-        if not gate.admits(COMPILED, limit) and not self._wait_room(
-            lambda: gate.admits(COMPILED, limit), call.deadline
-        ):
-            return False
-        step = self._compiled
-        if step is None or not step.compiled:
-            # The first step (and the first after a release) compiles the graph, outside the
-            # call's timeout.
-            started = time.monotonic()
-            step = self._compile()
-            if call.deadline is not None:
-                call.deadline += time.monotonic() - started
-        refs = step.submit(call.args[0])
-        gate.add(Pending(call.seq, COMPILED, call.name, len(refs), call.deadline, refs))
-        return True
-
-    def _compile(self) -> CompiledStep:
-        """The compiled graph, compiled now if it is not live."""
-        with self._compiled_lock:
-            self._check_running()
-            step = self._compiled
-            if step is None:
-                # Ray's graph code (and torch, if installed) is imported by each actor's loop:
-                # seconds, once; done here, within the startup timeout.
-                startup = Startup(self.options, self._check_running)
-                startup.placements = self.placements
-                prepared = [actor.prepare_compiled.remote() for actor in self.actors]
-                startup.gather(prepared, "prepare_compiled", startup.deadline())
-                step = CompiledStep(
-                    self.actors, self.host.config.tensor_parallel_size, self._max_inflight
-                )
-                self._compiled = step
-                self.host.add_cleanup(functools.partial(teardown_quietly, step))
-            step.compile()
-            return step
-
-    def _wait_room(self, ready: Callable[[], bool], deadline: float | None) -> bool:
-        """Wait until ``ready()`` (calls in flight were answered); False at ``deadline`` or
-        once the executor failed or is closing. Reads replies meanwhile when no other thread
-        does, since the calls waited for may have no other reader."""
-        gate, host = self._gate, self.host
-        while not self._stopped:
-            if ready():
-                return True
-            wait_s = _ROOM_MAX_S
-            if deadline is not None:
-                wait_s = min(wait_s, deadline - time.monotonic())
-                if wait_s <= 0:
-                    return ready()
-            # Read replies here for up to wait_s if nobody else does; else wait for the reader.
-            if not host.while_blocked(wait_s) and gate.wait(ready, wait_s):
-                return True
-        return False
-
-    # --- replies ---------------------------------------------------------------------------
+        driver = self._driver
+        assert driver is not None
+        return driver.send(call)
 
     def poll(self, timeout: float | None) -> None:
-        if self._stopped:
-            self._interrupted.wait(_IDLE_S)
-            return
-        entry = self._gate.oldest()
-        if entry is None:  # nothing in flight (a moment between two calls)
-            self._interrupted.wait(_IDLE_S if timeout is None else min(timeout, _IDLE_S))
-            return
-        if timeout is None:
-            timeout = _SLICE_S
-        path = entry.path
-        if path == DIRECT:
-            self._poll_direct(timeout)
-        elif path == ACTOR:
-            self._poll_actor(entry, timeout)
-        else:
-            self._poll_compiled(entry)
-
-    def _deliver(self, seq: int, rank: int, reply: Any) -> None:
-        if type(reply) is Failed:
-            self.host.deliver(seq, rank, False, reply.failure)
-        else:
-            self.host.deliver(seq, rank, True, reply)
-
-    def _deliver_all(self, replies: list[tuple[int, int, Any]]) -> None:
-        """Deliver ``(seq, rank, reply)`` read together, failures first: a rank that need not
-        answer (``unique_reply_rank``) reports its failure only if it arrives before the
-        replying rank's result completes the call."""
-        if len(replies) > 1:
-            replies.sort(key=_succeeded)
-        for seq, rank, reply in replies:
-            self._deliver(seq, rank, reply)
-
-    def _read(self, entry: Pending, rank: int) -> None:
-        """``rank``'s reply to ``entry`` was read; ``entry`` leaves once all were."""
-        if entry.refs is not None:
-            entry.refs[rank] = None
-        entry.left -= 1
-        if not entry.left:
-            self._gate.remove(entry)
-
-    def _poll_direct(self, timeout: float) -> None:
-        """Read the replies on the direct sockets (each carries its call's number)."""
-        direct = self._direct
-        assert direct is not None
-        replies = []
-        for rank in direct.wait(timeout, self._wake_r):
-            try:
-                seq, reply = direct.recv(rank)
-            except ChannelClosedError as exc:
-                self._channel_closed(exc)
-                return
-            replies.append((seq, rank, reply))
-        self._deliver_all(replies)
-        gate = self._gate
-        for seq, rank, _reply in replies:
-            entry = gate.get(seq)
-            if entry is not None:
-                self._read(entry, rank)
-
-    def _poll_actor(self, entry: Pending, timeout: float) -> None:
-        """Read the oldest actor call's replies (Ray object refs, one per rank)."""
-        refs = entry.refs
-        assert refs is not None
-        pending = [(rank, ref) for rank, ref in enumerate(refs) if ref is not None]
-        try:
-            replies = ray.get([ref for _rank, ref in pending], timeout=timeout)
-        except GetTimeoutError:
-            # Deliver what is there, so that a timeout names only the ranks that are late.
-            ready, _ = ray.wait(
-                [ref for _rank, ref in pending], num_returns=len(pending), timeout=0
-            )
-            done = set(ready)
-            for rank, ref in pending:
-                if ref in done:
-                    self._read_ref(entry, rank, ref)
-            return
-        except RayError:
-            for rank, ref in pending:
-                self._read_ref(entry, rank, ref)
-            return
-        seq = entry.seq
-        self._deliver_all(
-            [
-                (seq, rank, decode_reply(reply))
-                for (rank, _ref), reply in zip(pending, replies, strict=True)
-            ]
-        )
-        for rank, _ref in pending:
-            self._read(entry, rank)
-
-    def _read_ref(self, entry: Pending, rank: int, ref: Any) -> None:
-        """Read one rank's reply to an actor call, if it is there (a Ray-level failure too)."""
-        seq = entry.seq
-        try:
-            reply = ray.get(ref, timeout=0)
-        except GetTimeoutError:
-            return
-        except RayActorError as err:
-            self._read(entry, rank)
-            self._report_death(rank, err)
-            return
-        except RayTaskError as err:
-            cause = err.cause
-            error = WorkerError(rank, entry.name, type(cause).__name__, str(cause), str(err))
-            self.host.deliver(seq, rank, False, error)
-        except RayError as err:
-            error = WorkerError(rank, entry.name, type(err).__name__, str(err), str(err))
-            self.host.deliver(seq, rank, False, error)
-        else:
-            self._deliver(seq, rank, decode_reply(reply))
-        self._read(entry, rank)
-
-    def _poll_compiled(self, entry: Pending) -> None:
-        """Read the oldest compiled step's outputs (every rank's at once).
-
-        Unlike the other paths this read is not cut into the poll's slices (see
-        :func:`~._compiled.read_outputs`): a step is read until it completes or its call's
-        deadline passes; then its late output is dropped, as Ray does for a step whose refs
-        are dropped. A teardown (close, or the executor failing) wakes the read.
-        """
-        refs = entry.refs
-        assert refs is not None
-        try:
-            outputs = read_outputs(refs, entry.deadline)
-        except RayChannelTimeoutError:
-            entry.refs = None  # drops the step's refs: Ray discards their output
-            self._gate.remove(entry)
-            return
-        except Exception as exc:  # noqa: BLE001 - any failure of the graph's read is reported
-            entry.refs = None
-            self._gate.remove(entry)
-            self._compiled_failed(exc)
-            return
-        entry.refs = None
-        seq, deliver = entry.seq, self.host.deliver
-        for rank, output in enumerate(outputs):  # failures first (see _deliver_all)
-            if type(output) is Failed:
-                deliver(seq, rank, False, output.failure)
-        for rank, output in enumerate(outputs):
-            if type(output) is not Failed:
-                deliver(seq, rank, True, output)
-        self._gate.remove(entry)  # after the replies: a sender waiting for it sees them
+        driver = self._driver
+        assert driver is not None
+        driver.poll(timeout)
 
     # --- failures --------------------------------------------------------------------------
 
     def _report_death(self, rank: int, error: BaseException) -> None:
         """``rank``'s actor (or its node) is gone: fail the executor with the rank, where it
-        ran and Ray's reason. Called by the monitor and by the paths."""
+        ran and Ray's reason. Called by the monitor."""
         placements = self.placements
         placement = placements[rank] if 0 <= rank < len(placements) else None
         died = WorkerDiedError(rank, detail=death_detail(placement, error))
@@ -471,68 +237,45 @@ class RayTransport(Transport):
         if self.host.failure is died:
             logger.error("%s", died)
 
-    def _channel_closed(self, exc: ChannelClosedError) -> None:
-        """A worker's direct socket closed: its actor stopped or died."""
-        if self._closing:
+    def _on_channel_failure(self, error: ExecutorFailedError) -> None:
+        """The hub's pump: a worker on another node stopped answering or died."""
+        if not self._armed:  # start() raises it
+            if self._start_error is None:
+                self._start_error = error
             return
-        # The monitor names the rank, node and Ray's reason, and notices about when the socket
-        # does: give it a moment, else report the death from here.
-        if not self._interrupted.wait(_MONITOR_GRACE_S) and not self._closing:
-            self._report_death(exc.rank, exc)
-
-    def _compiled_failed(self, exc: BaseException) -> None:
-        """A compiled-graph read failed: report the dead worker if the monitor names one."""
-        if self._closing or self._interrupted.wait(_MONITOR_GRACE_S) or self._closing:
-            return
-        self.host.worker_died(
-            ExecutorFailedError(f"the compiled graph of execute_model failed: {exc}")
-        )
+        self.host.worker_died(error)
 
     def interrupt(self) -> None:
-        self._stopped = True
-        self._interrupted.set()
-        self._wake()
-        step = self._compiled
-        if step is not None and step.compiled and not self._closing:
-            # Wake a thread blocked on the graph's channels.
-            threading.Thread(
-                target=teardown_quietly, args=(step,), name="executor-ray-teardown", daemon=True
-            ).start()
-
-    def _wake(self) -> None:
-        self._gate.wake()
-        if self._wake_w >= 0:
-            with contextlib.suppress(OSError):  # closed, or full: a wake-up is pending anyway
-                os.write(self._wake_w, b"\0")
+        self._stopped.set()
+        if self._driver is not None:
+            self._driver.interrupt()
 
     # --- close -----------------------------------------------------------------------------
 
     def close(self, graceful: bool) -> None:
-        """Tear the graph down and (graceful) let each worker run its shutdown. Killing the
-        actors, removing the placement group and releasing Ray are cleanups, which the
+        """(Graceful) stop the workers' loops and let each worker run its shutdown. Killing
+        the actors, removing the placement group and releasing Ray are cleanups, which the
         finalizer runs too."""
-        self._closing = self._stopped = True
-        self._wake()
+        self._stopped.set()
         monitor = self._monitor
         if monitor is not None:
             monitor.stop()
-        direct = self._direct
-        if direct is not None:
-            direct.shutdown()  # wakes a reader; the workers' threads exit
-        step = self._compiled
-        if step is not None:
-            teardown_quietly(step)
+        driver = self._driver
+        graceful = graceful and driver is not None and not driver.aborted
+        if driver is not None:
+            if graceful:
+                driver.send_stop(_GRACEFUL_S)
+            driver.stop_hub(graceful, _GRACEFUL_S)
         actors = self.actors
         if graceful and actors and ray.is_initialized():
             try:
                 refs = [actor.shutdown.remote() for actor in actors]
                 ray.wait(refs, num_returns=len(refs), timeout=_GRACEFUL_S)
-            except RayError:
+            except ray.exceptions.RayError:
                 logger.debug("graceful shutdown of the Ray workers failed", exc_info=True)
 
-    def _close_pipe(self) -> None:
-        fds = (self._wake_r, self._wake_w)
-        self._wake_r = self._wake_w = -1
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+
+def _new_bell(host: TransportHost) -> Doorbell:
+    bell = Doorbell(blocking=True)
+    host.add_cleanup(bell.close)
+    return bell
