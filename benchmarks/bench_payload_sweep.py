@@ -1,7 +1,7 @@
 """Payload sweep on mp at default options: the cost per byte of a call's argument, by size.
 
-    .venv/bin/python benchmarks/bench_payload_sweep.py [--workers 2] [--sizes-kib 4 ... 65536]
-        [--kind tensor|bytes] [--repeats 9] [--blocks 3] [--slot-mib N]
+    .venv/bin/python benchmarks/bench_payload_sweep.py [--workers 2] [--sizes-kib 4 ... 131072]
+        [--kind tensor|bytes] [--repeats 9] [--blocks 3] [--slot-mib N] [--malloc-heap]
 
 Each call sends one argument (a CPU float32 tensor, or ``bytes``) of the given size to every
 worker, which returns its length; the driver waits for all replies. The ring's slots are 16 MiB
@@ -14,6 +14,12 @@ that load from other processes hits them alike.
 ``--slot-mib N`` sets ``slot_bytes`` (a tuned option: its rows say so) so that every size
 fits one slot, which separates what the ring costs from what the receiver's fresh memory
 costs.
+
+``--malloc-heap`` (tuned, glibc only; its rows say so) makes each worker's glibc serve every
+allocation from its heap and keep freed memory there (``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD``
+1 GiB). A received ``bytes`` object is allocated by the interpreter, not by the channel, so with
+glibc's default settings one of 32 MiB or more is fresh pages from the kernel every time; this shows
+what keeping the process's heap warm would change.
 """
 
 from __future__ import annotations
@@ -32,8 +38,26 @@ MIB = 1 << 20
 DEFAULT_SLOT_BYTES = 16 * MIB
 
 
+#: Set in the workers' environment by ``--malloc-heap``.
+MALLOC_HEAP_ENV = "BENCH_PAYLOAD_MALLOC_HEAP"
+
+
+def malloc_from_heap() -> None:
+    """glibc: no allocation from mmap, and no heap trimming (see ``--malloc-heap``)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30)):
+        raise RuntimeError("mallopt failed: --malloc-heap needs glibc")
+
+
 class SizeWorker(WorkerBase):
     """Returns the size of what it was sent."""
+
+    def load_model(self) -> None:
+        if os.environ.get(MALLOC_HEAP_ENV):
+            malloc_from_heap()
 
     def size_of(self, payload: Any) -> int:
         if isinstance(payload, bytes):
@@ -57,12 +81,18 @@ def main() -> None:
         "--sizes-kib",
         type=int,
         nargs="+",
-        default=[4, 64, 1024, 4096, 8192, 15 * 1024, 16 * 1024, 17 * 1024, 32 * 1024, 65536],
+        default=[
+            *(4, 64, 1024, 4096, 8192),
+            *(15 * 1024, 16 * 1024, 17 * 1024, 32 * 1024, 65536, 131072),
+        ],
     )
     parser.add_argument("--kind", choices=("tensor", "bytes"), default="tensor")
     parser.add_argument("--repeats", type=int, default=9, help="calls per size per block")
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--slot-mib", type=int, default=0, help="slot_bytes (tuned), 0: default")
+    parser.add_argument(
+        "--malloc-heap", action="store_true", help="workers keep glibc's heap warm (tuned)"
+    )
     args = parser.parse_args()
     slot_bytes = args.slot_mib * MIB or DEFAULT_SLOT_BYTES
     options = {"slot_bytes": slot_bytes} if args.slot_mib else {}
@@ -74,6 +104,7 @@ def main() -> None:
         backend="mp",
         tensor_parallel_size=args.workers,
         backend_options=options,
+        env={MALLOC_HEAP_ENV: "1"} if args.malloc_heap else {},
     )
     times: dict[int, list[float]] = {size: [] for size in sizes}
     with create_executor(config) as executor:
@@ -92,9 +123,11 @@ def main() -> None:
     one_slot = [s for s in sizes if s < min(slot_bytes, DEFAULT_SLOT_BYTES) - 64 * KIB]
     reference = max(one_slot, default=sizes[0])
     per_mib_ref = medians[reference] / (reference / MIB)
+    tuned = [f"slot_bytes={args.slot_mib} MiB"] if args.slot_mib else []
+    tuned += ["workers' malloc from a warm heap"] if args.malloc_heap else []
     print(
         f"cores: {os.cpu_count()}; mp at "
-        f"{f'slot_bytes={args.slot_mib} MiB (tuned)' if args.slot_mib else 'default options'}, "
+        f"{'; '.join(tuned) + ' (tuned)' if tuned else 'default options'}, "
         f"{args.workers} workers, "
         f"{args.kind} argument; reference for 'vs 1 slot': {reference // KIB} KiB\n"
     )

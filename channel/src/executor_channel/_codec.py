@@ -4,7 +4,8 @@ CPU tensors, numpy arrays and large ``bytes`` (arguments and results, and items 
 tuples, lists and dicts in them) are not copied into the pickle stream: their memory travels as
 separate out-of-band buffers that the ring copies once into shared memory, and the receiver
 copies once out of it into memory it owns (a received object never aliases the ring, whose
-slots are reused). Everything else is ordinary pickle.
+slots are reused; large buffers go into warm memory of the receive buffer cache, ``_buffers``,
+which reuses a block only once nothing refers to it). Everything else is ordinary pickle.
 
 A frame is ``header | buffer lengths | pickle bytes | buffers``. The header carries the
 message kind, rank and sequence number, so a reply whose body cannot be unpickled is still
@@ -18,6 +19,8 @@ import pickle
 import struct
 import sys
 from typing import Any
+
+from . import _buffers
 
 __all__ = [
     "KIND_CALL",
@@ -69,10 +72,19 @@ def _private(view: memoryview | pickle.PickleBuffer) -> Any:
     """Memory the rebuilt object may keep: ``view`` itself when it is already the receiver's
     own (a :class:`pickle.PickleBuffer`, see :func:`decode`), else a copy out of the ring.
 
-    The copy is a ``bytearray``: writable (torch warns on read-only buffers), and kept alive
-    by the tensor or array built on it.
+    The copy is writable (torch warns on read-only buffers) and kept alive by the tensor or
+    array built on it. A large one goes into warm memory from the receive buffer cache
+    (fresh pages would cost more than the copy; the cache reuses a block only once nothing
+    refers to it), a small one into a ``bytearray``.
     """
-    return view if type(view) is pickle.PickleBuffer else bytearray(view)
+    if type(view) is pickle.PickleBuffer:
+        return view
+    cache = _buffers.cache
+    if view.nbytes < cache.min_bytes:
+        return bytearray(view)
+    copy = cache.take(view.nbytes)
+    copy[:] = view
+    return copy
 
 
 def _rebuild_tensor(

@@ -9,10 +9,13 @@ Layout of a ring inside the segment (counters are little-endian u64, each on its
     slots_offset + k*S   slot k: chunk header (message bytes, chunk bytes) then data
 
 A message is split into chunks of at most ``slot_bytes``; chunk ``c`` goes to slot
-``c % slots``. A message that fits in the free slots is copied and published at once; a
-larger one streams (the writer waits for readers to free slots while it writes), so no
-payload is too big and none is truncated. Readers copy out what they read before releasing
-its slots.
+``c % slots``. A message of one chunk is copied and published at once. A larger one starts
+once the slots it needs (all of them, if it is bigger than the ring) are free, and each chunk
+is published as soon as it is written: readers copy it out and free its slot while the writer
+writes the next, and a message bigger than the ring streams through it (the writer waits for
+freed slots), so no payload is too big and none is truncated. Readers copy out what they read
+before releasing its slots; a message of several chunks goes into memory the reader owns,
+warm memory from the receive buffer cache (``_buffers``) when it is large.
 
 Waiting: a reader or writer first spins briefly if its :class:`Spinner` allows (yielding the
 CPU each round), then sleeps on a :class:`Doorbell`. The writer rings each reader's data
@@ -33,6 +36,7 @@ from typing import TypeVar
 
 import attrs
 
+from . import _buffers
 from ._doorbell import Doorbell
 from ._spin import Spinner
 
@@ -223,18 +227,19 @@ class Ring:
         nchunks: int,
         abort: Callable[[], None],
     ) -> None:
-        layout = self._layout
+        # Each chunk is published as soon as it is written, so readers copy it out while
+        # the next one is written: the copies overlap instead of taking turns.
+        nslots = self._nslots
         slot_data = self._slot_data
         buf = self._buf
         part_index, part_pos = 0, 0
         remaining = nbytes
-        unpublished = 0
         views = [memoryview(p) for p in parts]
         self._streaming = False
         for chunk in range(nchunks):
-            if chunk >= layout.slots and unpublished == 0:
+            if chunk >= nslots:  # write() saw the first ``nslots`` free
                 self._wait_for_space(1, None, abort)
-            slot = self._slot_offs[(self._count + unpublished) % layout.slots]
+            slot = self._slot_offs[self._count % nslots]
             size = min(slot_data, remaining)
             _CHUNK.pack_into(buf, slot, nbytes, size)
             pos = slot + _SLOT_HEADER
@@ -248,12 +253,8 @@ class Ring:
                 if part_pos == part.nbytes:
                     part_index, part_pos = part_index + 1, 0
             remaining -= size
-            unpublished += 1
-            last = chunk + 1 == nchunks
-            if last or self._free_slots() <= unpublished:
-                self._publish(unpublished)
-                self._streaming = not last
-                unpublished = 0
+            self._publish(1)
+            self._streaming = chunk + 1 < nchunks
 
     def _publish(self, chunks: int) -> None:
         self._count += chunks
@@ -273,7 +274,9 @@ class Ring:
     ) -> bool:
         """Wait until :meth:`poll` would be true; False if ``deadline`` passed first.
 
-        Without ``deadline`` and ``abort``, a blocking doorbell is slept on without a cap.
+        Without ``deadline`` and ``abort``, a blocking doorbell is slept on without a cap,
+        except while the receive buffer cache holds a free block: then the sleep is cut
+        after ``_buffers.IDLE_S`` to give back what stayed unused.
         """
         buf = self._buf
         off = self._written_off
@@ -293,7 +296,16 @@ class Ring:
                     continue
                 spin_until = 0.0
             if deadline is None:
-                bell.wait(None if abort is None else MAX_SLEEP_S)
+                if abort is not None:
+                    bell.wait(MAX_SLEEP_S)
+                    continue
+                # Nothing to do until the next message: give back cached receive memory
+                # left unused meanwhile (a bounded sleep only while it holds a free block).
+                cache = _buffers.cache
+                trim_wait = cache.trim_wait_s()
+                bell.wait(trim_wait)
+                if trim_wait is not None and _U64.unpack_from(buf, off)[0] <= count:
+                    cache.trim()
                 continue
             now = time.monotonic()
             if now >= deadline:
@@ -322,6 +334,7 @@ class Ring:
             _U64.pack_into(buf, self._own_off, count)
             if _U64.unpack_from(buf, self._waiting_off)[0]:
                 self._space_bell.ring()
+            _buffers.cache.tick()
 
     def read(
         self,
@@ -348,10 +361,11 @@ class Ring:
             finally:
                 view.release()
                 self._release(1)
-        whole = self._gather(slot, nbytes)
-        if whole is not None:
-            return decode(pickle.PickleBuffer(whole))
-        whole = bytearray(nbytes)
+                _buffers.cache.tick()
+        # Several slots: copy each chunk out as it is published, into memory this reader
+        # owns (warm, from the buffer cache), releasing its slot at once so that the writer
+        # can stream on meanwhile.
+        whole = _buffers.cache.take(nbytes)
         pos = 0
         try:
             while True:
@@ -367,34 +381,6 @@ class Ring:
             self.broken = True  # the rest of this message would be read as new messages
             raise
         return decode(pickle.PickleBuffer(whole))
-
-    def _gather(self, first_slot: int, nbytes: int) -> bytearray | None:
-        """The message starting at ``first_slot``, copied out in one pass, if all its chunks
-        are published already (the writer publishes a message that fits the free slots at
-        once); else None.
-
-        ``bytearray().join`` allocates the result without zero-filling it and copies each
-        chunk once, so a message of several slots costs what one of a single slot does; the
-        chunk-by-chunk path below must zero a buffer first and copy into it.
-        """
-        layout = self._layout
-        nchunks = -(-nbytes // layout.slot_bytes)
-        buf = self._buf
-        count = self._count
-        if nchunks > layout.slots or _U64.unpack_from(buf, self._written_off)[0] < count + nchunks:
-            return None
-        views = []
-        try:
-            for k in range(nchunks):
-                slot = first_slot if k == 0 else self._slot_offs[(count + k) % layout.slots]
-                _, size = _CHUNK.unpack_from(buf, slot)
-                views.append(buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size])
-            whole = bytearray().join(views)
-        finally:
-            for view in views:
-                view.release()
-        self._release(nchunks)
-        return whole
 
     def _release(self, chunks: int) -> None:
         self._count += chunks

@@ -63,3 +63,6 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
         reply = handle(method, args, kwargs, reply_rank)
         if reply is not None:
             write(*reply_frame(rank, seq, method, *reply))
+        # Drop this call's arguments and result now: an idle worker must not keep the last
+        # call's memory (a large payload, a cached receive buffer) until the next one.
+        del item, body, method, args, kwargs, reply

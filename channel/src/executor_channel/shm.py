@@ -11,6 +11,7 @@ calls and a reply ring per worker; :func:`serve_rings` is a worker's loop over t
 
 from __future__ import annotations
 
+from ._buffers import release as release_receive_buffers
 from ._doorbell import Doorbell
 from ._node_rings import (
     NodeRings,
@@ -46,6 +47,7 @@ __all__ = [
     "check_free_space",
     "decode_call",
     "decode_reply",
+    "release_receive_buffers",
     "reply_frame",
     "serve_rings",
 ]

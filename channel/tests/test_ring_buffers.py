@@ -1,0 +1,410 @@
+"""Messages of several slots and the receive buffer cache: every size arrives whole, a received
+object never shares memory with a later message, and cached memory is bounded and given back."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from executor_channel import _buffers
+from executor_channel.codec import decode, encode
+from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
+
+MIB = 1 << 20
+WAIT = 10.0  # every wait in these tests is bounded by this
+
+
+@pytest.fixture
+def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[_buffers.BufferCache]:
+    """A cache of this test's own, used by the rings and the codec while the test runs."""
+    fresh = _buffers.BufferCache()
+    monkeypatch.setattr(_buffers, "cache", fresh)
+    yield fresh
+    fresh.release()
+
+
+class Rings:
+    """A writer and ``readers`` readers on one ring in a fresh segment."""
+
+    def __init__(self, slots: int, slot_bytes: int, readers: int = 1) -> None:
+        layout = RingLayout(0, readers, slots, slot_bytes)
+        self.segment = SharedSegment.create(layout.nbytes)
+        data = [Doorbell() for _ in range(readers)]
+        space = Doorbell()
+        buf = self.segment.buf
+        self.writer = Ring(buf, layout, reader=None, data_bells=data, space_bell=space)
+        self.readers = [
+            Ring(buf, layout, reader=i, data_bells=[data[i]], space_bell=space)
+            for i in range(readers)
+        ]
+
+    def send(self, parts: list[Any], nbytes: int) -> threading.Thread:
+        """Write in a thread (a message bigger than the ring needs the readers meanwhile)."""
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                assert self.writer.write(parts, nbytes, deadline=time.monotonic() + WAIT)
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        thread = threading.Thread(target=write)
+        thread.errors = errors  # type: ignore[attr-defined]
+        thread.start()
+        return thread
+
+    def transfer(self, decode_fn: Callable[[Received], Any], parts: list[Any], nbytes: int) -> Any:
+        """Send one message and read it with the first reader."""
+        thread = self.send(parts, nbytes)
+        try:
+            result = self.readers[0].read(decode_fn, deadline=time.monotonic() + WAIT)
+        finally:
+            thread.join(WAIT)
+        assert not thread.is_alive()
+        assert not thread.errors  # type: ignore[attr-defined]
+        return result
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+@pytest.fixture
+def rings() -> Iterator[Callable[..., Rings]]:
+    made: list[Rings] = []
+
+    def make(slots: int, slot_bytes: int, readers: int = 1) -> Rings:
+        made.append(Rings(slots, slot_bytes, readers))
+        return made[-1]
+
+    yield make
+    for ring in made:
+        ring.close()
+
+
+def _frame(value: Any) -> tuple[list[Any], int]:
+    return encode(4, True, 0, 1, value)
+
+
+def _body(view: Received) -> Any:
+    return decode(view)[4]
+
+
+# --- sizes --------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("cache")
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 7])
+def test_sizes_straddling_slot_boundaries(
+    rings: Callable[..., Rings], chunks: int, offset: int
+) -> None:
+    # 3 slots of 1 MiB: one slot, several, the whole ring, and more than the ring (streamed).
+    ring = rings(3, MIB)
+    payload = os.urandom(chunks * MIB + offset)
+    assert ring.transfer(bytes, [payload], len(payload)) == payload
+    assert not ring.writer.broken
+    assert not ring.readers[0].broken
+
+
+@pytest.mark.usefixtures("cache")
+def test_a_message_in_many_parts_across_chunks(rings: Callable[..., Rings]) -> None:
+    ring = rings(2, MIB)
+    parts = [os.urandom(n) for n in (10, MIB - 3, 7, 3 * MIB + 1, 0, 5)]
+    total = sum(len(p) for p in parts)
+    assert ring.transfer(bytes, parts, total) == b"".join(parts)
+
+
+@pytest.mark.usefixtures("cache")
+def test_every_reader_gets_the_whole_streamed_message(rings: Callable[..., Rings]) -> None:
+    ring = rings(2, MIB, readers=3)
+    payload = os.urandom(9 * MIB + 123)
+    thread = ring.send([payload], len(payload))
+    got: list[bytes] = [b""] * 3
+
+    def read(i: int) -> None:
+        got[i] = ring.readers[i].read(bytes, deadline=time.monotonic() + WAIT) or b""
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for reader in readers:
+        reader.start()
+    for reader in [*readers, thread]:
+        reader.join(WAIT)
+    assert got == [payload] * 3
+
+
+@pytest.mark.usefixtures("cache")
+def test_tensor_bigger_than_the_default_ring(rings: Callable[..., Rings]) -> None:
+    torch = pytest.importorskip("torch")
+    ring = rings(4, 16 * MIB)  # the mp backend's default broadcast ring: 64 MiB
+    tensor = torch.rand(66 * MIB // 4 + 3)  # more than the ring: streamed through it
+    (back,) = ring.transfer(_body, *_frame((tensor,)))
+    assert torch.equal(back, tensor)
+    assert back.numpy().flags.writeable
+
+
+# --- ownership ----------------------------------------------------------------------------
+
+
+def test_received_tensor_stays_intact_after_later_messages(
+    rings: Callable[..., Rings], cache: _buffers.BufferCache
+) -> None:
+    torch = pytest.importorskip("torch")
+    ring = rings(2, MIB)
+    first = torch.full((3 * MIB // 4,), 1.0)
+    kept = ring.transfer(_body, *_frame(first))
+    for value in (2.0, 3.0, 4.0):  # same size: would reuse the first block if it were free
+        other = ring.transfer(_body, *_frame(torch.full((3 * MIB // 4,), value)))
+        assert bool((other == value).all())
+        assert other.data_ptr() != kept.data_ptr()
+        del other
+    assert torch.equal(kept, first)
+    # A view of the received tensor keeps its memory too.
+    part = kept[10:20]
+    address = kept.data_ptr()
+    del kept
+    later = ring.transfer(_body, *_frame(torch.full((3 * MIB // 4,), 5.0)))
+    later_address = later.data_ptr()
+    assert later_address != address
+    assert bool((part == 1.0).all())
+    del later, part
+    # Once nothing refers to it, a block is reused: the point of the cache.
+    again = ring.transfer(_body, *_frame(torch.full((3 * MIB // 4,), 6.0)))
+    assert again.data_ptr() in (address, later_address)
+    assert bool((again == 6.0).all())
+    assert cache.stats()[1] > 0
+    del again
+    assert cache.stats()[1] == 0
+
+
+def test_blocks_are_reused_once_free(
+    rings: Callable[..., Rings], cache: _buffers.BufferCache
+) -> None:
+    np = pytest.importorskip("numpy")
+    ring = rings(2, MIB)
+    array = np.arange(5 * MIB // 8, dtype=np.float64)
+    addresses = set()
+    for _ in range(5):
+        (back,) = ring.transfer(_body, *_frame((array,)))
+        np.testing.assert_array_equal(back, array)
+        assert back.flags.writeable
+        addresses.add(back.__array_interface__["data"][0])
+        del back
+    assert len(addresses) == 1  # one warm block, reused every time
+    assert len(cache._blocks) == 1
+
+
+def test_several_objects_of_one_message_share_its_block(
+    rings: Callable[..., Rings], cache: _buffers.BufferCache
+) -> None:
+    torch = pytest.importorskip("torch")
+    np = pytest.importorskip("numpy")
+    ring = rings(2, MIB)
+    tensor, array, data = torch.rand(MIB // 4), np.ones(MIB // 8), os.urandom(MIB)
+    got_tensor, got_array, got_data = ring.transfer(_body, *_frame((tensor, array, data)))
+    del got_array, got_data
+    ring.transfer(_body, *_frame((torch.zeros(MIB // 4), np.zeros(MIB // 8), bytes(MIB))))
+    assert torch.equal(got_tensor, tensor)  # the block was still in use through the tensor
+    assert cache.stats()[1] > 0
+
+
+def test_large_buffer_of_a_one_slot_message_is_copied_into_the_cache(
+    cache: _buffers.BufferCache,
+) -> None:
+    # The slot is reused as soon as decode returns: the tensor must own a copy.
+    torch = pytest.importorskip("torch")
+    tensor = torch.rand(2 * MIB // 4)
+    slot = bytearray(b"".join(bytes(p) for p in _frame((tensor,))[0]))
+    (back,) = decode(memoryview(slot))[4]
+    slot[:] = b"".join(bytes(p) for p in _frame((torch.zeros(2 * MIB // 4),))[0])
+    assert torch.equal(back, tensor)
+    assert cache.stats()[1] >= tensor.nbytes
+    (again,) = decode(memoryview(slot))[4]  # the next message in that slot
+    assert again.data_ptr() != back.data_ptr()
+    assert bool((again == 0).all())
+    assert torch.equal(back, tensor)
+
+
+def test_small_buffers_do_not_use_the_cache(cache: _buffers.BufferCache) -> None:
+    parts, _ = _frame((b"s" * (MIB - 1000),))
+    frame = bytearray(b"".join(bytes(p) for p in parts))
+    assert decode(memoryview(frame))[4] == (b"s" * (MIB - 1000),)
+    assert cache._blocks == []
+    view = cache.take(cache.min_bytes - 1)
+    assert isinstance(view.obj, bytearray)
+
+
+def test_owned_frame_is_used_in_place(cache: _buffers.BufferCache) -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.rand(3 * MIB // 4)
+    parts, nbytes = _frame((tensor,))
+    whole = cache.take(nbytes)
+    whole[:] = b"".join(bytes(p) for p in parts)
+    (back,) = decode(pickle.PickleBuffer(whole))[4]
+    del whole
+    assert cache.stats()[1] > 0  # the tensor holds the block
+    assert torch.equal(back, tensor)
+
+
+# --- bounds and release -------------------------------------------------------------------
+
+
+def test_release_unmaps_free_blocks_only(cache: _buffers.BufferCache) -> None:
+    kept = cache.take(3 * MIB)
+    freed = cache.take(5 * MIB)
+    freed_block = cache._blocks[-1]
+    del freed
+    assert cache.stats() == (5 * MIB, 3 * MIB)
+    assert cache.release() == 5 * MIB
+    assert freed_block.map.closed
+    assert cache.stats() == (0, 3 * MIB)
+    kept[:4] = b"live"  # the block in use is untouched
+    del kept
+    assert cache.release() == 3 * MIB
+    assert cache._blocks == []
+
+
+def test_module_release_uses_the_process_cache(cache: _buffers.BufferCache) -> None:
+    del cache  # the fixture made it the process's cache
+    view = _buffers.take(2 * MIB)
+    del view
+    assert _buffers.release() == 2 * MIB
+
+
+def test_free_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _buffers.BufferCache(max_idle_bytes=10 * MIB)
+    views = [cache.take(n * MIB) for n in (4, 4, 4, 12)]
+    del views
+    cache.trim()  # the most recently used that fit the bound stay
+    free, used = cache.stats()
+    assert used == 0
+    assert free <= 10 * MIB
+    assert free == 8 * MIB  # two of 4 MiB; the 12 MiB block is bigger than the bound
+    cache.release()
+
+
+def test_blocks_in_use_are_tracked_up_to_a_bound() -> None:
+    cache = _buffers.BufferCache(max_blocks=3)
+    views = [cache.take(MIB) for _ in range(5)]
+    assert len(cache._blocks) == 3  # the oldest are forgotten: their memory goes with them
+    views[0][:3] = b"abc"  # still valid: a forgotten block stays mapped while it is used
+    assert bytes(views[0][:3]) == b"abc"
+    del views
+    assert cache.release() == 3 * MIB
+
+
+def test_idle_free_blocks_are_unmapped() -> None:
+    cache = _buffers.BufferCache(idle_s=0.05)
+    view = cache.take(2 * MIB)
+    del view
+    assert cache.trim() == 0  # first seen free now
+    assert cache.stats()[0] == 2 * MIB
+    time.sleep(0.06)
+    assert cache.trim() == 2 * MIB
+    assert cache._blocks == []
+
+
+def test_a_block_reused_before_it_idles_is_kept() -> None:
+    cache = _buffers.BufferCache(idle_s=0.05)
+    for _ in range(4):
+        view = cache.take(2 * MIB)
+        time.sleep(0.03)  # in use longer than idle_s: not idle, in use
+        del view
+        cache.tick()
+    assert len(cache._blocks) == 1
+    cache.release()
+
+
+def test_a_waiting_reader_gives_cached_memory_back(
+    rings: Callable[..., Rings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = _buffers.BufferCache(idle_s=0.05)
+    monkeypatch.setattr(_buffers, "cache", cache)
+    ring = rings(2, MIB)
+    payload = os.urandom(3 * MIB)
+    assert ring.transfer(bytes, [payload], len(payload)) == payload
+    assert cache.stats()[0] > 0  # the message's block, free and cached
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(ring.readers[0].read(bytes)))
+    reader.start()  # waits without a deadline for the next message
+    deadline = time.monotonic() + WAIT
+    while cache._blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cache._blocks == []  # unmapped while the reader waited
+    assert ring.writer.write([b"next"], 4, deadline=time.monotonic() + WAIT)
+    reader.join(WAIT)
+    assert got == [b"next"]
+
+
+def test_busy_reader_trims_on_small_messages(
+    rings: Callable[..., Rings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = _buffers.BufferCache(idle_s=0.05)
+    monkeypatch.setattr(_buffers, "cache", cache)
+    ring = rings(2, MIB)
+    payload = os.urandom(3 * MIB)
+    ring.transfer(bytes, [payload], len(payload))
+    deadline = time.monotonic() + WAIT
+    while cache._blocks and time.monotonic() < deadline:
+        assert ring.transfer(bytes, [b"small"], 5) == b"small"
+        time.sleep(0.01)
+    assert cache._blocks == []
+
+
+def test_capacity_rounds_up_by_at_most_a_quarter() -> None:
+    for nbytes in (MIB, MIB + 1, 3 * MIB - 7, 17 * MIB, 64 * MIB + 200, 129 * MIB):
+        capacity = _buffers._capacity(nbytes)
+        assert nbytes <= capacity <= nbytes * 5 // 4 + _buffers._GRANULE
+    assert _buffers._capacity(16 * MIB) == 16 * MIB
+    assert _buffers._capacity(16 * MIB + 1) == 20 * MIB
+
+
+def test_interrupted_large_read_leaves_the_block_free(
+    rings: Callable[..., Rings], cache: _buffers.BufferCache
+) -> None:
+    ring = rings(2, MIB)
+    payload = b"x" * (5 * MIB)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ring.writer.write([payload], len(payload), None, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ring.readers[0].read(bytes, None, interrupt)
+    assert ring.readers[0].broken
+    assert cache.stats()[1] == 0  # the half-read message's block went back to the cache
+
+
+def test_a_block_with_a_live_view_is_never_unmapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Defence in depth: were the reference count ever misread, the mapping refuses to close
+    # while exported, and the cache keeps the block as in use.
+    cache = _buffers.BufferCache()
+    view = cache.take(2 * MIB)
+    monkeypatch.setattr(_buffers, "_free", lambda block: True)
+    assert cache.release() == 0
+    view[:2] = b"ok"
+    assert len(cache._blocks) == 1
+    monkeypatch.undo()
+    del view
+    assert cache.release() == 2 * MIB
+
+
+def test_messages_of_nearly_one_size_share_a_block() -> None:
+    cache = _buffers.BufferCache()
+    for nbytes in (17 * MIB, 19 * MIB + 5, 18 * MIB, 20 * MIB):
+        view = cache.take(nbytes)
+        assert len(view) == nbytes
+        del view
+    assert len(cache._blocks) == 1  # all within one quarter step: one block of 20 MiB
+    assert cache.stats() == (20 * MIB, 0)
+    view = cache.take(21 * MIB)  # the next step: a block of its own
+    assert len(cache._blocks) == 2
+    del view
+    cache.release()
