@@ -7,10 +7,9 @@ from typing import Any
 
 import attrs
 
-from executor_channel.shm import RingSizes
+from executor_channel.options import ChannelOptions
 from executor_core.options import (
     boolean,
-    integer,
     number,
     one_of,
     option,
@@ -49,7 +48,7 @@ def _resources(value: Any) -> dict[str, float]:
 
 
 @attrs.frozen(kw_only=True)
-class RayOptions:
+class RayOptions(ChannelOptions):
     """What ``ExecutorConfig.backend_options`` may hold for ``backend="ray"``.
 
     Every key is optional; see the distribution's README for the user-facing table.
@@ -69,19 +68,6 @@ class RayOptions:
     placement_timeout: float = option(60.0, number(above=0.0))
     #: Seconds to wait for the actors to start and run init_device + load_model.
     startup_timeout: float = option(600.0, number(above=0.0))
-    #: Slots in the driver node's broadcast ring of calls (see the mp backend's options).
-    slots: int = option(4, integer(at_least=2))
-    #: Bytes per broadcast slot; a bigger call is streamed through several slots.
-    slot_bytes: int = option(16 * _MIB, integer(at_least=4096))
-    #: Slots in each driver-node worker's reply ring.
-    reply_slots: int = option(2, integer(at_least=1))
-    #: Bytes per reply slot (default: ``slot_bytes``).
-    reply_slot_bytes: int | None = option(None, optional(integer(at_least=4096)))
-    #: Seconds a waiting reader or writer of the rings spins before it sleeps.
-    spin_s: float = option(50e-6, number(at_least=0.0, at_most=0.01))
-    #: Seconds without a heartbeat after which a worker on another node counts as lost (Ray's
-    #: own monitor usually reports it first), or, for such a worker, its driver.
-    node_timeout_s: float = option(1.0, number(at_least=0.2, at_most=600.0))
     #: Logical CPUs of a local instance this backend starts (default: the machine's count).
     local_num_cpus: float | None = option(None, optional(number(at_least=0.0)))
     #: GPUs of a local instance this backend starts (default: Ray's detection).
@@ -90,19 +76,6 @@ class RayOptions:
     temp_dir: str | None = option(None, optional(text()))
     #: Forward the actors' stdout/stderr to this process (a local instance only).
     log_to_driver: bool = option(True, boolean())
-
-    @property
-    def ring_sizes(self) -> RingSizes:
-        """The sizes of the driver node's rings."""
-        return RingSizes(
-            slots=self.slots,
-            slot_bytes=self.slot_bytes,
-            reply_slots=self.reply_slots,
-            reply_slot_bytes=self.slot_bytes
-            if self.reply_slot_bytes is None
-            else self.reply_slot_bytes,
-            spin_s=self.spin_s,
-        )
 
     @classmethod
     def from_backend_options(cls, options: Mapping[str, Any]) -> RayOptions:
