@@ -16,10 +16,10 @@ from typing import Any
 import attrs
 import psutil
 import pytest
-import zmq
 from mp_nodes import Agents, agent_env, agents, node_secret
 from mp_test_helpers import wait_gone
 
+from executor_channel.testing import throw_garbage
 from executor_core import ConfigError, Executor, ExecutorError, WorkerDiedError, create_executor
 from executor_core.backend import Registry, find_free_port
 from executor_core.testing import ExecutorConformanceTests, conformance_config
@@ -193,7 +193,9 @@ class TestNodes:
 
             caller = threading.Thread(target=calls)
             caller.start()
-            sent = _fuzz(port, 10_000)
+            sent = throw_garbage(f"tcp://127.0.0.1:{port}", 10_000)
+            listener = executor.transport._driver.hub._listener  # type: ignore[attr-defined]
+            _wait_for_drops(listener, 10_000)
             stop.set()
             caller.join(30)
             assert counts
@@ -204,37 +206,12 @@ class TestNodes:
         assert sent >= 10_000
 
 
-def _fuzz(port: int, count: int) -> int:
-    """Send ``count`` unsigned, truncated and random frames to the listener at ``port`` from
-    several fresh connections; return how many were sent."""
-    import random
-
-    rng = random.Random(13)
-    context = zmq.Context()
-    sent = 0
-    try:
-        for batch in range(10):
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            for i in range(count // 10):
-                kind = (i + batch) % 4
-                if kind == 0:
-                    parts = [rng.randbytes(rng.randrange(0, 200))]
-                elif kind == 1:
-                    parts = [rng.randbytes(86), b"\x80\x05K\x01.", rng.randbytes(32)]
-                elif kind == 2:
-                    parts = [
-                        rng.randbytes(rng.randrange(1, 64)) for _ in range(rng.randrange(1, 6))
-                    ]
-                else:
-                    parts = [b"J", json.dumps({"node_rank": 1}).encode()]
-                sock.send_multipart(parts)
-                sent += 1
-            sock.close(linger=1000)
-    finally:
-        context.term()
-    return sent
+def _wait_for_drops(listener: Any, count: int) -> None:
+    """Wait (up to 30 s) until the listener has dropped ``count`` frames: every one sent."""
+    deadline = time.monotonic() + 30
+    while sum(listener.drops.values()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(listener.drops.values()) >= count, listener.drops
 
 
 DRIVER = textwrap.dedent(

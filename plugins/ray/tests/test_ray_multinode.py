@@ -130,3 +130,45 @@ def test_connects_to_an_address_and_only_disconnects(ray_cluster: Cluster) -> No
     finally:
         if not ray.is_initialized():
             ray.init(address=ray_cluster.address, log_to_driver=False, logging_level="WARNING")
+
+
+def test_garbage_at_the_hub_is_dropped_and_calls_go_on(ray_cluster: Cluster) -> None:
+    """The hub listens on the driver's node IP: 10,000 frames made without the executor's
+    secret are dropped, and calls going on meanwhile all succeed."""
+    import threading
+
+    from executor_channel.testing import throw_garbage
+
+    executor = make(placement_strategy="SPREAD")
+    try:
+        hub = executor.transport._driver.hub  # type: ignore[union-attr]  # set: workers elsewhere
+        assert hub is not None
+        address = hub._listener.address
+        stop = threading.Event()
+        done: list[int] = []
+
+        def calls() -> None:
+            count = 0
+            while not stop.is_set():
+                assert executor.collective_rpc("echo", args=(count,)) == [
+                    (0, (count,), {}),
+                    (1, (count,), {}),
+                ]
+                count += 1
+            done.append(count)
+
+        caller = threading.Thread(target=calls)
+        caller.start()
+        assert throw_garbage(address, 10_000) == 10_000
+        deadline = time.monotonic() + 30  # every frame sent is dropped, and counted
+        while sum(hub._listener.drops.values()) < 10_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(hub._listener.drops.values()) >= 10_000, hub._listener.drops
+        stop.set()
+        caller.join(30)
+        assert done
+        assert done[0] > 0
+        assert not executor.is_failed
+        assert executor.collective_rpc("get_rank") == [0, 1]
+    finally:
+        executor.shutdown()
