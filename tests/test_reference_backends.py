@@ -413,8 +413,18 @@ def test_main_job_across_three_nodes_gives_the_same_tokens(
     from executor_core.backend import find_free_port
 
     monkeypatch.setenv("EXECUTOR_CHANNEL_SECRET", secrets.token_hex(32))
-    port = find_free_port()
-    agent_cmd = [sys.executable, "-m", "executor_core", "node", "--master-port", str(port)]
+    port = find_free_port("127.0.0.2")
+    # The driver listens on 127.0.0.2, not the default 127.0.0.1: the agents find it there.
+    agent_cmd = [
+        sys.executable,
+        "-m",
+        "executor_core",
+        "node",
+        "--master-addr",
+        "127.0.0.2",
+        "--master-port",
+        str(port),
+    ]
     agents = [
         subprocess.Popen([*agent_cmd, "--node-rank", str(rank), "--join-timeout", "120"])
         for rank in (1, 2)
@@ -429,6 +439,8 @@ def test_main_job_across_three_nodes_gives_the_same_tokens(
             "3",
             "--num-nodes",
             "3",
+            "--distributed-host",
+            "127.0.0.2",
             "--backend-option",
             f"node_port={port}",
         )
