@@ -34,7 +34,7 @@ def check_free_space(nbytes: int, directory: str = SHM_DIR) -> None:
 
 def _too_small(needed: int, free: int, directory: str) -> str:
     return (
-        f"{directory} has {free / _MIB:.0f} MiB free but the 'mp' backend needs "
+        f"{directory} has {free / _MIB:.0f} MiB free but the executor needs "
         f"{needed / _MIB:.0f} MiB for its shared-memory rings; lower backend_options "
         "'slots', 'slot_bytes', 'reply_slots' or 'reply_slot_bytes', or give the machine "
         "more shared memory (for Docker: --shm-size)"

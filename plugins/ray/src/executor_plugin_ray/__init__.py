@@ -50,9 +50,9 @@ def executor_register_backends() -> list[BackendSpec]:
             name="ray",
             executor="executor_plugin_ray._executor:RayExecutor",
             description=(
-                "One Ray actor per rank in a placement group, on one node or many; "
-                "direct socket calls on one node (across nodes on request); "
-                "compiled-graph execute_model on request."
+                "One Ray actor per rank in a placement group, on one node or many; calls "
+                "through shared-memory rings on the driver's node and the authenticated hub "
+                "elsewhere."
             ),
             capabilities=Capabilities(
                 pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")

@@ -11,7 +11,7 @@ call), then sees end-of-file and ends the process with ``os._exit``, running not
 could hang (no Ray call, no atexit handler, no lock).
 
 The driver listens while the actors connect at start (an abstract Unix socket when every
-actor is on its node, as ``_direct`` does; else TCP at its node's IP, which Ray's own traffic
+actor is on its node; else TCP at its node's IP, which Ray's own traffic
 reaches), then stops listening; no port stays open and no worker node opens one. A fork of
 the driver closes its copies of these sockets at once (``os.register_at_fork``), so a child
 does not keep the actors alive.
