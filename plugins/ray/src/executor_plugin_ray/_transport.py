@@ -123,8 +123,10 @@ class RayTransport(Transport):
             for actor, wrapper in zip(self.actors, wrappers, strict=True)
         ]
         raise_failures(startup.gather(inits, "init_worker", deadline))
-        local = [p.rank for p in placements if p.node_id == driver_node]
-        remote = [p.rank for p in placements if p.node_id != driver_node]
+        # Under Ray Client (ray://) this process is on no Ray node: every worker joins the hub.
+        on_a_node = not ray.util.client.ray.is_connected()  # type: ignore[no-untyped-call]  # unannotated in ray
+        local = [p.rank for p in placements if on_a_node and p.node_id == driver_node]
+        remote = [p.rank for p in placements if p.rank not in local]
         self.ranks_on_rings, self.ranks_on_hub = tuple(local), tuple(remote)
         rings = self._attach_local(local, startup, deadline) if local else None
         hub = self._join_remote(remote, rings, startup, deadline) if remote else None
@@ -184,7 +186,10 @@ class RayTransport(Transport):
             )
             for rank in ranks
         ]
-        hint = "their Ray actors could not reach this node's IP; see the actors' logs"
+        hint = (
+            f"their Ray actors could not reach this process at {listener.address} (a firewall, "
+            "or a driver outside the cluster's network); see the actors' logs"
+        )
         hub.join(ranks, __version__, max(0.0, deadline - time.monotonic()), hint)
         placements = self.placements
         for member in hub.nodes:
