@@ -1,0 +1,383 @@
+"""A CPU tensor to 2 workers: the mp backend against vLLM's shared-memory MessageQueue.
+
+    .venv/bin/python benchmarks/bench_vs_vllm_mq.py --vllm-path DIR [--blocks 8]
+        [--reply pipe|mq] [--settle-s 1.2] [--scale 1.0]
+
+Issue 13, item 5: "A 16 MiB CPU tensor to 2 workers costs at most 0.8x vLLM's MessageQueue
+out-of-band path measured in the same run."
+
+``mp``: the mp backend at its default options (``EXECUTOR_PLUGINS=multiproc``, as in
+bench_multiproc.py, so that the development install's test fixtures are not loaded), 2
+workers, ``collective_rpc("numel", args=(tensor,))``: every worker receives the float32 CPU
+tensor and returns its ``numel()``.
+
+``vLLM MQ``: vLLM's ``MessageQueue`` (vllm/distributed/device_communicators/shm_broadcast.py)
+with one writer (this process) and 2 local reader processes, at the constructor's defaults
+(``max_chunk_bytes`` 24 MiB, ``max_chunks`` 10, no tensor arena). The writer enqueues
+``("numel", (tensor,))``: vLLM pickles with protocol 5 and a ``buffer_callback`` that takes
+buffers of 1 MiB and more out of band (a CPU tensor becomes one such buffer); a message that
+fits ``max_chunk_bytes`` goes through the shared-memory ring (the writer copies it in, each
+reader copies the out-of-band buffer out), a larger one overflows to a zmq ipc socket. Each
+reader dequeues (``indefinite=True``, as vLLM's worker loop does) and replies with the tiny
+``numel`` through a ``multiprocessing.Pipe`` (``send_bytes`` of pickle protocol 5): the
+cheapest reply measured here. ``--reply mq`` answers instead through the reader's own
+``MessageQueue(1, 1)`` with the reader as its writer, the way vLLM's workers answer: about
+10 µs slower at the no-op, the same within noise with tensors. vLLM's waiting is kept as it
+is: a reader spins (``os.sched_yield``) for 1 s after its last read before it sleeps on a
+zmq notification; a writer waiting for a free chunk spins too.
+
+``vLLM MQ 16MiB chunk`` (the 16 MiB row only): the same with ``max_chunk_bytes`` 16 MiB,
+which is what vLLM's multiproc executor passes (``VLLM_MQ_MAX_CHUNK_BYTES_MB`` defaults to
+16): there a 16 MiB tensor does not fit a chunk and overflows to the zmq socket. For the
+other sizes the two settings take the same path (1 MiB and the no-op fit both; 64 MiB
+overflows both).
+
+The sides run in the same run, interleaved in ``--blocks`` blocks per size (the order
+alternating). After each vLLM block the run sleeps ``--settle-s`` seconds so that the
+readers' 1 s of spinning is over before the next side is timed (without this, 2 spinning
+readers on a small machine slow whatever runs next). Before timing, each side makes 12
+untimed calls per size (vLLM's first write to each of its 10 chunks takes the page faults);
+the first call of every block is not timed either. Reported: median and p99 per round trip
+in µs, and mp's median over vLLM's.
+
+vLLM is not a dependency: ``--vllm-path DIR`` (default ``$VLLM_MQ_PATH``) must be a
+directory from which ``vllm.distributed.device_communicators.shm_broadcast`` imports (a
+vLLM install's site-packages, or a directory holding that file with stand-ins for the few
+vllm modules it imports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from executor_core import ExecutorConfig, WorkerBase, create_executor
+
+MB = 1 << 20
+SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+HEADLINE = "16 MiB tensor"
+#: Untimed calls per side and size first: more than vLLM's ring has chunks (10), whose
+#: first write of each chunk takes the page faults (about 5x a warm call at 16 MiB).
+WARMUP_CALLS = 12
+HOW_TO_GET = """\
+Get vLLM's shm_broadcast.py without installing vllm into this project, for example:
+  .venv/bin/pip download vllm --no-deps -d /tmp/vllm-dl
+  cd /tmp/vllm-dl && unzip -q vllm-*.whl \\
+      'vllm/distributed/device_communicators/shm_broadcast.py'
+then make it importable from one directory (an empty vllm/__init__.py and
+vllm/distributed/__init__.py, vllm/distributed/device_communicators/__init__.py, and
+minimal stand-ins for what it imports: vllm.envs, vllm.logger, vllm.platforms,
+vllm.distributed.utils (sched_yield, StatelessProcessGroup), vllm.utils.network_utils,
+vllm.utils.cpu_resource_utils), or point --vllm-path at a site-packages with vllm installed.
+Then: --vllm-path DIR, or VLLM_MQ_PATH=DIR."""
+
+
+class BenchWorker(WorkerBase):
+    """The mp executor's worker (spawned workers import it from this script, as
+    bench_multiproc.py's do)."""
+
+    def noop(self) -> None:
+        return None
+
+    def numel(self, tensor: Any) -> int:
+        return int(tensor.numel())
+
+
+# --- vLLM's side -------------------------------------------------------------------------
+
+
+def vllm_reader(handle: Any, rank: int, conn: Connection, reply: str) -> None:
+    """A reader process: dequeue, answer the numel (or None for the no-op), until None."""
+    shm_broadcast = importlib.import_module(SHM_MODULE)
+    queue = shm_broadcast.MessageQueue.create_from_handle(handle, rank)
+    answers = None
+    if reply == "mq":
+        answers = shm_broadcast.MessageQueue(1, 1)
+        conn.send(answers.export_handle())
+    queue.wait_until_ready()
+    if answers is not None:
+        answers.wait_until_ready()
+    try:
+        while True:
+            message = queue.dequeue(indefinite=True)
+            if message is None:
+                return
+            method, args = message
+            result = int(args[0].numel()) if method == "numel" else None
+            del message, args
+            if answers is not None:
+                answers.enqueue(result)
+            else:
+                conn.send_bytes(pickle.dumps(result, protocol=5))
+    finally:
+        conn.send_bytes(b"bye")
+        del queue, answers
+        gc.collect()
+
+
+class VllmQueue:
+    """vLLM's MessageQueue to ``workers`` local reader processes."""
+
+    spins = True
+
+    def __init__(self, workers: int, reply: str, max_chunk_bytes: int | None = None) -> None:
+        shm_broadcast = importlib.import_module(SHM_MODULE)
+        self.reply = reply
+        self.name = "vLLM MQ" if max_chunk_bytes is None else "vLLM MQ 16MiB chunk"
+        extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
+        self.queue = shm_broadcast.MessageQueue(workers, workers, **extra)
+        #: This side's shared memory: its ring, and the readers' reply rings.
+        self.ring_names = [self.queue.buffer.shared_memory.name]
+        ctx = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(workers):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(
+                target=vllm_reader,
+                args=(self.queue.export_handle(), rank, there, reply),
+                daemon=True,
+            )
+            proc.start()
+            there.close()
+            self.conns.append(here)
+            self.procs.append(proc)
+        self.answers: list[Any] = []
+        if reply == "mq":
+            handles = [conn.recv() for conn in self.conns]
+        self.queue.wait_until_ready()
+        if reply == "mq":
+            for handle in handles:
+                self.ring_names.append(handle.buffer_handle[3])
+                answers = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
+                answers.wait_until_ready()
+                self.answers.append(answers)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        self.queue.enqueue((method, args))
+        if self.reply == "mq":
+            return [answers.dequeue() for answers in self.answers]
+        return [pickle.loads(conn.recv_bytes()) for conn in self.conns]
+
+    def close(self) -> None:
+        self.queue.enqueue(None)
+        for conn in self.conns:
+            with contextlib.suppress(EOFError):
+                while conn.recv_bytes() != b"bye":
+                    pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        for conn in self.conns:
+            conn.close()
+        # The ring's creator unlinks it when collected (ShmRingBuffer.__del__); the
+        # readers' reply rings are theirs and went with them.
+        del self.queue, self.answers
+        gc.collect()
+
+
+# --- ours --------------------------------------------------------------------------------
+
+
+class Mp:
+    name = "mp"
+    spins = False
+
+    def __init__(self, workers: int) -> None:
+        self.executor = create_executor(
+            ExecutorConfig(worker_cls=BenchWorker, backend="mp", tensor_parallel_size=workers)
+        )
+
+    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        return self.executor.collective_rpc(method, args=args)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(
+    sides: list[Any],
+    method: str,
+    args: tuple[Any, ...],
+    expect: Any,
+    calls: int,
+    blocks: int,
+    settle_s: float,
+) -> dict[str, list[float]]:
+    """``calls`` timed round trips per side, in ``blocks`` interleaved blocks."""
+    samples: dict[str, list[float]] = {side.name: [] for side in sides}
+    per_block = max(3, calls // blocks)
+    for side in sides:  # warm-up: touch every slot of the rings (vLLM's has 10) once
+        for _ in range(WARMUP_CALLS):
+            side.call(method, args)
+        if side.spins:
+            time.sleep(settle_s)
+    for block in range(blocks):
+        order = sides if block % 2 == 0 else sides[::-1]
+        for side in order:
+            out = samples[side.name]
+            result = side.call(method, args)  # untimed: wakes the side up
+            assert result == [expect, expect], (side.name, result)
+            for _ in range(per_block):
+                start = time.perf_counter()
+                side.call(method, args)
+                out.append(time.perf_counter() - start)
+            if side.spins:
+                time.sleep(settle_s)
+    return samples
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}"
+
+
+def import_vllm(path: str | None) -> Any:
+    if not path:
+        print(f"No --vllm-path given and VLLM_MQ_PATH is not set.\n\n{HOW_TO_GET}")
+        sys.exit(2)
+    sys.path.insert(0, os.path.abspath(path))  # spawned readers inherit sys.path
+    try:
+        module = importlib.import_module(SHM_MODULE)
+        module.MessageQueue  # noqa: B018  (fail here, not in a reader)
+    except Exception as exc:  # noqa: BLE001  (any failure: say how to get it)
+        print(f"Cannot import {SHM_MODULE} from {path}: {exc!r}\n\n{HOW_TO_GET}")
+        sys.exit(2)
+    return module
+
+
+def describe_vllm(module: Any) -> str:
+    vllm = sys.modules.get("vllm")
+    version = getattr(vllm, "__version__", "unknown version")
+    return f"vllm {version} from {os.path.dirname(os.path.abspath(module.__file__))}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-path", default=os.environ.get("VLLM_MQ_PATH"))
+    parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks per size")
+    parser.add_argument(
+        "--reply",
+        choices=("mq", "pipe"),
+        default="pipe",
+        help="how vLLM's readers answer: a Pipe, or their own MessageQueue(1, 1)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.2,
+        help="sleep after each vLLM block (its readers spin for 1 s after a read)",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the number of calls per size"
+    )
+    args = parser.parse_args()
+    module = import_vllm(args.vllm_path)
+    # Load only the plugin under test (the dev install also has test fixtures).
+    os.environ["EXECUTOR_PLUGINS"] = "multiproc"
+    # vLLM's zmq ipc sockets go under VLLM_RPC_BASE_PATH (the readers inherit it).
+    ipc_dir = tempfile.mkdtemp(prefix="bench-vllm-mq-")
+    os.environ["VLLM_RPC_BASE_PATH"] = ipc_dir
+
+    import torch
+
+    workers = 2
+    # name -> (method, args, expected reply per worker, timed calls per side)
+    workloads: dict[str, tuple[str, tuple[Any, ...], Any, int]] = {"noop": ("noop", (), None, 2000)}
+    for mib, calls in ((1, 800), (16, 400), (64, 80)):
+        tensor = torch.ones(mib * MB // 4, dtype=torch.float32)
+        workloads[f"{mib} MiB tensor"] = ("numel", (tensor,), tensor.numel(), calls)
+
+    print(
+        f"cores: {os.cpu_count()}; load average at start: "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
+    print(f"baseline: {describe_vllm(module)}; vLLM readers reply via {args.reply}")
+    print(
+        f"{workers} workers; times in µs per round trip; ratio = mp median / vLLM median; "
+        f"{args.blocks} interleaved blocks per size, {args.settle_s:g} s settle after "
+        "each vLLM block\n"
+    )
+    samples: dict[str, dict[str, list[float]]] = {}
+    sides: list[Any] = []
+    ring_names: list[str] = []
+    try:
+        sides = [Mp(workers)]
+        for chunk in (None, 16 * MB):
+            sides.append(VllmQueue(workers, args.reply, max_chunk_bytes=chunk))
+            ring_names += sides[-1].ring_names
+        for name, (method, call_args, expect, calls) in workloads.items():
+            here = sides if name == HEADLINE else sides[:2]
+            samples[name] = measure(
+                here,
+                method,
+                call_args,
+                expect,
+                max(args.blocks, int(calls * args.scale)),
+                args.blocks,
+                args.settle_s,
+            )
+    finally:
+        for side in sides:
+            side.close()
+        sides.clear()
+        gc.collect()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        left = [n for n in ring_names if os.path.exists(f"/dev/shm/{n.lstrip('/')}")]
+        if left:
+            print(f"warning: shared memory left behind: {left}")
+
+    print("| size | side | median µs | p99 µs | n | mp / this |")
+    print("|---|---|---|---|---|---|")
+    ratios: dict[str, float] = {}
+    for name, by_side in samples.items():
+        mp_median = statistics.median(by_side["mp"])
+        for side_name, times in by_side.items():
+            median = statistics.median(times)
+            ratio = "" if side_name == "mp" else f"{mp_median / median:.2f}"
+            if side_name == "vLLM MQ":
+                ratios[name] = mp_median / median
+            print(
+                f"| {name} | {side_name} | {fmt(median)} | {fmt(percentile(times, 0.99))} "
+                f"| {len(times)} | {ratio} |"
+            )
+    print()
+    if HEADLINE in ratios:
+        headline = samples[HEADLINE]
+        print(f"{HEADLINE}: mp / vLLM MQ = {ratios[HEADLINE]:.2f} (target <= 0.8x)")
+        if "vLLM MQ 16MiB chunk" in headline:
+            other = statistics.median(headline["mp"]) / statistics.median(
+                headline["vLLM MQ 16MiB chunk"]
+            )
+            print(
+                f"{HEADLINE}: mp / vLLM MQ with the executor's 16 MiB chunk (zmq overflow) "
+                f"= {other:.2f}"
+            )
+    print(
+        "load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    )
+
+
+if __name__ == "__main__":
+    main()
