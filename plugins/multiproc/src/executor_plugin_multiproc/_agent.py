@@ -90,6 +90,8 @@ class _Agent:
         self._last_seen = time.monotonic()
         self._last_sent = 0.0
         self._all_ready = False
+        #: Call frames received and not yet written into the ring (it was full).
+        self._pending: collections.deque[memoryview] = collections.deque()
 
     def run(self) -> int:
         from . import __version__
@@ -193,9 +195,15 @@ class _Agent:
         timeout = spec.options.node_timeout_s
         interval = timeout / 4
         fds = [channel.reply_bell.fd, self._death_bell.fd]
+        looked = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - looked > 2 * interval:
+                # This process was not scheduled (or was busy) for a while: what the driver
+                # sent meanwhile is read below, so its silence only counts from here.
+                self._last_seen = max(self._last_seen, now - interval)
             frames_waiting, woken = link.wait(max(0.0, min(interval, self._next_ping() - now)), fds)
+            looked = time.monotonic()
             if woken:
                 channel.reply_bell.clear()
                 self._death_bell.clear()
@@ -224,8 +232,9 @@ class _Agent:
         assert self._spec is not None
         return self._last_sent + self._spec.options.node_timeout_s / 4
 
-    def _receive(self, calls: Ring) -> int | None:
-        """Handle what the driver sent; an exit status once this node is done."""
+    def _drain(self) -> int | None:
+        """Read everything the driver sent: calls are queued for the ring; an exit status if
+        the driver stopped this node."""
         while True:
             try:
                 message = self._link.recv(0)
@@ -235,19 +244,36 @@ class _Agent:
             parts = message.parts
             op = bytes(parts[0]) if parts else b""
             if op == wire.CALL and len(parts) == 2:
-                frame = parts[1]
-                calls.write([frame], frame.nbytes, None, self._while_writing)
-                if frame.nbytes and frame[0] == KIND_STOP:
-                    return self._stop()
+                self._pending.append(parts[1])
             elif op == wire.READY:
                 self._all_ready = True
             elif op == wire.KILL:
                 logger.info("node %d: the driver stopped this node", self._node_rank)
                 return 0
 
+    def _receive(self, calls: Ring) -> int | None:
+        """Handle what the driver sent, writing its calls into the ring in order; an exit
+        status once this node is done."""
+        status = self._drain()
+        if status is not None:
+            return status
+        pending = self._pending
+        while pending:
+            frame = pending.popleft()
+            try:
+                calls.write([frame], frame.nbytes, None, self._while_writing)
+            except _Killed:
+                return 0
+            if frame.nbytes and frame[0] == KIND_STOP:
+                return self._stop()
+        return None
+
     def _while_writing(self) -> None:
-        """The node's call ring is full: keep replies and heartbeats flowing meanwhile."""
+        """The node's call ring is full (its workers are busy): keep replies, heartbeats and
+        the driver's messages flowing meanwhile, so that a long call is no silence."""
         self._forward_replies()
+        if self._drain() is not None:
+            raise _Killed
         if time.monotonic() >= self._next_ping():
             self._send([wire.PING])
 
@@ -295,6 +321,10 @@ class _Agent:
         timeout = self._spec.options.node_timeout_s if self._spec else self._join_timeout
         self._link.send(parts, timeout=timeout)
         self._last_sent = time.monotonic()
+
+
+class _Killed(Exception):
+    """The driver said KILL while a call was being written into the full ring."""
 
 
 def _owned(view: Received) -> Any:
