@@ -1,32 +1,41 @@
 """Ray backend benchmark: this backend against raw Ray on the same kind of actor, side by side.
 
-    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--phases 60]
+    .venv/bin/python benchmarks/bench_ray.py [--rounds 20] [--calls 25] [--large-rounds 10]
+        [--large-calls 4] [--phases 20]
 
-For 1 and 2 workers, in one Ray instance, on each of the backend's call paths (direct calls,
-the default on one node, and Ray actor calls, ``direct_calls=False``, as across nodes):
+The backend at default options: Ray places and watches the actors, every call goes through
+executor-channel (here, one node: the workers read the driver's shared-memory rings). In one
+local Ray instance, for 1 and 2 workers:
 
 * no-op ``collective_rpc("get_rank")`` against ``ray.get([a.get_rank.remote() ...])``;
-* a 1 MB argument (``payload_size``) against the same raw call with the same bytes;
-* ``execute_model`` (not through a compiled graph) against the same raw calls, back to back
-  and after 30 ms of sleep (every process idle, as between model steps);
+* a 1 MB ``bytes`` argument (``payload_size``) against the same raw call with the same bytes;
+* ``execute_model`` against the same raw actor calls, back to back and after 30 ms of sleep
+  (every process idle, as between model steps);
 
-interleaving the two sides in rounds so that the machine's noise hits both alike, with no
-compiled graph alive; then
+interleaving the two sides in rounds so that the machine's noise hits both alike. With 2
+workers, large arguments: 16 MiB of ``bytes`` and a 16 MiB CPU float32 tensor (each rank
+returns its length, so only the argument travels), against two raw Ray sides interleaved
+with it: ``ray.put`` once per call and the ref passed to both actors (the data enters Ray's
+object store once, as it enters the channel once; target: this backend <= 1.0x), and the
+value passed directly (Ray puts an argument over 100 KiB into its object store per actor
+call). Each of those rows repeats this backend's samples against one raw side.
 
-* ``execute_model`` through the compiled-graph path (``compiled_graph=True``) against a raw
-  Ray Compiled Graph (``InputNode -> one bind per actor -> MultiOutputNode``), in
-  alternating phases with only one graph alive at a time: Ray's graph loops spin while
-  idle, so a graph left alive would take a core from the side being measured. Each phase
-  compiles its graph again on the same actors; a phase's median moves by up to 2x from one
-  compile to the next here, so the row pools ``--phases`` phases per side, and a 95%
-  bootstrap interval over the phase pairs is printed under the table. And, free of that
-  noise, the executor's ``execute_model`` against Ray's own ``execute`` on the executor's
-  live graph: what the executor adds on the driver.
+Then ``execute_model`` through a raw Ray Compiled Graph (``InputNode -> each raw actor's
+step -> MultiOutputNode``, ``experimental_compile``) as the baseline for this backend's
+``execute_model`` on the channel: the compiled-graph path the backend used to offer was to
+stay only if it measurably beat the channel. A live graph's loops spin while idle and would
+take a core from the side being measured, so the sides run in alternating phases, the raw
+graph compiled at the start of each of its phases and torn down at its end; a phase's median
+moves by up to 2x from one compile to the next on 2 cores, so the row pools ``--phases``
+phases per side, and a 95% bootstrap interval over the phase pairs is printed under the
+table. Skipped, with the reason printed, if Ray's compiled graphs are unavailable
+(``--phases 0`` skips them too).
 
 The raw actors are threaded actors with a second concurrency group, as the backend's are.
-Only the plugin under test is loaded (``EXECUTOR_PLUGINS=ray``): the development install also
-registers test fixtures, among them an observer hook that runs on every call.
-Prints median and p99 per call in microseconds and the ratio of medians (target <= 1.1).
+Only the plugin under test is loaded (``EXECUTOR_PLUGINS=ray``, in the driver and, through the
+config's ``env``, in the workers; checked at start): the development install also registers
+test fixtures, among them an observer hook that runs on every call.
+Prints median and p99 per call in microseconds and the ratio of medians.
 """
 
 from __future__ import annotations
@@ -41,15 +50,19 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.dag import InputNode, MultiOutputNode
 
 from executor_core import create_executor
+from executor_core._registry import default_registry
 from executor_core.testing import conformance_config
 from executor_plugin_ray._cluster import acquire_ray
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._options import RayOptions
 
 MB = b"x" * (1 << 20)
+MIB = 1 << 20
+#: The large arguments: 16 MiB, the channel's default slot size (so with its header a
+#: message spans two slots, as any argument above the slot does).
+LARGE_BYTES = 16 * MIB
 #: Only the plugin under test is loaded, in the driver and the workers: the development
 #: install also registers test fixtures, among them an observer hook that runs on every call
 #: (about 4 µs a call here).
@@ -69,7 +82,7 @@ class RawActor:
     def get_rank(self) -> int:
         return self.rank
 
-    def payload_size(self, data: bytes) -> int:
+    def payload_size(self, data: Any) -> int:
         return len(data)
 
     def step(self, batch: Any) -> Any:
@@ -95,6 +108,26 @@ def timed(fn: Callable[[], Any], calls: int, out: list[float], pause: float = 0.
         out.append(time.perf_counter() - start)
 
 
+def compare_sides(
+    sides: dict[str, Callable[[], Any]],
+    rounds: int,
+    calls: int,
+    pause: float = 0.0,
+) -> dict[str, list[float]]:
+    """Each side's samples, the sides interleaved in ``rounds`` rounds of ``calls`` calls
+    after a warm-up of ``calls`` calls each; which side goes first rotates."""
+    for call in sides.values():  # warm-up, not measured
+        for _ in range(calls):
+            call()
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for i in range(rounds):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            timed(sides[name], calls, samples[name], pause)
+    return samples
+
+
 def compare(
     ours: Callable[[], Any],
     raw: Callable[[], Any],
@@ -102,19 +135,8 @@ def compare(
     calls: int,
     pause: float = 0.0,
 ) -> tuple[list[float], list[float]]:
-    for _ in range(calls):  # warm-up, not measured
-        ours()
-        raw()
-    ours_s: list[float] = []
-    raw_s: list[float] = []
-    for i in range(rounds):
-        # Alternate which side goes first, so that neither always follows the other.
-        first, second = (
-            ((ours, ours_s), (raw, raw_s)) if i % 2 == 0 else ((raw, raw_s), (ours, ours_s))
-        )
-        timed(first[0], calls, first[1], pause)
-        timed(second[0], calls, second[1], pause)
-    return ours_s, raw_s
+    samples = compare_sides({"ours": ours, "raw": raw}, rounds, calls, pause)
+    return samples["ours"], samples["raw"]
 
 
 def row(case: str, workers: int, ours: list[float], raw: list[float]) -> str:
@@ -128,118 +150,148 @@ def row(case: str, workers: int, ours: list[float], raw: list[float]) -> str:
     )
 
 
-def _executor(workers: int, compiled_graph: bool, direct_calls: bool = True) -> RayExecutor:
-    options = {
-        "log_to_driver": False,
-        "compiled_graph": compiled_graph,
-        "direct_calls": direct_calls,
-    }
+def _executor(workers: int) -> RayExecutor:
+    """This backend at default options (only the actors' output is not forwarded)."""
     executor = create_executor(
         conformance_config(
-            "ray", world_size=workers, backend_options=options, env={PLUGINS_ENV: "ray"}
+            "ray",
+            world_size=workers,
+            backend_options={"log_to_driver": False},
+            env={PLUGINS_ENV: "ray"},
         )
     )
     assert isinstance(executor, RayExecutor)
-    assert executor.uses_compiled_graph == compiled_graph
-    assert executor.uses_direct_calls == direct_calls
+    # One node: every rank reads the driver's rings, none goes through the hub.
+    assert executor.ranks_on_rings == tuple(range(workers)), executor.ranks_on_rings
+    assert executor.ranks_on_hub == (), executor.ranks_on_hub
+    check_plugins(executor)
     return executor
 
 
-def bench_calls(workers: int, rounds: int, calls: int, direct_calls: bool) -> list[str]:
-    """Calls on one path, no compiled graph alive on either side (its loops spin and would
-    steal the cores from whichever side is measured)."""
-    path = "direct" if direct_calls else "actor calls"
-    executor = _executor(workers, compiled_graph=False, direct_calls=direct_calls)
+def check_plugins(executor: RayExecutor) -> None:
+    """Only the plugin under test is loaded: in this process, and set for the workers."""
+    loaded = sorted(default_registry().plugins)
+    assert loaded == ["ray"], f"plugins loaded in the driver: {loaded}"
+    seen = executor.collective_rpc("get_env", args=(PLUGINS_ENV,))
+    assert seen == ["ray"] * len(seen), f"{PLUGINS_ENV} in the workers: {seen}"
+
+
+def _raw_actors(workers: int) -> list[Any]:
     actors = [RawActor.remote(rank) for rank in range(workers)]
-    ray.get([a.get_rank.remote() for a in actors])
+    ray.get([a.pid.remote() for a in actors])
+    return actors
+
+
+def bench_calls(executor: RayExecutor, actors: list[Any], rounds: int, calls: int) -> list[str]:
+    """Calls of every size a step sends, against the same raw actor calls."""
+    workers = len(actors)
     rows = []
-    try:
-        ours, raw = compare(
-            lambda: executor.collective_rpc("get_rank"),
-            lambda: ray.get([a.get_rank.remote() for a in actors]),
-            rounds,
-            calls,
-        )
-        rows.append(row(f"no-op collective_rpc ({path})", workers, ours, raw))
-        ours, raw = compare(
-            lambda: executor.collective_rpc("payload_size", args=(MB,)),
-            lambda: ray.get([a.payload_size.remote(MB) for a in actors]),
-            rounds,
-            max(1, calls // 2),
-        )
-        rows.append(row(f"1 MB argument ({path})", workers, ours, raw))
-        ours, raw = compare(
-            lambda: executor.execute_model(1),
-            lambda: ray.get([a.step.remote(1) for a in actors]),
-            rounds,
-            calls,
-        )
-        rows.append(row(f"execute_model ({path})", workers, ours, raw))
-        # What a model step pays: the call after the workers and the driver slept 30 ms.
-        ours, raw = compare(
-            lambda: executor.execute_model(1),
-            lambda: ray.get([a.step.remote(1) for a in actors]),
-            max(2, rounds // 2),
-            max(2, calls // 2),
-            pause=0.03,
-        )
-        rows.append(row(f"execute_model after 30 ms idle ({path})", workers, ours, raw))
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        executor.shutdown()
+    ours, raw = compare(
+        lambda: executor.collective_rpc("get_rank"),
+        lambda: ray.get([a.get_rank.remote() for a in actors]),
+        rounds,
+        calls,
+    )
+    rows.append(row("no-op collective_rpc", workers, ours, raw))
+    ours, raw = compare(
+        lambda: executor.collective_rpc("payload_size", args=(MB,)),
+        lambda: ray.get([a.payload_size.remote(MB) for a in actors]),
+        rounds,
+        max(1, calls // 2),
+    )
+    rows.append(row("1 MB argument", workers, ours, raw))
+    ours, raw = compare(
+        lambda: executor.execute_model(1),
+        lambda: ray.get([a.step.remote(1) for a in actors]),
+        rounds,
+        calls,
+    )
+    rows.append(row("execute_model", workers, ours, raw))
+    # What a model step pays: the call after the workers and the driver slept 30 ms.
+    ours, raw = compare(
+        lambda: executor.execute_model(1),
+        lambda: ray.get([a.step.remote(1) for a in actors]),
+        max(2, rounds // 2),
+        max(2, calls // 2),
+        pause=0.03,
+    )
+    rows.append(row("execute_model after 30 ms idle", workers, ours, raw))
     return rows
 
 
-class _Internals:
-    """The executor's actors and compiled graph, wherever this version keeps them: on its
-    transport (``executor._transport``), or on the executor itself before the transport
-    contract, so that this benchmark runs on either tree."""
-
-    def __init__(self, executor: RayExecutor) -> None:
-        self._holder: Any = getattr(executor, "_transport", executor)
-
-    @property
-    def actors(self) -> list[Any]:
-        holder = self._holder
-        actors: list[Any] = getattr(holder, "actors", None) or holder._actors
-        return actors
-
-    @property
-    def _compiled(self) -> Any:
-        return self._holder._compiled
+def _put_once(actors: list[Any], value: Any) -> list[int]:
+    ref = ray.put(value)
+    return ray.get([a.payload_size.remote(ref) for a in actors])
 
 
-def _internals(executor: RayExecutor) -> _Internals:
-    return _Internals(executor)
+def _pass_value(actors: list[Any], value: Any) -> list[int]:
+    return ray.get([a.payload_size.remote(value) for a in actors])
+
+
+def bench_large(executor: RayExecutor, actors: list[Any], rounds: int, calls: int) -> list[str]:
+    """16 MiB of bytes and a 16 MiB tensor to every worker, against raw Ray with one
+    ``ray.put`` per call and its ref passed to every actor, and with the value passed to
+    each actor directly; the three sides interleaved."""
+    import torch
+
+    workers = len(actors)
+    payloads = {
+        "16 MiB bytes": os.urandom(LARGE_BYTES),
+        "16 MiB float32 tensor": torch.rand(LARGE_BYTES // 4, dtype=torch.float32),
+    }
+    rows = []
+    for name, value in payloads.items():
+        expected = [len(value)] * workers
+        assert executor.collective_rpc("payload_size", args=(value,)) == expected
+        assert _put_once(actors, value) == expected
+        samples = compare_sides(
+            {
+                "ours": functools.partial(executor.collective_rpc, "payload_size", args=(value,)),
+                "put": functools.partial(_put_once, actors, value),
+                "value": functools.partial(_pass_value, actors, value),
+            },
+            rounds,
+            calls,
+        )
+        ours = samples["ours"]
+        rows.append(row(f"{name} vs raw `ray.put` once + refs", workers, ours, samples["put"]))
+        rows.append(row(f"{name} vs raw value passed", workers, ours, samples["value"]))
+    return rows
 
 
 def _raw_graph_step(graph: Any) -> Any:
     return ray.get(graph.execute(1))
 
 
-def bench_compiled(workers: int, phases: int, calls: int) -> tuple[str, str]:
-    """The compiled-graph path against a raw compiled graph on the same executor and the same
-    raw actors for the whole run, in alternating phases with one graph live at a time: a
-    live graph's loops spin while idle and would take a core from the side being measured.
-    Between phases this backend's graph is released (``release_compiled_graph``) and the raw
-    one torn down; each phase compiles its graph again.
+def compiled_graph_unavailable() -> str | None:
+    """Why Ray's compiled graphs cannot run here, or None if they can."""
+    try:
+        from ray.dag import InputNode, MultiOutputNode  # noqa: F401
+    except ImportError as exc:
+        return f"ray.dag does not import: {exc}"
+    return None
 
-    A phase's median moves by up to 2x from one compile to the next on 2 cores, on either
-    side, so the row pools many short phases, and the returned note gives a 95% bootstrap
-    interval of the ratio over the phase pairs. Returns (table row, note)."""
-    executor = _executor(workers, compiled_graph=True)
-    actors = [RawActor.remote(rank) for rank in range(workers)]
-    ray.get([a.pid.remote() for a in actors])
+
+def bench_compiled(
+    executor: RayExecutor, actors: list[Any], phases: int, calls: int
+) -> tuple[str, str]:
+    """This backend's ``execute_model`` on the channel against a raw compiled graph on the
+    raw actors, in alternating phases with no graph alive during this backend's phases: a
+    live graph's loops spin while idle and would take a core from the side being measured.
+    Each raw phase compiles its graph again on the same actors and tears it down at its end.
+
+    A phase's median moves by up to 2x from one compile to the next on 2 cores, so the row
+    pools many short phases, and the returned note gives a 95% bootstrap interval of the
+    ratio over the phase pairs. Returns (table row, note)."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    workers = len(actors)
+    step = functools.partial(executor.execute_model, 1)
 
     def ours_phase(out: list[float]) -> None:
-        step = functools.partial(executor.execute_model, 1)
-        try:
-            timed(step, calls, [])  # compiles the graph, then warms up
-            time.sleep(SETTLE_S)
-            timed(step, calls * 4, out)
-        finally:
-            executor.release_compiled_graph()
+        timed(step, calls, [])  # warm-up
+        time.sleep(SETTLE_S)
+        timed(step, calls * 4, out)
 
     def raw_phase(out: list[float]) -> None:
         with InputNode() as inp:
@@ -254,78 +306,24 @@ def bench_compiled(workers: int, phases: int, calls: int) -> tuple[str, str]:
             graph.teardown()
 
     pairs: list[tuple[list[float], list[float]]] = []
-    try:
-        for phase in range(phases):
-            ours_phase_s: list[float] = []
-            raw_phase_s: list[float] = []
-            for side in ("ours", "raw") if phase % 2 == 0 else ("raw", "ours"):
-                if side == "ours":
-                    ours_phase(ours_phase_s)
-                else:
-                    raw_phase(raw_phase_s)
-            pairs.append((ours_phase_s, raw_phase_s))
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        executor.shutdown()
+    for phase in range(phases):
+        ours_phase_s: list[float] = []
+        raw_phase_s: list[float] = []
+        for side in ("ours", "raw") if phase % 2 == 0 else ("raw", "ours"):
+            if side == "ours":
+                ours_phase(ours_phase_s)
+            else:
+                raw_phase(raw_phase_s)
+        pairs.append((ours_phase_s, raw_phase_s))
     ours = [s for pair in pairs for s in pair[0]]
     raw = [s for pair in pairs for s in pair[1]]
     low, high = _bootstrap_ratio_interval(pairs)
     note = (
-        f"compiled graph, {workers} worker(s): median ratio "
-        f"{statistics.median(ours) / statistics.median(raw):.2f}x, 95% interval {low:.2f}-"
-        f"{high:.2f}x (bootstrap over {len(pairs)} phase pairs)"
+        f"channel execute_model against a raw compiled graph, {workers} worker(s): median "
+        f"ratio {statistics.median(ours) / statistics.median(raw):.2f}x, 95% interval "
+        f"{low:.2f}-{high:.2f}x (bootstrap over {len(pairs)} phase pairs)"
     )
-    return row("execute_model (compiled graph)", workers, ours, raw), note
-
-
-def bench_compiled_driver(workers: int, rounds: int, calls: int) -> str:
-    """What the executor adds on the driver, free of the compile-to-compile noise: its
-    ``execute_model`` against ``ray.get(graph.execute(batch))`` on the very same live graph
-    (so the same actors, channels and worker code), in alternating blocks."""
-    executor = _executor(workers, compiled_graph=True)
-    try:
-        executor.execute_model(1)  # compiles the graph
-        # A private attribute: the only way to drive the executor's own graph directly.
-        graph = _internals(executor)._compiled._graph
-        ours, raw = compare(
-            functools.partial(executor.execute_model, 1),
-            functools.partial(_raw_graph_step, graph),
-            rounds,
-            calls,
-        )
-    finally:
-        executor.shutdown()
-    return row("execute_model (compiled graph), same graph driven raw", workers, ours, raw)
-
-
-def compiled_worker_cost() -> str:
-    """What the executor adds in the worker per compiled step, timed inside the actor."""
-
-    # Nested, so that Ray ships it by value even when this module is imported.
-    def time_in_actor(actor: Any, calls: int = 20_000) -> tuple[float, float]:
-        """Seconds per call of the actor's compiled-graph stage method and of the worker's
-        own ``execute_model`` (the best of 5 loops of ``calls`` calls)."""
-        import timeit
-
-        worker = actor._wrapper.worker
-
-        def best(fn: Callable[[], Any]) -> float:
-            return min(timeit.repeat(fn, number=calls, repeat=5)) / calls
-
-        return best(lambda: actor.execute_model_compiled(1)), best(lambda: worker.execute_model(1))
-
-    executor = _executor(1, compiled_graph=True)
-    try:
-        # A private attribute: the actor handle, to time its method where it runs.
-        actor = _internals(executor).actors[0]
-        stage_s, worker_s = ray.get(actor.__ray_call__.remote(time_in_actor))
-    finally:
-        executor.shutdown()
-    return (
-        f"compiled graph, in the worker: the stage method takes {stage_s * 1e6:.1f} µs a call, "
-        f"the worker's own execute_model {worker_s * 1e6:.1f} µs (best of 5 x 20,000 calls)"
-    )
+    return row("execute_model vs raw compiled graph", workers, ours, raw), note
 
 
 def _bootstrap_ratio_interval(
@@ -348,14 +346,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=25)
+    parser.add_argument("--large-rounds", type=int, default=10, help="rounds of 16 MiB calls")
+    parser.add_argument("--large-calls", type=int, default=4, help="16 MiB calls per round")
     parser.add_argument(
         "--phases",
         type=int,
-        default=60,
-        help="compiled-graph phases per side (single phases vary by 2x on 2 cores)",
+        default=20,
+        help="compiled-graph phases per side (single phases vary by 2x on 2 cores; 0: skip)",
     )
     args = parser.parse_args()
     os.environ[PLUGINS_ENV] = "ray"
+    compiled_skip = "--phases 0" if args.phases <= 0 else compiled_graph_unavailable()
     # One local instance for the whole run, started the way the backend starts one.
     lease = acquire_ray(RayOptions(local_num_cpus=4, log_to_driver=False), world_size=4)
     try:
@@ -366,14 +367,30 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         notes = []
         for workers in (1, 2):
-            for direct_calls in (True, False):
-                for line in bench_calls(workers, args.rounds, args.calls, direct_calls):
+            executor = _executor(workers)
+            actors = _raw_actors(workers)
+            try:
+                for line in bench_calls(executor, actors, args.rounds, args.calls):
                     print(line, flush=True)
-            compiled_row, note = bench_compiled(workers, args.phases, args.calls)
-            print(compiled_row, flush=True)
-            print(bench_compiled_driver(workers, args.rounds, args.calls), flush=True)
-            notes.append(note)
-        notes.append(compiled_worker_cost())
+                if workers == 2:
+                    for line in bench_large(executor, actors, args.large_rounds, args.large_calls):
+                        print(line, flush=True)
+                if compiled_skip is None:
+                    try:
+                        compiled_row, note = bench_compiled(
+                            executor, actors, args.phases, args.calls
+                        )
+                    except Exception as exc:  # noqa: BLE001 - the baseline is optional
+                        compiled_skip = f"{type(exc).__name__}: {exc}"
+                    else:
+                        print(compiled_row, flush=True)
+                        notes.append(note)
+            finally:
+                for actor in actors:
+                    ray.kill(actor)
+                executor.shutdown()
+        if compiled_skip is not None:
+            notes.append(f"raw compiled-graph rows skipped: {compiled_skip}")
         print()
         for note in notes:
             print(f"* {note}")
