@@ -1,6 +1,6 @@
 """A single-writer, multi-reader ring of fixed-size slots in shared memory.
 
-Layout of a ring inside the segment (counters are little-endian u64, each on its own
+Layout of a ring inside the segment (counters are native-endian u64, each on its own
 64-byte line)::
 
     +0                   written: chunks published by the writer
@@ -17,13 +17,25 @@ freed slots), so no payload is too big and none is truncated. Readers copy out w
 before releasing its slots; a message of several chunks goes into memory the reader owns,
 warm memory from the receive buffer cache (``_buffers``) when it is large.
 
+Memory order (the argument is in docs/memory-ordering.md): every access to ``written``,
+``consumed[i]`` and ``writer_waiting`` goes through :mod:`._fence`. The writer stores a
+slot, then publishes ``written`` with release order; a reader loads ``written`` with acquire
+order, then reads the slot. A reader reads a slot, then publishes its ``consumed`` with
+release order; the writer loads every ``consumed`` with acquire order, then refills the
+slots they free. So a reader never sees a chunk before its bytes, nor a slot refilled under
+it, on any CPU (aarch64 included).
+
 Waiting: a reader or writer first spins briefly if its :class:`Spinner` allows (yielding the
 CPU each round), then sleeps on a :class:`Doorbell`. The writer rings each reader's data
 doorbell after every publish, so readers never miss a message. Readers ring the shared
 space doorbell after a release only while the writer says it is waiting (a full ring is
-rare; this saves a system call per message). That flag is written and read without a
-memory fence, so in a rare race the ring is missed: the writer therefore naps for a
-bounded, growing interval and re-checks.
+rare; this saves a system call per message). The writer sets that flag, then checks for
+space; a reader stores its ``consumed``, then checks the flag; a full fence between the
+store and the load on both sides means at least one of them sees the other's store: the
+writer finds the space, or the reader rings. So no wake-up is missed, and a writer sleeps
+on the doorbell until a reader rings or its deadline passes (re-checking at least every
+``MAX_SLEEP_S``). Only a writer given an ``abort`` callback also wakes at short, growing
+intervals, to run it: the driver reads replies there while its call ring is full.
 """
 
 from __future__ import annotations
@@ -38,6 +50,15 @@ import attrs
 
 from . import _buffers
 from ._doorbell import Doorbell
+from ._fence import (
+    WEAK_ORDER,
+    acquire_fence,
+    fence_seq_cst,
+    load,
+    load_acquire,
+    store_fence_load,
+    store_release,
+)
 from ._spin import Spinner
 
 __all__ = ["MAX_SLEEP_S", "Received", "Ring", "RingAbortedError", "RingLayout"]
@@ -48,13 +69,14 @@ T = TypeVar("T")
 #: message that spanned several slots (it was copied out once; keep it as it is).
 Received = memoryview | pickle.PickleBuffer
 
-_U64 = struct.Struct("<Q")
 _CHUNK = struct.Struct("<QQ")  # message bytes, bytes in this chunk
 _LINE = 64
 _SLOT_HEADER = 64
-#: The writer's first and longest naps while waiting for a free slot (see module docstring).
-_FIRST_NAP_S = 0.0005
-_MAX_NAP_S = 0.05
+#: While a writer with an ``abort`` callback waits for a free slot, the callback runs at
+#: this growing interval (the driver reads replies in it: a worker blocked on a full reply
+#: ring frees its call slot only after that, and nothing rings the space doorbell for it).
+_CALLBACK_FIRST_S = 0.0005
+_CALLBACK_MAX_S = 0.05
 #: Longest single sleep; waits re-check their abort condition at least this often.
 MAX_SLEEP_S = 0.1
 
@@ -129,25 +151,28 @@ class Ring:
             layout.slots_offset + k * layout.slot_stride for k in range(layout.slots)
         ]
         # This side's own count: chunks written (writer) or consumed (reader).
-        self._count: int
-        if reader is None:
-            self._count = _U64.unpack_from(buf, self._written_off)[0]
-            self._own_off = self._written_off
-        else:
-            self._count = _U64.unpack_from(buf, self._consumed_offs[reader])[0]
-            self._own_off = self._consumed_offs[reader]
+        self._own_off = self._written_off if reader is None else self._consumed_offs[reader]
+        self._count: int = load_acquire(buf, self._own_off)[0]
+        #: Writer: slots known to be free (a lower bound: readers only ever free more), so
+        #: that the readers' counters are loaded only when it runs out.
+        self._free = 0
 
     # --- writer ------------------------------------------------------------------------
 
     def _free_slots(self) -> int:
+        """Load every reader's ``consumed`` (acquire: the slots they free are refilled only
+        after) and return how many slots are free; also kept as ``_free``."""
         buf = self._buf
         count = self._count
         lowest = count
         for off in self._consumed_offs:
-            consumed: int = _U64.unpack_from(buf, off)[0]
+            consumed: int = load(buf, off)[0]
             if consumed < lowest:
                 lowest = consumed
-        return self._nslots - (count - lowest)
+        if WEAK_ORDER:
+            acquire_fence()  # the loads above, before any store into the slots they free
+        self._free = free = self._nslots - (count - lowest)
+        return free
 
     def _wait_for_space(
         self, needed: int, deadline: float | None, abort: Callable[[], None]
@@ -158,7 +183,10 @@ class Ring:
         bell = self._space_bell
         spin = self._spin
         spin_until = spin.start() if spin is not None else 0.0
-        nap = _FIRST_NAP_S
+        waiting = False
+        # Readers ring when they free a slot, so a wait without a callback sleeps until then
+        # (or the deadline); one with a callback also wakes to run it (see _CALLBACK_FIRST_S).
+        nap = MAX_SLEEP_S if abort is _never else _CALLBACK_FIRST_S
         try:
             while True:
                 abort()
@@ -170,13 +198,19 @@ class Ring:
                 if now < spin_until and spin is not None and spin.pause():
                     continue
                 spin_until = 0.0
-                _U64.pack_into(self._buf, self._waiting_off, 1)
-                if self._free_slots() >= needed:
-                    return True
+                if not waiting:
+                    waiting = True
+                    store_release(self._buf, self._waiting_off, 1)
+                    # Store, then load (see module docstring): either this check sees the
+                    # reader's release, or that reader sees the flag and rings.
+                    fence_seq_cst()
+                    if self._free_slots() >= needed:
+                        return True
                 bell.wait(nap if deadline is None else min(nap, deadline - now))
-                nap = min(nap * 2, _MAX_NAP_S)
+                nap = min(nap * 2, MAX_SLEEP_S if abort is _never else _CALLBACK_MAX_S)
         finally:
-            _U64.pack_into(self._buf, self._waiting_off, 0)
+            if waiting:
+                store_release(self._buf, self._waiting_off, 0)
 
     def write(
         self,
@@ -194,7 +228,7 @@ class Ring:
         """
         buf = self._buf
         if nbytes <= self._slot_data:  # the common case, kept short (no extra calls)
-            if self._free_slots() < 1 and not self._wait_for_space(1, deadline, abort):
+            if self._free < 1 and not self._wait_for_space(1, deadline, abort):
                 return False
             count = self._count
             slot = self._slot_offs[count % self._nslots]
@@ -205,12 +239,14 @@ class Ring:
                 buf[pos:end] = part
                 pos = end
             self._count = count = count + 1
-            _U64.pack_into(buf, self._written_off, count)  # publish, then ring
+            self._free -= 1
+            store_release(buf, self._written_off, count)  # publish, then ring
             for bell in self._data_bells:
                 bell.ring()
             return True
         nchunks = -(-nbytes // self._slot_data)
-        if not self._wait_for_space(min(nchunks, self._nslots), deadline, abort):
+        needed = min(nchunks, self._nslots)
+        if self._free < needed and not self._wait_for_space(needed, deadline, abort):
             return False
         try:
             self._stream(parts, nbytes, nchunks, abort)
@@ -237,7 +273,7 @@ class Ring:
         views = [memoryview(p) for p in parts]
         self._streaming = False
         for chunk in range(nchunks):
-            if chunk >= nslots:  # write() saw the first ``nslots`` free
+            if self._free < 1:  # write() made sure of the first ``nslots``
                 self._wait_for_space(1, None, abort)
             slot = self._slot_offs[self._count % nslots]
             size = min(slot_data, remaining)
@@ -258,15 +294,18 @@ class Ring:
 
     def _publish(self, chunks: int) -> None:
         self._count += chunks
-        _U64.pack_into(self._buf, self._written_off, self._count)
+        self._free -= chunks
+        store_release(self._buf, self._written_off, self._count)
         for bell in self._data_bells:
             bell.ring()
 
     # --- reader ------------------------------------------------------------------------
 
     def poll(self) -> bool:
-        """True if a message is waiting for this reader (no system call)."""
-        written: int = _U64.unpack_from(self._buf, self._written_off)[0]
+        """True if a message is waiting for this reader (no system call). Only a hint:
+        :meth:`read` and :meth:`try_read` look again (with acquire order) before they
+        touch the slot."""
+        written: int = load(self._buf, self._written_off)[0]
         return written > self._count
 
     def wait_readable(
@@ -281,7 +320,9 @@ class Ring:
         buf = self._buf
         off = self._written_off
         count = self._count
-        if _U64.unpack_from(buf, off)[0] > count:
+        if load(buf, off)[0] > count:
+            if WEAK_ORDER:
+                acquire_fence()  # that load, before the caller reads the slot
             return True
         bell = self._data_bells[0]
         spin = self._spin
@@ -289,7 +330,9 @@ class Ring:
         while True:
             if abort is not None:
                 abort()
-            if _U64.unpack_from(buf, off)[0] > count:
+            if load(buf, off)[0] > count:
+                if WEAK_ORDER:
+                    acquire_fence()
                 return True
             if spin_until:
                 if time.monotonic() < spin_until and spin is not None and spin.pause():
@@ -304,7 +347,7 @@ class Ring:
                 cache = _buffers.cache
                 trim_wait = cache.trim_wait_s()
                 bell.wait(trim_wait)
-                if trim_wait is not None and _U64.unpack_from(buf, off)[0] <= count:
+                if trim_wait is not None and load(buf, off)[0] <= count:
                     cache.trim()
                 continue
             now = time.monotonic()
@@ -319,8 +362,10 @@ class Ring:
         spanning several slots is awaited to its end, bounded only by ``abort``."""
         buf = self._buf
         count = self._count
-        if _U64.unpack_from(buf, self._written_off)[0] <= count:
+        if load(buf, self._written_off)[0] <= count:
             return None
+        if WEAK_ORDER:
+            acquire_fence()  # that load, before the slot's
         slot = self._slot_offs[count % self._layout.slots]
         nbytes, size = _CHUNK.unpack_from(buf, slot)
         if size != nbytes:
@@ -331,8 +376,8 @@ class Ring:
         finally:
             view.release()
             self._count = count = count + 1
-            _U64.pack_into(buf, self._own_off, count)
-            if _U64.unpack_from(buf, self._waiting_off)[0]:
+            # Release the slot, then look at the writer's flag (see _wait_for_space).
+            if store_fence_load(buf, self._own_off, count, self._waiting_off):
                 self._space_bell.ring()
             _buffers.cache.tick()
 
@@ -384,7 +429,6 @@ class Ring:
 
     def _release(self, chunks: int) -> None:
         self._count += chunks
-        buf = self._buf
-        _U64.pack_into(buf, self._own_off, self._count)
-        if _U64.unpack_from(buf, self._waiting_off)[0]:
+        # Release the slots, then look at the writer's flag (see _wait_for_space).
+        if store_fence_load(self._buf, self._own_off, self._count, self._waiting_off):
             self._space_bell.ring()
