@@ -226,10 +226,16 @@ class MemberServer:
     def _serve_link(self) -> str:
         link = self._link
         fds = [self._bell.fd]
+        looked = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - looked > 2 * self._interval:
+                # This thread was not scheduled (or was busy) for a while: what the hub sent
+                # meanwhile is read below, so its silence only counts from here.
+                self._last_seen = max(self._last_seen, now - self._interval)
             next_ping = self._last_sent + self._interval
             frames_waiting, woken = link.wait(max(0.0, min(self._interval, next_ping - now)), fds)
+            looked = time.monotonic()
             if woken:
                 self._bell.clear()
             why = self._stop_requested
