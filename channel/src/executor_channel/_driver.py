@@ -64,6 +64,23 @@ class ChannelDriver:
             self._spinner = Spinner(0.0)
         #: Set by :meth:`interrupt`: blocked sends and polls return.
         self.aborted = False
+        self._ready = False
+        #: The first failure reported before every rank was ready: the start raises it.
+        self._start_error: ExecutorFailedError | None = None
+
+    @property
+    def reply_bell(self) -> Doorbell:
+        """The doorbell that wakes the driver for replies (the hub rings it too)."""
+        return self._reply_bell
+
+    def report_failure(self, error: ExecutorFailedError) -> None:
+        """A worker or a machine is gone (the hub's pump calls it): before every rank was
+        ready the start raises ``error``; after, the executor fails with it. Any thread."""
+        if not self._ready:
+            if self._start_error is None:
+                self._start_error = error
+            return
+        self.host.worker_died(error)
 
     # --- start-up ----------------------------------------------------------------------------
 
@@ -86,6 +103,8 @@ class ChannelDriver:
                 _ready(inbox.popleft(), pending)
             if not pending:
                 return
+            if self._start_error is not None:
+                raise self._start_error
             check(pending)
             now = time.monotonic()
             if now >= deadline:
@@ -97,7 +116,11 @@ class ChannelDriver:
             self._reply_bell.wait(min(deadline - now, 0.05))
 
     def ready(self) -> None:
-        """Every rank is ready: from now on the hub counts silences strictly."""
+        """Every rank is ready: from now on a failure fails the executor, and the hub counts
+        silences strictly. Raises a failure reported before this moment."""
+        self._ready = True
+        if self._start_error is not None:
+            raise self._start_error
         hub = self.hub
         if hub is not None:
             hub.ready = True

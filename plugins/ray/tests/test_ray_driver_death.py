@@ -24,27 +24,11 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from executor_core.testing._guard import pids_alive
 from executor_plugin_ray._lifeline import EXIT_CODE, DriverLifelines, hold
 
 #: Seconds from the driver's SIGKILL by which every one of its actors must have exited.
 WITHIN_S = 2.0
-
-
-def _running(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)  # a zombie runs nothing
-    except psutil.NoSuchProcess:
-        return False
-
-
-def pids_alive(pids: list[int], within_s: float) -> list[int]:
-    """Those of ``pids`` still running after up to ``within_s`` s (polled every 10 ms)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [pid for pid in pids if _running(pid)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.01)
 
 
 # --- the lifeline on its own (no Ray) -------------------------------------------------------

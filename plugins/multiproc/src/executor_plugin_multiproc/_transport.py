@@ -14,8 +14,8 @@ import sys
 from typing import ClassVar
 
 from executor_channel.driver import ChannelDriver
-from executor_channel.shm import Doorbell, NodeRings
-from executor_core import ConfigError, ExecutorFailedError, WorkerDiedError
+from executor_channel.shm import NodeRings
+from executor_core import ConfigError, WorkerDiedError
 from executor_core.backend import Call, Transport, TransportHost
 
 from ._group import WorkerGroup
@@ -51,9 +51,6 @@ class MultiprocTransport(Transport):
         self._group: WorkerGroup | None = None
         #: Ranks on this node (0 .. _local - 1).
         self._local = 0
-        #: A failure reported by another node before the executor was ready.
-        self._start_error: ExecutorFailedError | None = None
-        self._armed = False
 
     # --- start-up ----------------------------------------------------------------------
 
@@ -69,7 +66,7 @@ class MultiprocTransport(Transport):
         self._driver = ChannelDriver(host, channel)
         nodes = None
         if config.num_nodes > 1:
-            nodes = self._join_nodes(options, channel.reply_bell)
+            nodes = self._join_nodes(options, self._driver)
             node_ids = [socket.gethostname()] + [node.hostname for node in nodes.nodes]
             if len(set(node_ids)) < len(node_ids):  # several agents on one machine
                 node_ids = [f"{name}#{i}" for i, name in enumerate(node_ids)]
@@ -102,17 +99,14 @@ class MultiprocTransport(Transport):
             range(config.world_size), options.startup_timeout, self._check_start
         )
         group.armed = True
-        self._armed = True
         self._driver.ready()
         # A worker may have died between its handshake and arming the monitor.
         for rank in range(per_node):
             code = group.exit_code(rank)
             if code is not None:
                 raise _died(rank, code, "right after start-up")
-        if self._start_error is not None:
-            raise self._start_error
 
-    def _join_nodes(self, options: MultiprocOptions, reply_bell: Doorbell) -> Hub:
+    def _join_nodes(self, options: MultiprocOptions, driver: ChannelDriver) -> Hub:
         """Listen for the agents of nodes 1.. and wait until each has joined."""
         # zmq: imported by multi-node executors only
         from executor_channel import ChannelError, Listener, SecretError, load_secret
@@ -139,7 +133,7 @@ class MultiprocTransport(Transport):
                 "--master-port)",
             ) from None
         self.host.add_cleanup(listener.close)
-        nodes = Hub(listener, options.node_timeout_s, reply_bell, self._on_node_failure)
+        nodes = Hub(listener, options.node_timeout_s, driver.reply_bell, driver.report_failure)
         self.host.add_cleanup(lambda: nodes.stop(False, 0.0))
         hint = (
             "on each of those machines run 'executor node --node-rank N --master-addr HOST "
@@ -151,10 +145,7 @@ class MultiprocTransport(Transport):
         return nodes
 
     def _check_start(self, pending: set[int]) -> None:
-        """Between waits for the ready frames: a local worker that died, or another node's
-        failure, ends the start."""
-        if self._start_error is not None:
-            raise self._start_error
+        """Between waits for the ready frames: a local worker that died ends the start."""
         group = self._group
         assert group is not None
         for rank in sorted(pending):
@@ -187,14 +178,6 @@ class MultiprocTransport(Transport):
         group, options = self._group, self._options
         if group is not None and options is not None:
             group.terminate(options.shutdown_grace_s)
-
-    def _on_node_failure(self, error: ExecutorFailedError) -> None:
-        """Node pump thread: a node, its agent or one of its workers is gone."""
-        if not self._armed:  # start() raises it
-            if self._start_error is None:
-                self._start_error = error
-            return
-        self.host.worker_died(error)
 
     def interrupt(self) -> None:
         if self._driver is not None:

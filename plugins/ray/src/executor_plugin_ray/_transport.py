@@ -24,7 +24,7 @@ import ray
 
 from executor_channel.driver import ChannelDriver
 from executor_channel.shm import Doorbell, NodeRings
-from executor_core import ExecutorClosedError, ExecutorFailedError, WorkerDiedError
+from executor_core import ExecutorClosedError, WorkerDiedError
 from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
 
 from ._cluster import acquire_ray
@@ -71,8 +71,6 @@ class RayTransport(Transport):
         self._monitor: DeathMonitor | None = None
         self._driver: ChannelDriver | None = None
         self._stopped = threading.Event()
-        self._armed = False
-        self._start_error: ExecutorFailedError | None = None
         #: The ranks on the driver's node (served from its rings) and on others (the hub).
         self.ranks_on_rings: tuple[int, ...] = ()
         self.ranks_on_hub: tuple[int, ...] = ()
@@ -129,12 +127,12 @@ class RayTransport(Transport):
         remote = [p.rank for p in placements if p.rank not in local]
         self.ranks_on_rings, self.ranks_on_hub = tuple(local), tuple(remote)
         rings = self._attach_local(local, startup, deadline) if local else None
-        hub = self._join_remote(remote, rings, startup, deadline) if remote else None
-        driver = ChannelDriver(host, rings, hub, hub.reply_bell if hub is not None else None)
+        driver = ChannelDriver(host, rings, None, None if rings is not None else _new_bell(host))
         self._driver = driver
+        if remote:
+            driver.hub = self._join_remote(remote, driver, startup, deadline)
         remaining = max(0.0, deadline - time.monotonic())
         driver.wait_until_ready(range(config.world_size), remaining, self._check_start)
-        self._armed = True
         driver.ready()
 
     def _attach_local(self, ranks: list[int], startup: Startup, deadline: float) -> NodeRings:
@@ -159,7 +157,7 @@ class RayTransport(Transport):
         return rings
 
     def _join_remote(
-        self, ranks: list[int], rings: NodeRings | None, startup: Startup, deadline: float
+        self, ranks: list[int], driver: ChannelDriver, startup: Startup, deadline: float
     ) -> Hub:
         """The hub that the ranks on other nodes join, over TCP at this node's IP."""
         from executor_channel import Listener, Secret  # zmq: only with workers elsewhere
@@ -172,8 +170,7 @@ class RayTransport(Transport):
         address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated in ray
         listener = Listener(secret, host=address)
         host.add_cleanup(listener.close)
-        bell = rings.reply_bell if rings is not None else _new_bell(host)
-        hub = Hub(listener, options.node_timeout_s, bell, self._on_channel_failure)
+        hub = Hub(listener, options.node_timeout_s, driver.reply_bell, driver.report_failure)
         host.add_cleanup(lambda: hub.stop(False, 0.0))
         refs = [
             self.actors[rank].join_hub.remote(
@@ -215,8 +212,6 @@ class RayTransport(Transport):
 
     def _check_start(self, pending: set[int]) -> None:
         self._check_running()
-        if self._start_error is not None:
-            raise self._start_error
 
     # --- calls -----------------------------------------------------------------------------
 
@@ -241,14 +236,6 @@ class RayTransport(Transport):
         self.host.worker_died(died)
         if self.host.failure is died:
             logger.error("%s", died)
-
-    def _on_channel_failure(self, error: ExecutorFailedError) -> None:
-        """The hub's pump: a worker on another node stopped answering or died."""
-        if not self._armed:  # start() raises it
-            if self._start_error is None:
-                self._start_error = error
-            return
-        self.host.worker_died(error)
 
     def interrupt(self) -> None:
         self._stopped.set()
