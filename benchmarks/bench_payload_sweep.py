@@ -1,7 +1,7 @@
-"""Payload sweep on mp at default options: the cost per byte of a call's argument, by size.
+"""Payload sweep at default options: the cost per byte of a call's argument, by size.
 
-    .venv/bin/python benchmarks/bench_payload_sweep.py [--workers 2] [--sizes-kib 4 ... 131072]
-        [--kind tensor|bytes] [--repeats 9] [--blocks 3] [--slot-mib N] [--malloc-heap]
+    .venv/bin/python benchmarks/bench_payload_sweep.py [--backend mp|ray] [--workers 2]
+        [--sizes-kib 4 ... 131072] [--kind tensor|bytes] [--repeats 9] [--blocks 3] [--slot-mib N]
 
 Each call sends one argument (a CPU float32 tensor, or ``bytes``) of the given size to every
 worker, which returns its length; the driver waits for all replies. The ring's slots are 16 MiB
@@ -15,11 +15,7 @@ that load from other processes hits them alike.
 fits one slot, which separates what the ring costs from what the receiver's fresh memory
 costs.
 
-``--malloc-heap`` (tuned, glibc only; its rows say so) makes each worker's glibc serve every
-allocation from its heap and keep freed memory there (``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD``
-1 GiB). A received ``bytes`` object is allocated by the interpreter, not by the channel, so with
-glibc's default settings one of 32 MiB or more is fresh pages from the kernel every time; this shows
-what keeping the process's heap warm would change.
+``--backend ray`` runs the same on Ray (one node: the workers read the driver's rings).
 """
 
 from __future__ import annotations
@@ -37,27 +33,12 @@ MIB = 1 << 20
 #: The ring's default slot (MultiprocOptions.slot_bytes); a message also carries a header.
 DEFAULT_SLOT_BYTES = 16 * MIB
 
-
-#: Set in the workers' environment by ``--malloc-heap``.
-MALLOC_HEAP_ENV = "BENCH_PAYLOAD_MALLOC_HEAP"
-
-
-def malloc_from_heap() -> None:
-    """glibc: no allocation from mmap, and no heap trimming (see ``--malloc-heap``)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
-    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30)):
-        raise RuntimeError("mallopt failed: --malloc-heap needs glibc")
+#: The plugin each backend comes from (only the one under test is loaded).
+PLUGINS = {"mp": "multiproc", "ray": "ray"}
 
 
 class SizeWorker(WorkerBase):
     """Returns the size of what it was sent."""
-
-    def load_model(self) -> None:
-        if os.environ.get(MALLOC_HEAP_ENV):
-            malloc_from_heap()
 
     def size_of(self, payload: Any) -> int:
         if isinstance(payload, bytes):
@@ -74,8 +55,8 @@ def make_payload(kind: str, nbytes: int) -> Any:
 
 
 def main() -> None:
-    os.environ["EXECUTOR_PLUGINS"] = "multiproc"  # only the plugin under test
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=sorted(PLUGINS), default="mp")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--sizes-kib",
@@ -90,10 +71,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9, help="calls per size per block")
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--slot-mib", type=int, default=0, help="slot_bytes (tuned), 0: default")
-    parser.add_argument(
-        "--malloc-heap", action="store_true", help="workers keep glibc's heap warm (tuned)"
-    )
     args = parser.parse_args()
+    os.environ["EXECUTOR_PLUGINS"] = PLUGINS[args.backend]  # only the plugin under test
     slot_bytes = args.slot_mib * MIB or DEFAULT_SLOT_BYTES
     options = {"slot_bytes": slot_bytes} if args.slot_mib else {}
 
@@ -101,10 +80,9 @@ def main() -> None:
     payloads = {size: make_payload(args.kind, size) for size in sizes}
     config = ExecutorConfig(
         worker_cls=SizeWorker,
-        backend="mp",
+        backend=args.backend,
         tensor_parallel_size=args.workers,
         backend_options=options,
-        env={MALLOC_HEAP_ENV: "1"} if args.malloc_heap else {},
     )
     times: dict[int, list[float]] = {size: [] for size in sizes}
     with create_executor(config) as executor:
@@ -124,9 +102,8 @@ def main() -> None:
     reference = max(one_slot, default=sizes[0])
     per_mib_ref = medians[reference] / (reference / MIB)
     tuned = [f"slot_bytes={args.slot_mib} MiB"] if args.slot_mib else []
-    tuned += ["workers' malloc from a warm heap"] if args.malloc_heap else []
     print(
-        f"cores: {os.cpu_count()}; mp at "
+        f"cores: {os.cpu_count()}; {args.backend} at "
         f"{'; '.join(tuned) + ' (tuned)' if tuned else 'default options'}, "
         f"{args.workers} workers, "
         f"{args.kind} argument; reference for 'vs 1 slot': {reference // KIB} KiB\n"

@@ -8,6 +8,10 @@ itself; glibc serves every allocation above its largest mmap threshold that way,
 back on free. This cache keeps the mappings it handed out once they are free again, so a
 steady stream of large messages is copied into pages that are already faulted in.
 
+A ``bytes`` object keeps its data inline, so it cannot live in a block: for one of 32 MiB or
+more, :meth:`BufferCache.take_bytes` and :meth:`BufferCache.new_bytes` keep the process's heap
+warm instead (``_heap``), under the same bounds and the same idle trim.
+
 Ownership: :meth:`BufferCache.take` returns a memoryview of a block. Everything built on it
 (slices, ``PickleBuffer``\\ s, tensors, arrays) keeps the block's mapping alive through the
 buffer protocol, so the mapping's reference count says whether anything still uses it. A block
@@ -32,6 +36,9 @@ import os
 import sys
 import threading
 import time
+from typing import Any
+
+from . import _heap
 
 __all__ = [
     "IDLE_S",
@@ -112,6 +119,9 @@ class BufferCache:
         self._lock = threading.Lock()
         self._blocks: list[_Block] = []  # oldest use first
         self._trim_at = 0.0  # when :meth:`tick` next trims
+        # When a large ``bytes`` last took heap memory kept warm (see :meth:`take_bytes`);
+        # 0.0 once the heap has been trimmed since.
+        self._heap_used_at = 0.0
 
     def take(self, nbytes: int) -> memoryview:
         """``nbytes`` of writable memory the caller owns; its contents are undefined.
@@ -145,6 +155,23 @@ class BufferCache:
             self._trim(now, self.idle_s)
         return view
 
+    def take_bytes(self, view: Any) -> bytes:
+        """``bytes(view)``, warm: one of :data:`_heap.MMAP_CEILING` or more comes from the
+        process's heap, which keeps it after it is freed, up to :attr:`max_idle_bytes` and until
+        the heap has gone unused for :attr:`idle_s` (see :mod:`._heap`)."""
+        data = _heap.allocate_bytes(view, self.max_idle_bytes)
+        if len(data) >= _heap.MMAP_CEILING and _heap.enabled():
+            self._heap_used_at = time.monotonic()
+        return data
+
+    def new_bytes(self, nbytes: int) -> tuple[bytes, memoryview] | None:
+        """A new ``bytes`` of ``nbytes`` to fill through the returned view, warm as
+        :meth:`take_bytes` makes it (see :func:`._heap.new_bytes`); None if not possible here."""
+        made = _heap.new_bytes(nbytes, self.max_idle_bytes)
+        if made is not None and nbytes >= _heap.MMAP_CEILING and _heap.enabled():
+            self._heap_used_at = time.monotonic()
+        return made
+
     def trim(self) -> int:
         """Unmap blocks seen free at least :attr:`idle_s` ago; returns the bytes unmapped
         (counted as :meth:`stats` counts them).
@@ -159,7 +186,7 @@ class BufferCache:
         """:meth:`trim` if blocks are tracked and the last trim is :attr:`idle_s` old: cheap
         enough for every message a ring reads, so a busy reader that no longer receives large
         messages still gives their blocks back."""
-        if self._blocks and time.monotonic() >= self._trim_at:
+        if (self._blocks or self._heap_used_at) and time.monotonic() >= self._trim_at:
             self.trim()
 
     def release(self) -> int:
@@ -171,6 +198,8 @@ class BufferCache:
         """How long a reader with nothing else to do may sleep before it calls :meth:`trim`:
         None while no block is free (no timeout is needed for the cache's sake; a block freed
         meanwhile is seen by the next :meth:`tick` or :meth:`take`)."""
+        if self._heap_used_at:
+            return self.idle_s
         if not self._blocks:
             return None
         with self._lock:
@@ -214,6 +243,9 @@ class BufferCache:
             # in use when the objects built on it are freed, as without a cache.
             del kept[: len(kept) - self.max_blocks]
         self._blocks = kept
+        if self._heap_used_at and now - self._heap_used_at >= idle_s:
+            self._heap_used_at = 0.0
+            _heap.trim()
         self._trim_at = now + self.idle_s
         return released
 

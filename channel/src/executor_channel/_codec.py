@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from . import _buffers
+from ._ring import Assembled
 
 __all__ = [
     "KIND_CALL",
@@ -33,6 +34,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_call",
+    "plan_assembly",
 ]
 
 KIND_CALL = 1
@@ -47,6 +49,10 @@ _LENGTH = struct.Struct("<Q")
 #: Set in a buffer's length word when a third-party reducer made it: such a buffer may be
 #: kept by the object it rebuilds, so the receiver hands it a private copy.
 _FOREIGN = 1 << 63
+#: Set in a buffer's length word when it rebuilds a ``bytes`` object: a receiver assembling a
+#: large message copies such a buffer straight into the ``bytes`` it becomes.
+_BYTES = 1 << 62
+_LENGTH_BITS = _BYTES - 1
 #: ``bytes`` at least this large travel out of band.
 OOB_BYTES_THRESHOLD = 4096
 #: Containers longer than this are not searched for large ``bytes`` (keeps encoding O(1)).
@@ -64,8 +70,11 @@ class _Bulk:
         self.data = data
 
 
-def _rebuild_bytes(view: memoryview | pickle.PickleBuffer) -> bytes:
-    return bytes(view)
+def _rebuild_bytes(view: memoryview | pickle.PickleBuffer | bytes) -> bytes:
+    if type(view) is bytes:  # assembled straight into its object (see plan_assembly)
+        return view
+    # A ``bytes`` object holds its data inline: a large one is allocated warm by the cache.
+    return _buffers.cache.take_bytes(view)
 
 
 def _private(view: memoryview | pickle.PickleBuffer) -> Any:
@@ -139,6 +148,7 @@ class _Pickler(pickle.Pickler):
     def __init__(self, stream: io.BytesIO) -> None:
         self.buffers: list[pickle.PickleBuffer] = []
         self.mine: set[int] = set()
+        self.bulk: set[int] = set()
         super().__init__(stream, protocol=5, buffer_callback=self.buffers.append)
         self._tensor_type: type | None = None
         self._ndarray_type: type | None = None
@@ -151,7 +161,9 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if kind is _Bulk:
-            return _rebuild_bytes, (self._own(obj.data),)
+            buffer = self._own(obj.data)
+            self.bulk.add(id(buffer))
+            return _rebuild_bytes, (buffer,)
         if self._tensor_type is None and "torch" in sys.modules:
             self._tensor_type = getattr(sys.modules["torch"], "Tensor", None)
         if kind is self._tensor_type:
@@ -236,8 +248,10 @@ def encode(kind: int, ok: bool, rank: int, seq: int, body: Any) -> Frame:
     offset = _HEADER.size
     for buffer in buffers:
         raw = buffer.raw()
-        foreign = 0 if id(buffer) in pickler.mine else _FOREIGN
-        _LENGTH.pack_into(head_buf, offset, raw.nbytes | foreign)
+        flags = 0 if id(buffer) in pickler.mine else _FOREIGN
+        if id(buffer) in pickler.bulk:
+            flags |= _BYTES
+        _LENGTH.pack_into(head_buf, offset, raw.nbytes | flags)
         offset += _LENGTH.size
         parts.append(raw)
         nbytes += raw.nbytes
@@ -270,7 +284,61 @@ class DecodeError(Exception):
         self.kind, self.ok, self.rank, self.seq, self.cause = kind, ok, rank, seq, cause
 
 
-def decode(buf: memoryview | pickle.PickleBuffer) -> tuple[int, bool, int, int, Any]:
+def plan_assembly(first: memoryview, nbytes: int) -> tuple[list[memoryview], Assembled] | None:
+    """Where a reader copies a frame of ``nbytes`` that spans several ring slots, given its
+    first chunk (``assemble`` of :meth:`Ring.read <._ring.Ring.read>`): the header and pickle
+    into a ``bytearray``, each large ``bytes`` buffer straight into the ``bytes`` object it
+    becomes (one copy instead of two), other buffers into blocks of the buffer cache. None (one
+    block for the whole frame) unless the frame carries a large ``bytes``, or if the first
+    chunk does not hold the frame's buffer lengths or they do not add up to ``nbytes``.
+    """
+    if len(first) < _HEADER.size:
+        return None
+    count, pickle_len = _HEADER.unpack_from(first, 0)[4:]
+    front = _HEADER.size + _LENGTH.size * count
+    if not count or front > len(first):
+        return None
+    cache = _buffers.cache
+    words = [_LENGTH.unpack_from(first, _HEADER.size + _LENGTH.size * i)[0] for i in range(count)]
+    if front + pickle_len + sum(word & _LENGTH_BITS for word in words) != nbytes or not any(
+        word & _BYTES and word & _LENGTH_BITS >= cache.min_bytes for word in words
+    ):
+        return None
+    head = bytearray(front + pickle_len)
+    dests = [memoryview(head)]
+    parts: list[Any] = [head]
+    for word in words:
+        length = word & _LENGTH_BITS
+        made = cache.new_bytes(length) if word & _BYTES and length >= cache.min_bytes else None
+        if made is not None:
+            parts.append(made[0])
+            dests.append(made[1])
+        elif length:
+            view = cache.take(length)
+            parts.append(view)
+            dests.append(view)
+        else:
+            parts.append(memoryview(b""))
+    return dests, Assembled(parts)
+
+
+def _decode_assembled(parts: list[Any]) -> tuple[int, bool, int, int, Any]:
+    head = parts[0]
+    kind, ok, rank, seq, count, pickle_len = _HEADER.unpack_from(head, 0)
+    offset = _HEADER.size + _LENGTH.size * count
+    views: list[Any] = []
+    for i, part in enumerate(parts[1:]):
+        word = _LENGTH.unpack_from(head, _HEADER.size + _LENGTH.size * i)[0]
+        # The reader's own memory, as for a PickleBuffer frame in decode.
+        views.append(part if type(part) is bytes or word & _FOREIGN else pickle.PickleBuffer(part))
+    try:
+        data = memoryview(head)[offset : offset + pickle_len]
+        return kind, ok, rank, seq, pickle.loads(data, buffers=views)
+    except Exception as exc:
+        raise DecodeError(kind, bool(ok), rank, seq, exc) from exc
+
+
+def decode(buf: memoryview | pickle.PickleBuffer | Assembled) -> tuple[int, bool, int, int, Any]:
     """``(kind, ok, rank, seq, body)`` of a frame. Raises :class:`DecodeError` if the body
     cannot be unpickled.
 
@@ -278,8 +346,11 @@ def decode(buf: memoryview | pickle.PickleBuffer) -> tuple[int, bool, int, int, 
     out-of-band buffer once, into memory the object it rebuilds owns. A frame in a
     :class:`pickle.PickleBuffer` is memory the receiver owns already (the ring hands a
     message that spanned several slots that way, after copying it out once): its buffers are
-    used in place, so a large payload is not copied twice.
+    used in place, so a large payload is not copied twice; so are the pieces of an
+    :class:`~._ring.Assembled` frame (see :func:`plan_assembly`).
     """
+    if isinstance(buf, Assembled):
+        return _decode_assembled(buf.parts)
     owned = False
     if isinstance(buf, pickle.PickleBuffer):
         owned, buf = True, buf.raw()
@@ -293,7 +364,7 @@ def decode(buf: memoryview | pickle.PickleBuffer) -> tuple[int, bool, int, int, 
         views: list[Any] = []
         for i in range(count):
             word = _LENGTH.unpack_from(buf, _HEADER.size + _LENGTH.size * i)[0]
-            length = word & ~_FOREIGN
+            length = word & _LENGTH_BITS
             view = buf[offset : offset + length]
             if owned:
                 views.append(view if word & _FOREIGN else pickle.PickleBuffer(view))

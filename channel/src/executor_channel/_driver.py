@@ -17,7 +17,7 @@ from typing import Any
 from executor_core import ExecutorError, ExecutorFailedError
 from executor_core.backend import Call, RemoteFailure, TransportHost
 
-from ._codec import KIND_READY, KIND_STOP, encode, encode_call
+from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
 from ._ring import Ring, RingAbortedError
@@ -96,7 +96,7 @@ class ChannelDriver:
         while True:
             for ring in self._reply_rings:
                 while ring.poll():
-                    reply = ring.read(decode_reply)
+                    reply = ring.read(decode_reply, None, None, plan_assembly)
                     if reply is not None:
                         _ready(reply, pending)
             while inbox:
@@ -169,7 +169,7 @@ class ChannelDriver:
         got = False
         try:
             for ring in self._reply_rings:
-                reply = ring.try_read(decode_reply, abort)
+                reply = ring.try_read(decode_reply, abort, plan_assembly)
                 if reply is not None:
                     deliver(reply[1], reply[2], reply[3], reply[4])
                     got = True
@@ -205,7 +205,7 @@ class ChannelDriver:
                 bell.wait(None if deadline is None else max(0.0, deadline - now))
             got = False
             for ring in rings:
-                reply = ring.try_read(decode_reply, abort)
+                reply = ring.try_read(decode_reply, abort, plan_assembly)
                 if reply is not None:
                     deliver(reply[1], reply[2], reply[3], reply[4])
                     got = True

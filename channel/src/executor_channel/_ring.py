@@ -61,13 +61,39 @@ from ._fence import (
 )
 from ._spin import Spinner
 
-__all__ = ["MAX_SLEEP_S", "Received", "Ring", "RingAbortedError", "RingLayout"]
+__all__ = [
+    "MAX_SLEEP_S",
+    "Assemble",
+    "Assembled",
+    "Received",
+    "Ring",
+    "RingAbortedError",
+    "RingLayout",
+]
 
 T = TypeVar("T")
+
+
+class Assembled:
+    """A message of several slots that the reader copied into several pieces of memory it
+    owns, as the ``assemble`` function given to :meth:`Ring.read` placed them; ``parts`` is
+    what that function made of them (see :func:`._codec.plan_assembly`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[object]) -> None:
+        self.parts = parts
+
+
 #: What a reader's ``decode`` gets: a view of the slot for a message of one slot (valid only
-#: during the call: copy what you keep), or a PickleBuffer over memory the reader owns for a
-#: message that spanned several slots (it was copied out once; keep it as it is).
-Received = memoryview | pickle.PickleBuffer
+#: during the call: copy what you keep), a PickleBuffer over memory the reader owns for a
+#: message that spanned several slots (it was copied out once; keep it as it is), or an
+#: :class:`Assembled` message when the reader's ``assemble`` placed it.
+Received = memoryview | pickle.PickleBuffer | Assembled
+#: ``assemble(first_chunk, message_bytes)``: where to copy a message of several slots, as
+#: writable views that follow one another through the message and together cover it, and what
+#: ``decode`` gets once they are filled; None to copy it into one block of the buffer cache.
+Assemble = Callable[[memoryview, int], "tuple[list[memoryview], Assembled] | None"]
 
 _CHUNK = struct.Struct("<QQ")  # message bytes, bytes in this chunk
 _LINE = 64
@@ -356,7 +382,10 @@ class Ring:
             bell.wait(min(MAX_SLEEP_S, deadline - now))
 
     def try_read(
-        self, decode: Callable[[Received], T], abort: Callable[[], None] | None = None
+        self,
+        decode: Callable[[Received], T],
+        abort: Callable[[], None] | None = None,
+        assemble: Assemble | None = None,
     ) -> T | None:
         """``decode`` the next message if one is waiting, else return None at once. A message
         spanning several slots is awaited to its end, bounded only by ``abort``."""
@@ -369,7 +398,7 @@ class Ring:
         slot = self._slot_offs[count % self._layout.slots]
         nbytes, size = _CHUNK.unpack_from(buf, slot)
         if size != nbytes:
-            return self.read(decode, None, abort)
+            return self.read(decode, None, abort, assemble)
         view = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
         try:
             return decode(view)
@@ -386,12 +415,15 @@ class Ring:
         decode: Callable[[Received], T],
         deadline: float | None = None,
         abort: Callable[[], None] | None = None,
+        assemble: Assemble | None = None,
     ) -> T | None:
         """Wait for the next message and return ``decode(view)``; None if ``deadline`` passed.
 
         ``decode`` gets a :data:`Received`: it must copy what it keeps out of a memoryview,
         which is only valid during the call. Once the
         first chunk of a message has arrived, the rest is awaited regardless of ``deadline``.
+        A message of several slots is copied where ``assemble`` says (see :data:`Assemble`),
+        by default into one block of warm memory.
         """
         if not self.wait_readable(deadline, abort):
             return None
@@ -408,13 +440,37 @@ class Ring:
                 self._release(1)
                 _buffers.cache.tick()
         # Several slots: copy each chunk out as it is published, into memory this reader
-        # owns (warm, from the buffer cache), releasing its slot at once so that the writer
-        # can stream on meanwhile.
-        whole = _buffers.cache.take(nbytes)
+        # owns (warm, from the buffer cache, or where ``assemble`` says), releasing its slot
+        # at once so that the writer can stream on meanwhile.
+        plan = None
+        if assemble is not None:
+            first = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
+            try:
+                plan = assemble(first, nbytes)
+            finally:
+                first.release()
+        received: Received
+        if plan is None:
+            whole = _buffers.cache.take(nbytes)
+            dests, received = [whole], pickle.PickleBuffer(whole)
+        else:
+            dests, received = plan
         pos = 0
         try:
+            dest_index, dest_pos = 0, 0  # the piece being filled, and bytes filled of it
             while True:
-                whole[pos : pos + size] = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
+                src = slot + _SLOT_HEADER
+                end = src + size
+                while src < end:  # copy this chunk into as many pieces as it spans
+                    dest = dests[dest_index]
+                    step = min(end - src, len(dest) - dest_pos)
+                    if step <= 0:  # an assemble plan shorter than the message
+                        raise ValueError("the assembled pieces end before the message")
+                    dest[dest_pos : dest_pos + step] = buf[src : src + step]
+                    src += step
+                    dest_pos += step
+                    if dest_pos == len(dest) and dest_index + 1 < len(dests):
+                        dest_index, dest_pos = dest_index + 1, 0
                 pos += size
                 self._release(1)
                 if pos >= nbytes:
@@ -425,7 +481,8 @@ class Ring:
         except BaseException:
             self.broken = True  # the rest of this message would be read as new messages
             raise
-        return decode(pickle.PickleBuffer(whole))
+        del dests
+        return decode(received)
 
     def _release(self, chunks: int) -> None:
         self._count += chunks

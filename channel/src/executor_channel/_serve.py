@@ -13,7 +13,7 @@ import attrs
 
 from executor_core.backend import RemoteFailure
 
-from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode
+from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode, plan_assembly
 from ._ring import Received, Ring
 
 __all__ = ["Handler", "decode_call", "reply_frame", "serve_rings"]
@@ -50,7 +50,7 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
     function with its signature: it knows which ranks answer)."""
     read, write = calls.read, replies.write
     while True:
-        item = read(decode_call)
+        item = read(decode_call, None, None, plan_assembly)
         assert item is not None  # no deadline: read returns a message
         kind, seq, reply_rank, body = item
         if kind == KIND_STOP:

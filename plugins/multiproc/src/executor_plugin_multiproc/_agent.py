@@ -330,4 +330,6 @@ class _Killed(Exception):
 def _owned(view: Received) -> Any:
     """A reply frame to forward: the ring's slot memory is reused, so keep a copy (a
     message gathered from several slots is already a copy of its own)."""
-    return view if isinstance(view, pickle.PickleBuffer) else bytes(view)
+    if isinstance(view, memoryview):
+        return bytes(view)
+    return view  # a PickleBuffer (read without ``assemble``, so never an Assembled)
