@@ -292,6 +292,9 @@ def main() -> None:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply the number of calls per size"
     )
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="workloads to run (noop, '16 MiB tensor', ...)"
+    )
     args = parser.parse_args()
     module = import_vllm(args.vllm_path)
     # Load only the plugin under test (the dev install also has test fixtures).
@@ -308,6 +311,8 @@ def main() -> None:
     for mib, calls in ((1, 800), (16, 400), (64, 80)):
         tensor = torch.ones(mib * MB // 4, dtype=torch.float32)
         workloads[f"{mib} MiB tensor"] = ("numel", (tensor,), tensor.numel(), calls)
+    if args.only:
+        workloads = {name: workloads[name] for name in args.only}
 
     print(
         f"cores: {os.cpu_count()}; load average at start: "
