@@ -109,6 +109,7 @@ def main() -> None:
         )
         registry.register_plugin(RpcObserver(), "bench-observer")
         observed = per_call_us(lambda: executor.collective_rpc("noop"), args.calls)
+        observed_model = per_call_us(lambda: executor.execute_model(1), args.calls)
     print(f"\n## uniproc overhead ({args.calls} calls x 7 rounds, median)\n")
     print("| call | µs/call | overhead µs | ratio to direct |\n|---|---|---|---|")
     for label, value in [
@@ -118,6 +119,7 @@ def main() -> None:
         ("`execute_model(batch)`", model),
         ("`collective_rpc(..., non_block=True).result()` (thread hop)", non_block),
         ('`collective_rpc("noop")` with an RPC observer plugin', observed),
+        ("`execute_model(batch)` with an RPC observer plugin", observed_model),
     ]:
         print(f"| {label} | {value:.2f} | {value - direct:.2f} | {value / direct:.1f}x |")
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._hothook import HotHook
 from ._qualname import resolve_qualname
 from ._thread_device import ThreadDevice, capture_thread_device
 from ._wire import RemoteFailure, loads_method, method_name
@@ -44,6 +45,7 @@ class WorkerWrapper:
         self._hooks = hooks
         self.worker: WorkerBase | None = None
         self._thread_device: ThreadDevice | None = None
+        self._observers: HotHook | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The hook relay belongs to the driver's registry: a worker process loads its own.
@@ -51,6 +53,7 @@ class WorkerWrapper:
         state["_hooks"] = None
         state["worker"] = None
         state["_thread_device"] = None
+        state["_observers"] = None
         return state
 
     def portable(self) -> WorkerWrapper:
@@ -115,9 +118,11 @@ class WorkerWrapper:
         """Run ``method`` (a name, a callable taking the worker, or a cloudpickled callable)."""
         if self._thread_device is not None:
             self._thread_device.bind()
-        observers = self.hooks.executor_worker_rpc_finished
-        if not observers.get_hookimpls():
-            # Nobody observes RPCs: skip timing and the hook call (a few µs per call).
+        observers = self._observers
+        if observers is None:
+            observers = self._observers = HotHook(self.hooks.executor_worker_rpc_finished)
+        if not observers.active():
+            # Nobody observes RPCs: skip timing and the hook call.
             return self._resolve(method)(*args, **(kwargs or {}))
         start = time.perf_counter()
         error: BaseException | None = None
@@ -127,12 +132,8 @@ class WorkerWrapper:
             error = exc
             raise
         finally:
-            observers(
-                context=self.context,
-                method=method_name(method),
-                duration_s=time.perf_counter() - start,
-                error=error,
-            )
+            # In the specification's order: context, method, duration_s, error.
+            observers(self.context, method_name(method), time.perf_counter() - start, error)
 
     def execute(
         self,
