@@ -26,7 +26,7 @@ step -> MultiOutputNode``, ``experimental_compile``) as the baseline for this ba
 stay only if it measurably beat the channel. A live graph's loops spin while idle and would
 take a core from the side being measured, so the sides run in alternating phases, the raw
 graph compiled at the start of each of its phases and torn down at its end; a phase's median
-moves by up to 2x from one compile to the next on 2 cores, so the row pools ``--phases``
+moves with each compile (figures: docs/benchmarks.md, ray), so the row pools ``--phases``
 phases per side, and a 95% bootstrap interval over the phase pairs is printed under the
 table. Skipped, with the reason printed, if Ray's compiled graphs are unavailable
 (``--phases 0`` skips them too).
@@ -64,8 +64,8 @@ MIB = 1 << 20
 #: message spans two slots, as any argument above the slot does).
 LARGE_BYTES = 16 * MIB
 #: Only the plugin under test is loaded, in the driver and the workers: the development
-#: install also registers test fixtures, among them an observer hook that runs on every call
-#: (about 4 µs a call here).
+#: install also registers test fixtures, among them an observer hook that would add its own
+#: cost to every call.
 PLUGINS_ENV = "EXECUTOR_PLUGINS"
 #: Seconds a compiled-graph phase waits after compiling and warming up, before it measures:
 #: compiling keeps Ray's own processes busy for a moment. Both sides wait alike.
@@ -280,7 +280,7 @@ def bench_compiled(
     live graph's loops spin while idle and would take a core from the side being measured.
     Each raw phase compiles its graph again on the same actors and tears it down at its end.
 
-    A phase's median moves by up to 2x from one compile to the next on 2 cores, so the row
+    A phase's median moves with each compile (docs/benchmarks.md, ray), so the row
     pools many short phases, and the returned note gives a 95% bootstrap interval of the
     ratio over the phase pairs. Returns (table row, note)."""
     from ray.dag import InputNode, MultiOutputNode

@@ -20,11 +20,11 @@ fits ``max_chunk_bytes`` goes through the shared-memory ring (the writer copies 
 reader copies the out-of-band buffer out), a larger one overflows to a zmq ipc socket. Each
 reader dequeues (``indefinite=True``, as vLLM's worker loop does) and replies with the tiny
 ``numel`` through a ``multiprocessing.Pipe`` (``send_bytes`` of pickle protocol 5): the
-cheapest reply measured here. ``--reply mq`` answers instead through the reader's own
-``MessageQueue(1, 1)`` with the reader as its writer, the way vLLM's workers answer: about
-10 µs slower at the no-op, the same within noise with tensors. vLLM's waiting is kept as it
-is: a reader spins (``os.sched_yield``) for 1 s after its last read before it sleeps on a
-zmq notification; a writer waiting for a free chunk spins too.
+cheapest reply path measured. ``--reply mq`` answers instead through the reader's own
+``MessageQueue(1, 1)`` with the reader as its writer, the way vLLM's workers answer: slower
+at the no-op, the same within noise with tensors. vLLM's waiting is kept as it is: a reader
+spins (``os.sched_yield``) for 1 s after its last read before it sleeps on a zmq
+notification; a writer waiting for a free chunk spins too.
 
 ``vLLM MQ 16MiB chunk`` (the 16 MiB row only): the same with ``max_chunk_bytes`` 16 MiB,
 which is what vLLM's multiproc executor passes (``VLLM_MQ_MAX_CHUNK_BYTES_MB`` defaults to
@@ -69,7 +69,7 @@ MB = 1 << 20
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 HEADLINE = "16 MiB tensor"
 #: Untimed calls per side and size first: more than vLLM's ring has chunks (10), whose
-#: first write of each chunk takes the page faults (about 5x a warm call at 16 MiB).
+#: first write of each chunk takes the page faults (several times a warm call).
 WARMUP_CALLS = 12
 HOW_TO_GET = """\
 Get vLLM's shm_broadcast.py without installing vllm into this project, for example:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import executor_plugin_uniproc
 from executor_core import (
     BackendLoadError,
     ExecutorConfig,
@@ -28,7 +29,7 @@ BROKEN_FIXTURES = {"fixture_broken_import", "fixture_broken_hook", "fixture_brok
 def test_in_tree_uniproc_is_discovered_with_its_distribution() -> None:
     spec = Registry.from_entry_points().get("uni")
     assert spec.distribution == "executor-plugin-uniproc"
-    assert spec.version == "0.1.0"
+    assert spec.version == executor_plugin_uniproc.__version__
     assert spec.plugin == "uniproc"
     assert spec.aliases == ("uniproc",)
 
@@ -92,7 +93,7 @@ def test_cli_backends_table_lists_uni_and_broken_plugins() -> None:
     ]
     uni = next(line for line in lines if line.startswith("uni "))
     assert "executor-plugin-uniproc" in uni
-    assert "0.1.0" in uni
+    assert executor_plugin_uniproc.__version__ in uni.split()
     assert "Plugins that failed to load:" in result.stdout
     for name in BROKEN_FIXTURES:
         assert name in result.stdout
@@ -113,8 +114,8 @@ def test_cli_version_lists_core_plugins_and_broken_plugins() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     versions = dict(line.split() for line in lines if not line.startswith(("broken", " ")))
-    assert versions["executor-core"] == "0.1.0"
-    assert versions["executor-plugin-uniproc"] == "0.1.0"
+    assert versions["executor-core"] == __version__
+    assert versions["executor-plugin-uniproc"] == executor_plugin_uniproc.__version__
     assert (
         "broken plugin fixture_broken_import (executor-fixture-plugins 0.0.1): "
         "ModuleNotFoundError: No module named 'executor_fixture_missing_dependency'" in lines

@@ -91,7 +91,7 @@ __all__ = [
     "load_secret",
 ]
 
-__version__ = "0.1.0"  # keep equal to pyproject.toml
+__version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 # Hidden from type checkers, which then check every imported name against the table above.
 if not TYPE_CHECKING:

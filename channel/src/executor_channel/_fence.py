@@ -23,14 +23,15 @@ says otherwise. Every access to a counter or flag of the ring goes through this 
     a full fence.
 
 The fences are C11's ``atomic_thread_fence`` from GCC's runtime library ``libatomic.so.1``,
-called through :mod:`ctypes` without releasing the GIL (about 55 ns). That function takes the
-order at run time, so GCC built it as the full fence whatever the order: ``dmb ish`` on
-aarch64, a locked instruction on x86-64 (more than acquire or release need; the call costs
-more than the instruction anyway). Where the library cannot be loaded, every fence is the
-*lock fence*: a release of a process-private lock followed by an acquire of it, two atomic
-read-modify-writes on its word, a store-release followed in program order by a load-acquire,
-which aarch64 keeps in order (they are "RCsc") and which x86-64 executes as locked
-instructions; both are full barriers there.
+called through :mod:`ctypes` without releasing the GIL (figures: docs/benchmarks.md, the
+ring's memory fences). That function takes the order at run time, so GCC built it as the
+full fence whatever the order: ``dmb ish`` on aarch64, a locked instruction on x86-64 (more
+than acquire or release need; the call costs more than the instruction anyway). Where the
+library cannot be loaded, every fence is the *lock fence*: a release of a process-private
+lock followed by an acquire of it, two atomic read-modify-writes on its word, a
+store-release followed in program order by a load-acquire, which aarch64 keeps in order
+(they are "RCsc") and which x86-64 executes as locked instructions; both are full barriers
+there.
 
 On x86-64 (total store order: no load passes a load, no store passes a store or an earlier
 load) acquire and release fences need no instruction, as C compilers emit none; only the

@@ -4,8 +4,8 @@ A waiter that expects an answer within microseconds spins for a moment (calling
 ``sched_yield`` each round) before it sleeps: that saves two context switches per call
 when every process has a core. But ``sched_yield`` hands the CPU to any other runnable
 process on the same core, and when that is a busy process (another job on a shared machine)
-the yield returns only after its time slice, milliseconds later: measured on 2 cores with
-two busy processes, a no-op call took 4 ms with spinning instead of 60 µs without. A
+the yield returns only after its time slice, milliseconds later, so spinning then costs a
+no-op call far more than sleeping would (figures: docs/benchmarks.md, mp). A
 sleeper on an eventfd, by contrast, is woken at once (the scheduler favours it). So a yield
 that took much longer than a peer's short turn means the cores are contested: this process
 stops spinning for a while and only sleeps.
@@ -19,7 +19,7 @@ import time
 __all__ = ["Spinner"]
 
 #: A yield that returns later than this lost the CPU for a time slice, not to a peer's
-#: short turn (a no-op call takes tens of µs).
+#: short turn (a no-op call's whole round trip is far shorter).
 LOST_CPU_S = 0.0005
 #: How long a process that saw contention waits before it spins again: from the shortest
 #: (a one-off, such as other processes starting up) doubling to the longest while losses

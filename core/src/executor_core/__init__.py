@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib
 
-# Not ``typing.TYPE_CHECKING``: importing typing alone costs several ms here. Type checkers
-# treat any constant of this name as true.
+# Not ``typing.TYPE_CHECKING``: importing typing alone would add to the import time this
+# package keeps small (figures: docs/benchmarks.md, Core). Type checkers treat any constant
+# of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from executor_core.backend import BackendSpec, Capabilities, hookimpl
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 
 @hookimpl

@@ -35,7 +35,7 @@ _LAZY: dict[str, str] = {
     "MultiprocOptions": "._options",
 }
 
-__version__ = "0.1.0"  # keep equal to pyproject.toml
+__version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 
 @hookimpl

@@ -39,7 +39,7 @@ _LAZY: dict[str, str] = {
     "WorkerPlacement": "._ranks",
 }
 
-__version__ = "0.1.0"  # keep equal to pyproject.toml
+__version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 
 @hookimpl

@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
     "UniProcExecutor": "._executor",
 }
 
-__version__ = "0.1.0"  # keep equal to pyproject.toml
+__version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 
 @hookimpl

@@ -1,0 +1,41 @@
+"""Every distribution of the repository is complete on its own, and its version has one source."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: directory -> (distribution, package)
+DISTRIBUTIONS = {
+    "core": ("executor-core", "executor_core"),
+    "channel": ("executor-channel", "executor_channel"),
+    "plugins/uniproc": ("executor-plugin-uniproc", "executor_plugin_uniproc"),
+    "plugins/multiproc": ("executor-plugin-multiproc", "executor_plugin_multiproc"),
+    "plugins/ray": ("executor-plugin-ray", "executor_plugin_ray"),
+    "examples/executor-threads": ("executor-threads", "executor_threads"),
+}
+
+
+@pytest.mark.parametrize("directory", sorted(DISTRIBUTIONS))
+def test_distribution_is_complete(directory: str) -> None:
+    _, package = DISTRIBUTIONS[directory]
+    base = ROOT / directory
+    for name in ("pyproject.toml", "README.md", "LICENSE", f"src/{package}/py.typed"):
+        assert (base / name).is_file(), f"{directory} lacks {name}"
+    assert (base / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
+    pyproject = (base / "pyproject.toml").read_text()
+    # The version is read from the package, never written in pyproject.toml.
+    assert 'dynamic = ["version"]' in pyproject
+    assert "\nversion =" not in pyproject
+    assert 'requires-python = ">=3.11"' in pyproject
+
+
+@pytest.mark.parametrize("directory", sorted(DISTRIBUTIONS))
+def test_installed_version_is_the_packages(directory: str) -> None:
+    distribution, package = DISTRIBUTIONS[directory]
+    module = importlib.import_module(package)
+    assert importlib.metadata.version(distribution) == module.__version__
