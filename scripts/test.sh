@@ -10,4 +10,11 @@ PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 # pytest exits 5 when it collects no test; set -e turns that (and any failure) into a failed run.
-.venv/bin/python -m pytest "$@"
+if [ $# -eq 0 ]; then
+    # The fast subset first (under 2 minutes), so that a broken change fails early; then the
+    # tests marked slow (Ray sessions, several nodes, stress runs, fresh environments).
+    .venv/bin/python -m pytest -m "not slow"
+    .venv/bin/python -m pytest -m slow
+else
+    .venv/bin/python -m pytest "$@"
+fi

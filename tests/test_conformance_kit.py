@@ -18,6 +18,8 @@ import pytest
 from broken_backends import BROKEN
 
 HERE = Path(__file__).parent
+#: Slow: each case runs the kit in a pytest subprocess: seconds each.
+pytestmark = pytest.mark.slow
 
 _TEST_MODULE = """
 from broken_backends import BROKEN

@@ -50,6 +50,7 @@ class CountingWorker(WorkerBase):
         self.state.destroy()
 
 
+@pytest.mark.slow  # several seconds: a gloo group per stage hop
 def test_warm_up_touches_every_group_and_every_stage_hop() -> None:
     config = ExecutorConfig(
         worker_cls=CountingWorker,

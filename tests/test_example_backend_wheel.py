@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+#: Slow: builds a wheel and a fresh virtual environment.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "executor-threads"
 

@@ -112,12 +112,14 @@ def _generate(executor: Executor, concurrency: int = 1, logits: bool = True) -> 
     )
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 def test_same_tokens_and_logits_as_one_process(
     executor: Executor, reference: GenerationResult
 ) -> None:
     _assert_same_generation(_generate(executor), reference)
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 def test_async_overlap_gives_the_same_tokens(
     executor: Executor, reference: GenerationResult
 ) -> None:
@@ -127,6 +129,7 @@ def test_async_overlap_gives_the_same_tokens(
     _assert_same_generation(result, reference)
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 def test_each_rank_loads_only_its_shard(executor: Executor, checkpoint: Path) -> None:
     config = executor.config
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -164,6 +167,7 @@ def _memory(executor: Executor) -> list[dict[str, int]]:
     return usage
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_releases_the_weights_and_wake_restores_the_outputs(
     executor: Executor, reference: GenerationResult, level: int
@@ -185,6 +189,7 @@ def test_sleep_releases_the_weights_and_wake_restores_the_outputs(
     _assert_same_generation(_generate(executor), reference)
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 @pytest.mark.parametrize("level", [1, 2])
 def test_wake_up_one_tag_at_a_time(
     executor: Executor, reference: GenerationResult, level: int
@@ -253,6 +258,7 @@ def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_external_launcher_under_torchrun_matches_one_process(
     tmp_path: Path, checkpoint: Path, reference: GenerationResult, tp: int, pp: int
@@ -356,6 +362,7 @@ def test_main_job_runs_on_uni(cli_reference: dict[str, Any]) -> None:
     assert 0 <= summary["executor_share"] < 1
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 @pytest.mark.parametrize(
     ("backend", "args"),
     [
@@ -378,6 +385,7 @@ def test_main_job_gives_the_same_tokens_on_every_backend(
     assert data["tokens"] == cli_reference["tokens"]
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 def test_every_rank_reports_its_step_times(executor: Executor) -> None:
     """Each rank times each step it runs; generate() takes them all to account for the
     executor's share (see test_reference_model for the accounting itself)."""
@@ -405,6 +413,7 @@ def test_every_rank_reports_its_step_times(executor: Executor) -> None:
         assert record.executor_time_s + record.model_time_s <= record.latency_s + 1e-6
 
 
+@pytest.mark.slow  # builds a model on several workers: seconds each
 @pytest.mark.skipif("mp" not in INSTALLED, reason="backend 'mp' not installed")
 def test_main_job_across_three_nodes_gives_the_same_tokens(
     tmp_path: Path, cli_reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch

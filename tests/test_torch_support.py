@@ -53,6 +53,7 @@ def test_core_cli_and_main_job_import_no_torch() -> None:
     assert "safetensors" not in modules
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_torch_subpackage_imports_torch_when_used() -> None:
     modules = _modules_after("import executor_core.torch")
     assert "torch" in modules
@@ -156,6 +157,7 @@ def _run_memory_script(script: str) -> list[int]:
     return [int(word) for word in out.split()]
 
 
+@pytest.mark.slow  # fresh interpreters moving hundreds of MB
 def test_offloading_releases_host_memory() -> None:
     size, released, regained = _run_memory_script(_RELEASE_SCRIPT)
     assert released >= 0.8 * size
@@ -189,6 +191,7 @@ print(size, *released)
 """
 
 
+@pytest.mark.slow  # fresh interpreters moving hundreds of MB
 def test_mapped_zeros_are_released_on_every_reallocation() -> None:
     size, *released = _run_memory_script(_REALLOCATION_SCRIPT)
     assert all(r >= 0.9 * size for r in released), released

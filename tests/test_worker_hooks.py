@@ -23,7 +23,14 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("backend", installed_backends())
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # Ray needs a session of its own here: seconds.
+        pytest.param(name, marks=pytest.mark.slow) if name == "ray" else name
+        for name in installed_backends()
+    ],
+)
 def test_worker_hooks_see_lifecycle_and_every_rpc(backend: str, tmp_path: Path) -> None:
     log = tmp_path / "hooks.jsonl"
     world_size = world_size_for(backend)

@@ -231,6 +231,7 @@ def test_a_call_that_cannot_be_unpickled_is_answered_as_a_failure() -> None:
         assert d.round_trip("double", 5)[4] == 10  # serving goes on
 
 
+@pytest.mark.slow  # a call of 2 s under heartbeats
 def test_a_slow_call_keeps_heartbeats_then_the_stop_frame_ends_with_bye() -> None:
     with driver(node_timeout_s=0.5) as d:
         d.round_trip("double", 1)  # the hub's READY is out by now: strict timeouts

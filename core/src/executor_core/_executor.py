@@ -25,6 +25,7 @@ from ._wire import method_name
 from ._worker import SLEEP_TAGS
 
 if TYPE_CHECKING:
+    from ._aio import AsyncSender
     from ._registry import BackendSpec, Registry
 
 __all__ = ["Executor", "FailureCallback", "chain_future", "create_executor"]
@@ -67,12 +68,15 @@ class Executor:
     ``unique_reply_rank``, reply and failure gathering (the lowest failing rank wins), failing
     the calls in flight on a worker's death, on :meth:`fail` and on :meth:`shutdown`, failure
     callbacks, sleep state, and cleanup (also when the executor is dropped without
-    :meth:`shutdown`). A backend subclasses it only to name its :class:`Transport` (and to add
-    extras of its own); see ``executor_core.backend``.
+    :meth:`shutdown`). Calls have asyncio forms too (:meth:`collective_rpc_async`,
+    :meth:`execute_model_async`). A backend subclasses it only to name its
+    :class:`Transport` (and to add extras of its own); see ``executor_core.backend``.
     """
 
     #: The backend's transport class: how workers start and stop and how calls reach them.
     transport_cls: ClassVar[type[Transport]]
+    #: Sends the asyncio calls (made on the first one; see :meth:`collective_rpc_async`).
+    _aio: AsyncSender | None = None
 
     def __init__(
         self,
@@ -274,6 +278,79 @@ class Executor:
             "execute_model", args=(batch,), unique_reply_rank=self.output_rank
         )[0]
 
+    # --- asyncio -------------------------------------------------------------------------
+
+    async def collective_rpc_async(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        """:meth:`collective_rpc` for asyncio: ``await`` it from any running event loop (from
+        several loops in several threads at once, too); the loop is never blocked.
+
+        The same call as ``collective_rpc(..., non_block=True)``, with the same rules and the
+        same errors (:class:`WorkerError` with the worker's traceback, :class:`RPCTimeoutError`
+        for ``timeout``, :class:`ExecutorFailedError` or :class:`ExecutorClosedError`). It is
+        sent from a thread of the executor's, in the order the coroutines start (a send may
+        wait for room in a transport's queue), and completes in submission order.
+
+        Cancelling the await (``task.cancel()``, ``asyncio.wait_for``, ``asyncio.timeout``)
+        never cancels a call that was sent: every rank runs it, so the ranks stay in step, and
+        later calls get their own results. The awaiter gets :class:`asyncio.CancelledError`
+        at once; the call completes in the background and its outcome is discarded (an error
+        is logged at debug level on the ``executor_core`` logger). A call not yet sent when
+        its await is cancelled is withdrawn: no rank runs it. To bound how long the workers
+        may take, pass ``timeout``, not an asyncio timeout.
+        """
+        if self._host.closed or self._host.failure is not None:
+            self._check_open()
+
+        def send() -> Future[list[Any]]:
+            return self.collective_rpc(
+                method,
+                timeout,
+                args,
+                kwargs,
+                non_block=True,
+                unique_reply_rank=unique_reply_rank,
+            )
+
+        return await self._async_sender().call(send)
+
+    async def execute_model_async(self, batch: Any) -> Any:
+        """:meth:`execute_model` for asyncio: ``await`` the output rank's result. Sent,
+        ordered, cancelled and failed as :meth:`collective_rpc_async` is (cancelling the
+        await never stops a step the workers have been sent)."""
+        if self._host.closed or self._host.failure is not None:
+            self._check_open()
+
+        def send() -> Future[Any]:
+            future: Future[Any] = self.execute_model(batch, non_block=True)
+            return future
+
+        return await self._async_sender().call(send)
+
+    def _async_sender(self) -> AsyncSender:
+        """The sender of asyncio calls, started on the first one (stopped by shutdown)."""
+        sender = self._aio
+        if sender is not None:
+            return sender
+        host = self._host
+        with host.state_lock:
+            if host.closed:
+                raise ExecutorClosedError("the executor has been shut down; create a new one")
+            sender = self._aio
+            if sender is None:
+                from ._aio import AsyncSender  # deferred: asyncio loads for asyncio callers only
+
+                sender = self._aio = AsyncSender(f"executor-{host.name}-asyncio")
+                # Holds the sender, never the executor: a dropped executor stops its thread.
+                weakref.finalize(self, sender.close)
+        return sender
+
     # --- for subclasses ----------------------------------------------------------------
 
     def _resolve_timeout(self, timeout: float | None) -> float | None:
@@ -436,6 +513,7 @@ class Executor:
                 return
             host.closed = True
             host.failure_callbacks.clear()
+            sender = self._aio
         # Graceful only if no send is stuck: the stop must not interleave with a call.
         graceful = host.failure is None and host.send_lock.acquire(timeout=_SEND_LOCK_S)
         try:
@@ -444,6 +522,8 @@ class Executor:
             if graceful:
                 host.send_lock.release()
             self._finalizer.detach()
+            if sender is not None:  # after the release: a send it waits on has ended
+                sender.close()
 
     def __enter__(self) -> Executor:
         return self

@@ -265,6 +265,7 @@ def test_startup_import_error_has_traceback() -> None:
     assert "ModuleNotFoundError" in info.value.exc_type
 
 
+@pytest.mark.slow  # starts workers that each take a second to load
 def test_workers_start_in_parallel() -> None:
     start = time.monotonic()
     executor = create_executor(
@@ -283,6 +284,7 @@ def test_workers_start_in_parallel() -> None:
 # --- timeouts, threads, shutdown ---------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out timeouts, several times
 @pytest.mark.parametrize("repeat", range(REPEATS))
 def test_timeouts_then_success(repeat: int) -> None:
     executor = make()

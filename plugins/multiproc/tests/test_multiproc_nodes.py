@@ -27,6 +27,9 @@ from executor_core.testing._base import ExecutorFactory
 
 __all__ = ["agents", "node_secret"]  # fixtures, imported for the tests below
 
+#: Node agents are separate processes that join over TCP with heartbeats: seconds per test.
+pytestmark = pytest.mark.slow
+
 
 class _TwoNodes(ExecutorConformanceTests):
     """Every executor with an even world size spans two nodes: this process and an agent."""

@@ -131,8 +131,12 @@ def remove_node_cleanly(cluster: Cluster, node: Any) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run this directory's tests on the simulated cluster one after the other, where the
-    last of them runs (modules run in name order, and a switch of session costs seconds)."""
+    last of them runs (modules run in name order, and a switch of session costs seconds).
+    Every test here is also marked ``slow``: each needs a Ray session, seconds to start."""
     here = os.path.dirname(__file__)
+    for item in items:
+        if os.path.dirname(item.path) == here:
+            item.add_marker(pytest.mark.slow)
     on_cluster = [
         item
         for item in items

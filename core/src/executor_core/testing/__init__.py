@@ -10,11 +10,12 @@ A backend's test module subclasses :class:`ExecutorConformanceTests` and declare
 
 Every area is a mixin of its own (:class:`CallTests`, :class:`NonBlockingTests`,
 :class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`,
-:class:`DeviceTests`);
+:class:`DeviceTests`, :class:`AsyncTests`);
 what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, not from
 skipped tests. Each test runs under a time limit, so a hang fails with the rule it broke.
 """
 
+from ._async import AsyncTests
 from ._base import ExecutorFactory, KitBase, conformance_config
 from ._calls import CallTests
 from ._device import DeviceProbeWorker, DeviceTests
@@ -27,6 +28,7 @@ from ._sleep import SleepTests
 from ._workers import ConformanceWorker, UnpicklableError
 
 __all__ = [
+    "AsyncTests",
     "CallTests",
     "ConformanceTimeout",
     "ConformanceWorker",
@@ -46,6 +48,7 @@ __all__ = [
 
 
 class ExecutorConformanceTests(
+    AsyncTests,  # first: pytest runs a base's tests after those of the bases listed after it
     CallTests,
     NonBlockingTests,
     ErrorTests,

@@ -125,6 +125,13 @@ class ConformanceWorker(WorkerBase):
         self.recorded.append(item)
         return len(self.recorded)
 
+    def record_slowly(self, item: Any, seconds: float) -> int:
+        """:meth:`record` ``item``, then sleep ``seconds`` (a call that is seen to have run
+        even when its caller stopped waiting for it)."""
+        length = self.record(item)
+        time.sleep(seconds)
+        return length
+
     def get_recorded(self) -> list[Any]:
         """What :meth:`record` has seen, in order."""
         return list(self.recorded)
