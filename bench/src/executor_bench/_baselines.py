@@ -1,0 +1,342 @@
+"""The baselines: what the backends are measured against, with nothing of the SDK in between.
+
+* ``Pipe``: one ``multiprocessing.Pipe`` to each of N spawned processes; a call pickles
+  ``(method, args)`` once (protocol 5), writes it to each worker in turn and reads each
+  reply. The cheapest general-purpose IPC there is in the standard library.
+* ``Ray actors``: N plain Ray actors; a call is ``ray.get([a.method.remote(...) ...])``, and
+  a payload is ``ray.put`` once, its ref passed to every actor (the data enters the object
+  store once, as it enters a backend's ring once). Only if ray imports.
+* ``vLLM MQ``: vLLM's shared-memory ``MessageQueue`` (``shm_broadcast.py``) with one writer
+  (this process) and N reader processes at the constructor's defaults; readers dequeue as
+  vLLM's worker loop does and reply through a Pipe. Only if vLLM's ``shm_broadcast``
+  imports: from an installed ``vllm``, or from ``--vllm-path DIR``. Its readers spin for a
+  second after each read, so the run lets them settle before timing another side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import importlib.metadata
+import importlib.util
+import multiprocessing
+import os
+import pickle
+import platform
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from ._options import BASELINES
+from ._sides import Side, SideSpec, Skipped
+from ._worker import answer, size_of
+
+__all__ = [
+    "SHM_MODULE",
+    "PipeSide",
+    "RayActorsSide",
+    "VllmQueueSide",
+    "describe_vllm",
+    "import_vllm",
+    "select_baselines",
+]
+
+#: The module of vLLM that holds the MessageQueue.
+SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+_SHM_FILE = os.path.join(*SHM_MODULE.split(".")) + ".py"
+#: Seconds to wait for a process to end by itself before it is killed.
+_JOIN_S = 10.0
+#: What a reader sends when it stops (never a pickled reply: those start with b"\x80").
+_BYE = b"bye"
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _stop_processes(procs: list[BaseProcess]) -> None:
+    for proc in procs:
+        proc.join(_JOIN_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_JOIN_S)
+
+
+# --- Pipe --------------------------------------------------------------------------------
+
+
+def _pipe_reader(conn: Connection) -> None:
+    """A Pipe worker: answer each call until the empty message."""
+    while True:
+        data = conn.recv_bytes()
+        if not data:
+            return
+        method, args = pickle.loads(data)
+        conn.send_bytes(pickle.dumps(answer(method, args), protocol=5))
+
+
+class PipeSide:
+    """``multiprocessing.Pipe`` round trips to ``workers`` spawned processes."""
+
+    def __init__(self, workers: int) -> None:
+        self._conns: list[Connection] = []
+        self._procs: list[BaseProcess] = []
+        for _ in range(workers):
+            here, there = _SPAWN.Pipe()
+            proc = _SPAWN.Process(target=_pipe_reader, args=(there,), daemon=True)
+            proc.start()
+            there.close()
+            self._conns.append(here)
+            self._procs.append(proc)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """Send the pickled call to each worker in turn, then read every reply."""
+        data = pickle.dumps((method, args), protocol=5)
+        for conn in self._conns:
+            conn.send_bytes(data)
+        return [pickle.loads(conn.recv_bytes()) for conn in self._conns]
+
+    def close(self) -> None:
+        """Stop the workers."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"")
+        _stop_processes(self._procs)
+        for conn in self._conns:
+            conn.close()
+
+
+# --- raw Ray actors ------------------------------------------------------------------------
+
+
+class RawActor:
+    """The Ray baseline's actor: the worker's two methods, no executor in between."""
+
+    def noop(self) -> None:
+        """Return at once."""
+        return None
+
+    def size_of(self, payload: Any) -> int:
+        """The payload's size (Ray has resolved the ref to the value)."""
+        return size_of(payload)
+
+
+class RayActorsSide:
+    """``workers`` plain Ray actors, in the Ray session this run holds."""
+
+    def __init__(self, workers: int) -> None:
+        import ray
+
+        # No CPU reserved: the run's Ray instance is sized for the ray backend's workers,
+        # which reserve theirs, and both sides' processes are alive at once. A reservation
+        # is bookkeeping; it does not change how fast an actor runs.
+        actor_cls: Any = ray.remote(num_cpus=0)(RawActor)
+        self._actors = [actor_cls.remote() for _ in range(workers)]
+
+    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """``ray.get`` of each actor's ``method.remote``; arguments are ``ray.put`` once."""
+        import ray
+
+        refs = [ray.put(arg) for arg in args]
+        return list(ray.get([getattr(actor, method).remote(*refs) for actor in self._actors]))
+
+    def close(self) -> None:
+        """Kill the actors (Ray's own processes stay: the run's Ray session owns them)."""
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors.clear()
+
+
+# --- vLLM's MessageQueue -------------------------------------------------------------------
+
+
+def import_vllm(path: str | None) -> Any:
+    """vLLM's ``shm_broadcast`` module, from ``path`` or from an installed vllm.
+
+    ``path`` is a directory holding ``vllm/distributed/device_communicators/
+    shm_broadcast.py`` (a vllm install's site-packages, or a copy of that file with
+    stand-ins for the few vllm modules it imports); it is put first on ``sys.path``, which
+    spawned readers inherit. Raises LookupError saying why the module cannot be used.
+    """
+    if path is None:
+        if importlib.util.find_spec("vllm") is None:
+            raise LookupError("vllm is not installed and no --vllm-path was given")
+    else:
+        path = os.path.abspath(path)
+        if not os.path.isfile(os.path.join(path, _SHM_FILE)):
+            raise LookupError(f"--vllm-path {path} holds no {_SHM_FILE}")
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        module = importlib.import_module(SHM_MODULE)
+        module.MessageQueue  # noqa: B018  (fail here, not in a reader)
+    except Exception as exc:  # whatever stops it, the baseline is skipped with the reason
+        where = f"from {path}" if path else "from the installed vllm"
+        raise LookupError(f"cannot import {SHM_MODULE} {where}: {exc!r}") from exc
+    return module
+
+
+def describe_vllm(module: Any) -> str:
+    """``vllm 0.x (DIR)``: which vLLM the baseline runs, and from where."""
+    vllm = sys.modules.get("vllm")
+    version = getattr(vllm, "__version__", None) or "(version unknown)"
+    path = os.path.abspath(module.__file__)
+    root = path[: -len(_SHM_FILE)].rstrip(os.sep) if path.endswith(_SHM_FILE) else path
+    return f"vllm {version} ({root})"
+
+
+def _vllm_reader(handle: Any, rank: int, conn: Connection) -> None:
+    """A vLLM reader: dequeue as vLLM's worker loop does, reply through the Pipe."""
+    shm_broadcast = importlib.import_module(SHM_MODULE)
+    queue = shm_broadcast.MessageQueue.create_from_handle(handle, rank)
+    queue.wait_until_ready()
+    try:
+        while True:
+            message = queue.dequeue(indefinite=True)
+            if message is None:
+                return
+            method, args = message
+            result = answer(method, args)
+            del message, args
+            conn.send_bytes(pickle.dumps(result, protocol=5))
+    finally:
+        conn.send_bytes(_BYE)
+        del queue
+        gc.collect()
+
+
+class VllmQueueSide:
+    """vLLM's ``MessageQueue`` from this process to ``workers`` reader processes."""
+
+    def __init__(self, workers: int) -> None:
+        shm_broadcast = importlib.import_module(SHM_MODULE)
+        # vLLM puts its zmq ipc sockets under VLLM_RPC_BASE_PATH: a directory of this side's.
+        self._ipc_dir = tempfile.mkdtemp(prefix="executor-bench-vllm-")
+        before = os.environ.get("VLLM_RPC_BASE_PATH")
+        os.environ["VLLM_RPC_BASE_PATH"] = self._ipc_dir
+        self._conns: list[Connection] = []
+        self._procs: list[BaseProcess] = []
+        try:
+            self._queue = shm_broadcast.MessageQueue(workers, workers)
+            self._ring = str(self._queue.buffer.shared_memory.name)
+            for rank in range(workers):
+                here, there = _SPAWN.Pipe()
+                proc = _SPAWN.Process(
+                    target=_vllm_reader,
+                    args=(self._queue.export_handle(), rank, there),
+                    daemon=True,
+                )
+                proc.start()
+                there.close()
+                self._conns.append(here)
+                self._procs.append(proc)
+            self._queue.wait_until_ready()
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_RPC_BASE_PATH", None)
+            else:
+                os.environ["VLLM_RPC_BASE_PATH"] = before
+
+    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """Enqueue the call once; read each reader's reply."""
+        self._queue.enqueue((method, args))
+        return [pickle.loads(conn.recv_bytes()) for conn in self._conns]
+
+    def close(self) -> None:
+        """Stop the readers; the ring goes with the queue, the sockets with the directory."""
+        with contextlib.suppress(Exception):  # readers already gone: nothing to tell them
+            self._queue.enqueue(None)
+        for conn in self._conns:
+            with contextlib.suppress(EOFError, OSError):
+                while conn.recv_bytes() != _BYE:
+                    pass
+        _stop_processes(self._procs)
+        for conn in self._conns:
+            conn.close()
+        # The ring's creator unlinks it when collected (vLLM's ShmRingBuffer.__del__).
+        del self._queue
+        gc.collect()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        leftover = f"/dev/shm/{self._ring.lstrip('/')}"
+        if os.path.exists(leftover):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+
+
+# --- selection ------------------------------------------------------------------------------
+
+
+def select_baselines(
+    requested: list[str], workers: int, vllm_path: str | None
+) -> tuple[list[SideSpec], list[Skipped]]:
+    """The baselines of ``requested`` (keys of ``BASELINES``) that can run here, and those
+    skipped with the reason."""
+    sides: list[SideSpec] = []
+    skipped: list[Skipped] = []
+    for key in requested:
+        name = BASELINES[key]
+        if key == "pipe":
+            sides.append(
+                SideSpec(
+                    name,
+                    "baseline",
+                    workers,
+                    _PIPE_NOTE,
+                    _starter(PipeSide, workers),
+                    version=f"Python {platform.python_version()}",
+                )
+            )
+        elif key == "ray":
+            if importlib.util.find_spec("ray") is None:
+                skipped.append(Skipped(name, "baseline", "ray is not installed (pip install ray)"))
+                continue
+            sides.append(
+                SideSpec(
+                    name,
+                    "baseline",
+                    workers,
+                    _RAY_NOTE,
+                    _starter(RayActorsSide, workers),
+                    needs_ray=True,
+                    version=f"ray {importlib.metadata.version('ray')}",
+                )
+            )
+        else:
+            try:
+                module = import_vllm(vllm_path)
+            except LookupError as exc:
+                skipped.append(Skipped(name, "baseline", str(exc)))
+                continue
+            description = describe_vllm(module)
+            sides.append(
+                SideSpec(
+                    name,
+                    "baseline",
+                    workers,
+                    _VLLM_NOTE,
+                    _starter(VllmQueueSide, workers),
+                    spins=True,
+                    version=description,
+                )
+            )
+    return sides, skipped
+
+
+_PIPE_NOTE = "pickle protocol 5, written to each worker's Pipe in turn"
+_RAY_NOTE = (
+    "actor.method.remote() + ray.get; a payload is ray.put once, its ref to each actor; "
+    "shutdown is ray.kill, which returns before the actors have exited"
+)
+_VLLM_NOTE = "constructor defaults; readers reply through a Pipe; they spin 1 s after a read"
+
+
+def _starter(cls: Callable[[int], Side], workers: int) -> Callable[[], Side]:
+    def start() -> Side:
+        return cls(workers)
+
+    return start

@@ -1,0 +1,58 @@
+"""The names and values ``executor bench``'s options accept, and how a size is written.
+
+Light on purpose: ``executor`` builds the subcommand's parser every time it starts.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "BASELINES",
+    "DEFAULT_SIZES",
+    "PAYLOAD_KINDS",
+    "WORKLOADS",
+    "format_size",
+    "parse_size",
+]
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+#: The workloads, in the order they are reported.
+WORKLOADS = ("hot", "cold", "payload", "startup")
+#: What a payload argument is: ``bytes``, or a CPU float32 tensor (needs torch).
+PAYLOAD_KINDS = ("bytes", "tensor")
+#: Payload sizes of the default run: from a small message to several ring slots.
+DEFAULT_SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+#: The baselines, by the name ``--baselines`` takes, with their label in the results.
+BASELINES = {"pipe": "Pipe", "ray": "Ray actors", "vllm": "vLLM MQ"}
+
+_UNITS = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB}
+_UNITS |= {"G": GIB, "GB": GIB, "GIB": GIB}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``"4K"``, ``"1M"``, ``"64MiB"``, ``"4096"`` -> bytes (K, M, G are powers of 1024).
+
+    Raises ValueError for anything else, and for sizes that are not a positive multiple of
+    4 bytes (a float32 tensor's element).
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (a number with K, M or G, e.g. 4K or 16M)")
+    size = float(match.group(1)) * _UNITS[unit]
+    if size != int(size) or size < 4 or int(size) % 4:
+        raise ValueError(f"{text!r} is not a positive multiple of 4 bytes")
+    return int(size)
+
+
+def format_size(size: int) -> str:
+    """4096 -> ``"4 KiB"``, 1572864 -> ``"1.5 MiB"``."""
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"

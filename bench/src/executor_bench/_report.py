@@ -1,0 +1,291 @@
+"""What a run found, written down: the machine, a markdown table, a JSON document."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._run import BenchResult
+from ._workloads import Row, Summary
+
+__all__ = ["TARGETS", "Target", "describe_machine", "to_json", "to_markdown"]
+
+#: Distributions whose versions describe the software the numbers come from.
+_VERSIONED = ("torch", "ray", "numpy", "pyzmq")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal a backend is held to against a baseline, checked when both are measured."""
+
+    backend: str
+    baseline: str
+    #: The row's key (``hot``, ``cold``).
+    row: str
+    #: ``median`` or ``p99``.
+    statistic: str
+    #: The largest ratio backend / baseline that meets it.
+    limit: float
+
+
+#: The SDK's performance goals against vLLM's MessageQueue (the project's issue 15): the
+#: cold call after 2 ms idle, and the tail of back-to-back no-op calls.
+TARGETS = (
+    Target("mp", "vLLM MQ", "cold", "median", 0.8),
+    Target("mp", "vLLM MQ", "hot", "p99", 0.6),
+)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory() -> str:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return f"{int(line.split()[1]) / (1 << 20):.0f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "unknown"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def describe_machine() -> dict[str, Any]:
+    """The machine and software a run measures on, and the time it starts."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "cpu": _cpu_model(),
+        "memory": _memory(),
+        "os": platform.platform(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "versions": {name: v for name in _VERSIONED if (v := _version(name)) is not None},
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def _time(seconds: float) -> str:
+    """Three significant figures in a unit that suits: µs, ms or s."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+def _ratios(
+    result: BenchResult, row: Row, side: str, summaries: dict[tuple[str, str], Summary]
+) -> dict[str, dict[str, float]]:
+    """This side's median and p99 over each baseline's, where the baseline has the row."""
+    mine = summaries[row.key, side]
+    out: dict[str, dict[str, float]] = {}
+    for baseline in result.sides:
+        theirs = summaries.get((row.key, baseline.name))
+        if baseline.role != "baseline" or baseline.name == side or theirs is None:
+            continue
+        out[baseline.name] = {
+            "median": mine.median_s / theirs.median_s,
+            "p99": mine.p99_s / theirs.p99_s,
+        }
+    return out
+
+
+def _summaries(result: BenchResult) -> dict[tuple[str, str], Summary]:
+    return {
+        (row.key, side.name): Summary.of(samples) for row, side, samples in result.summary_rows()
+    }
+
+
+def _targets(
+    result: BenchResult, summaries: dict[tuple[str, str], Summary]
+) -> list[dict[str, Any]]:
+    out = []
+    for target in TARGETS:
+        mine = summaries.get((target.row, target.backend))
+        theirs = summaries.get((target.row, target.baseline))
+        if mine is None or theirs is None:
+            continue
+        ratio = getattr(mine, f"{target.statistic}_s") / getattr(theirs, f"{target.statistic}_s")
+        title = Row(target.row).title(result.plan.idle_s)
+        out.append(
+            {
+                **asdict(target),
+                "title": f"{target.backend} {title}, {target.statistic}",
+                "ratio": ratio,
+                "met": ratio <= target.limit,
+            }
+        )
+    return out
+
+
+def to_json(result: BenchResult, machine: dict[str, Any], command: str) -> dict[str, Any]:
+    """The machine-readable results: every (row, side) summary, with its ratios."""
+    summaries = _summaries(result)
+    config = result.config
+    return {
+        "schema": 1,
+        "command": command,
+        "machine": machine,
+        "wall_s": result.wall_s,
+        "options": {
+            "backends": None if config.backends is None else list(config.backends),
+            "baselines": list(config.baselines),
+            "sizes": list(config.sizes),
+            "kinds": None if config.kinds is None else list(config.kinds),
+            "workloads": list(config.workloads),
+            "workers": config.workers,
+            "quick": config.quick,
+            "idle_s": config.idle_s,
+            "backend_options": "default",
+            "plan": asdict(result.plan),
+        },
+        "facts": result.facts,
+        "sides": [
+            {
+                "name": side.name,
+                "role": side.role,
+                "workers": side.workers,
+                "note": side.note,
+                "version": side.version,
+            }
+            for side in result.sides
+        ],
+        "skipped": [asdict(entry) for entry in result.skipped],
+        "failed": [asdict(entry) for entry in result.failed],
+        "results": [
+            {
+                "row": row.key,
+                "title": row.title(result.plan.idle_s),
+                "workload": row.workload,
+                "kind": row.kind,
+                "size": row.size,
+                "side": side.name,
+                "role": side.role,
+                "workers": side.workers,
+                **asdict(summaries[row.key, side.name]),
+                "ratios": _ratios(result, row, side.name, summaries),
+            }
+            for row, side, _ in result.summary_rows()
+        ],
+        "targets": _targets(result, summaries),
+    }
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    """The report, from :func:`to_json`'s document: the setting, then one table."""
+    machine = document["machine"]
+    options = document["options"]
+    plan = options["plan"]
+    versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items())
+    load = " → ".join(
+        " ".join(f"{x:.2f}" for x in machine[key])
+        for key in ("load_average_start", "load_average_end")
+        if key in machine
+    )
+    lines = [
+        "# executor bench",
+        "",
+        f"- Date: {machine['date']}",
+        f"- Command: `{document['command']}`",
+        f"- Machine: {machine['cores']} cores ({machine['usable_cores']} usable), "
+        f"{machine['cpu']}, {machine['memory']} memory, {machine['os']}",
+        f"- Software: {machine['python']}" + (f", {versions}" if versions else ""),
+        f"- Load average (1, 5, 15 min), start → end: {load}",
+        "- Default options: every backend runs at its default options (no backend_options); "
+        "a tuned option would be named in its side's row.",
+        f"- {options['workers']} workers per side (fewer where a backend runs fewer); "
+        f"{_count(plan['rounds'], 'interleaved round')}, each with "
+        f"{_count(plan['hot_calls'], 'back-to-back no-op')}, "
+        f"{_count(plan['cold_calls'], 'no-op')} after {options['idle_s'] * 1e3:g} ms idle and "
+        f"{_count(plan['payload_calls'], 'call')} per payload size per side; "
+        f"{_count(plan['startup_samples'], 'start-up')} per side"
+        + (" (--quick)" if options["quick"] else ""),
+    ]
+    lines += [
+        f"- {key.replace('_', ' ').capitalize()}: {v}" for key, v in document["facts"].items()
+    ]
+    lines.append(f"- Wall time: {document['wall_s']:.0f} s")
+    lines += [
+        "",
+        "## Sides",
+        "",
+        "| side | role | workers | how it runs | version |",
+        "|---|---|---|---|---|",
+    ]
+    for side in document["sides"]:
+        lines.append(
+            f"| {side['name']} | {side['role']} | {side['workers']} | {_cell(side['note'])} "
+            f"| {_cell(side['version'])} |"
+        )
+    for heading, entries in (("Skipped", document["skipped"]), ("Failed", document["failed"])):
+        if entries:
+            lines += ["", f"{heading}:", ""]
+            lines += [f"- {e['name']} ({e['role']}): {e['reason']}" for e in entries]
+    if document["targets"]:
+        lines += ["", "## Targets", "", "| target | ratio | limit | met |", "|---|---|---|---|"]
+        for t in document["targets"]:
+            lines.append(
+                f"| {t['title']} / {t['baseline']} | {t['ratio']:.2f} | ≤ {t['limit']:g} "
+                f"| {'yes' if t['met'] else 'NO'} |"
+            )
+    baselines = [s["name"] for s in document["sides"] if s["role"] == "baseline"]
+    if not document["results"]:
+        return "\n".join([*lines, "", "## Results", "", "Nothing was measured."]) + "\n"
+    lines += [
+        "",
+        "## Results",
+        "",
+        "Time per call: from the call to every worker's reply (start-up: from creating the "
+        "side to its first call returned). `÷ X`: this side's median over X's median, then "
+        "p99 over p99; below 1 is faster than X.",
+        "",
+        "| row | side | median | p99 | n |" + "".join(f" ÷ {b} |" for b in baselines),
+        "|---|---|---|---|---|" + "---|" * len(baselines),
+    ]
+    workers = options["workers"]
+    for r in document["results"]:
+        side = r["side"]
+        if r["workers"] != workers:
+            side += f" ({r['workers']} worker{'s' if r['workers'] > 1 else ''})"
+        ratios = "".join(
+            f" {r['ratios'][b]['median']:.2f} / {r['ratios'][b]['p99']:.2f} |"
+            if b in r["ratios"]
+            else " - |"
+            for b in baselines
+        )
+        lines.append(
+            f"| {r['title']} | {side} | {_time(r['median_s'])} | {_time(r['p99_s'])} "
+            f"| {r['n']} |{ratios}"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,45 @@
+"""What every side's workers do: nothing (``noop``), or return the size of their argument.
+
+Imported by every worker process, Ray actor and baseline reader, so it imports nothing heavy:
+a tensor argument brings torch in through unpickling, not through this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from executor_core import WorkerBase
+
+__all__ = ["BenchWorker", "answer", "size_of"]
+
+#: The methods a side is called with.
+NOOP = "noop"
+SIZE_OF = "size_of"
+
+
+def size_of(payload: Any) -> int:
+    """The size in bytes of a ``bytes`` payload or of a tensor's data."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return len(payload)
+    return int(payload.numel() * payload.element_size())
+
+
+def answer(method: str, args: tuple[Any, ...]) -> int | None:
+    """What a baseline's reader replies to ``method``: the same as :class:`BenchWorker`."""
+    if method == SIZE_OF:
+        return size_of(args[0])
+    if method == NOOP:
+        return None
+    raise ValueError(f"unknown method {method!r}")
+
+
+class BenchWorker(WorkerBase):
+    """The worker every backend runs."""
+
+    def noop(self) -> None:
+        """Return at once: the call measures the backend's round trip alone."""
+        return None
+
+    def size_of(self, payload: Any) -> int:
+        """Receive ``payload`` and return its size, so only the argument travels far."""
+        return size_of(payload)

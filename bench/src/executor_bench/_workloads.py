@@ -1,0 +1,132 @@
+"""The rows of the benchmark (what is timed), the payloads, and how many calls each gets."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from ._options import MIB, format_size
+from ._worker import NOOP, SIZE_OF
+
+__all__ = ["Plan", "Row", "Summary", "make_payload", "percentile"]
+
+
+def make_payload(kind: str, size: int) -> Any:
+    """A payload of ``size`` bytes: random ``bytes``, or a random CPU float32 tensor."""
+    if kind == "bytes":
+        # Random, so that no layer on the way can get away with compressing it.
+        return random.randbytes(size)
+    import torch
+
+    return torch.rand(size // 4, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results: a workload, and for payloads the argument's kind and size.
+
+    ``startup`` and ``shutdown`` rows come from the start-up workload: the time from
+    creating the side to its first call returned, and the time its shutdown takes.
+    """
+
+    workload: str
+    kind: str | None = None
+    size: int | None = None
+
+    @property
+    def key(self) -> str:
+        """A stable identifier: ``hot``, ``payload/tensor/1048576``."""
+        if self.kind is None or self.size is None:
+            return self.workload
+        return f"{self.workload}/{self.kind}/{self.size}"
+
+    def title(self, idle_s: float) -> str:
+        """How the row is shown (``idle_s`` is the idle time before a cold call)."""
+        if self.workload == "hot":
+            return "no-op, back to back"
+        if self.workload == "cold":
+            return f"no-op after {idle_s * 1e3:g} ms idle"
+        if self.workload == "startup":
+            return "start-up: create to first call returned"
+        if self.workload == "shutdown":
+            return "shutdown"
+        assert self.size is not None
+        return f"{self.kind} {format_size(self.size)}"
+
+    @property
+    def method(self) -> str:
+        """The worker method the row calls."""
+        return SIZE_OF if self.workload == "payload" else NOOP
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many calls each row gets: per round, and before the rounds (warm-up)."""
+
+    #: Interleaved rounds: in each, every side runs every row once, in a rotating order.
+    rounds: int
+    #: Timed calls per round: back-to-back no-ops, no-ops after idle, calls per payload size.
+    hot_calls: int
+    cold_calls: int
+    payload_calls: int
+    #: Start-up samples per side (each starts and stops the side's workers: seconds).
+    startup_samples: int
+    #: Idle time before each cold call.
+    idle_s: float
+    #: Untimed calls per payload row before the rounds: at most this many bytes each, at
+    #: least 2 and at most 12 calls. vLLM's ring has 10 chunks whose first write takes the
+    #: page faults; the other sides' rings and allocators warm up alike.
+    warmup_bytes: int
+
+    @classmethod
+    def create(cls, *, quick: bool, repeats: int | None, idle_s: float) -> Plan:
+        """The default plan, or ``quick``'s (fewer calls: for a first look, not a record)."""
+        rounds = repeats if repeats is not None else (2 if quick else 5)
+        if quick:
+            return cls(rounds, 40, 10, 1, 1, idle_s, 32 * MIB)
+        return cls(rounds, 200, 40, 3, min(rounds, 3), idle_s, 256 * MIB)
+
+    def calls(self, row: Row) -> int:
+        """Timed calls of ``row`` per round."""
+        return {"hot": self.hot_calls, "cold": self.cold_calls}.get(
+            row.workload, self.payload_calls
+        )
+
+    def warmup_calls(self, row: Row) -> int:
+        """Untimed calls of ``row`` before the first round."""
+        if row.size is None:
+            return 12
+        return max(2, min(12, self.warmup_bytes // row.size))
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of ``samples``: an observed value."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The summary of one side's samples of one row, in seconds."""
+
+    n: int
+    median_s: float
+    p99_s: float
+    mean_s: float
+    min_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Summary:
+        """Summarise ``samples`` (at least one)."""
+        return cls(
+            n=len(samples),
+            median_s=statistics.median(samples),
+            p99_s=percentile(samples, 0.99),
+            mean_s=statistics.fmean(samples),
+            min_s=min(samples),
+            max_s=max(samples),
+        )

@@ -1,0 +1,188 @@
+"""``executor bench`` end to end, with small options: what it writes, and what it skips."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench_helpers import make_fake_vllm, run_executor
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = ("uni", "mp")
+SIZES = (4096, 1 << 20)
+ROUNDS = 3
+#: --quick's calls per round: hot no-ops, cold no-ops, calls per payload size.
+QUICK_CALLS = {"hot": 40, "cold": 10, "payload": 1}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One small run: uni and mp against the Pipe baseline; the vLLM baseline is asked for
+    with a --vllm-path that holds no vLLM."""
+    base = tmp_path_factory.mktemp("bench")
+    empty = base / "no-vllm-here"
+    empty.mkdir()
+    out = base / "out"
+    result = run_executor(
+        "bench",
+        "--backends",
+        ",".join(BACKENDS),
+        "--sizes",
+        "4K,1M",
+        "--repeats",
+        str(ROUNDS),
+        "--quick",
+        "--baselines",
+        "pipe,vllm",
+        "--vllm-path",
+        str(empty),
+        "--output-dir",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {
+        "out": out,
+        "empty": empty,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "json": json.loads((out / "results.json").read_text()),
+    }
+
+
+def _rows(document: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["row"], r["side"]): r for r in document["results"]}
+
+
+def test_json_has_a_row_per_side_workload_and_size(small_run: dict[str, Any]) -> None:
+    rows = _rows(small_run["json"])
+    keys = ["hot", "cold", "startup", "shutdown"]
+    keys += [f"payload/{kind}/{size}" for kind in ("bytes", "tensor") for size in SIZES]
+    for side in (*BACKENDS, "Pipe"):
+        for key in keys:
+            row = rows.get((key, side))
+            assert row is not None, f"no {key} row for {side}"
+            assert 0 < row["min_s"] <= row["median_s"] <= row["p99_s"] <= row["max_s"], row
+    assert len(rows) == len(keys) * 3
+    # Every round runs every call row once per side: the sample counts say so.
+    for side in (*BACKENDS, "Pipe"):
+        assert rows["hot", side]["n"] == ROUNDS * QUICK_CALLS["hot"]
+        assert rows["cold", side]["n"] == ROUNDS * QUICK_CALLS["cold"]
+        assert rows[f"payload/bytes/{SIZES[1]}", side]["n"] == ROUNDS * QUICK_CALLS["payload"]
+        assert rows["startup", side]["n"] == 1
+
+
+def test_backends_have_ratios_against_the_pipe_baseline(small_run: dict[str, Any]) -> None:
+    rows = _rows(small_run["json"])
+    for (key, side), row in rows.items():
+        if side == "Pipe":
+            assert row["ratios"] == {}
+            continue
+        pipe = rows[key, "Pipe"]
+        ratio = row["ratios"]["Pipe"]
+        assert ratio["median"] == pytest.approx(row["median_s"] / pipe["median_s"])
+        assert ratio["p99"] == pytest.approx(row["p99_s"] / pipe["p99_s"])
+
+
+def test_sides_are_described(small_run: dict[str, Any]) -> None:
+    document = small_run["json"]
+    sides = {side["name"]: side for side in document["sides"]}
+    assert list(sides) == ["uni", "mp", "Pipe"]
+    assert sides["uni"]["workers"] == 1  # uni runs one worker: it says so
+    assert "1 worker" in sides["uni"]["note"]
+    assert sides["mp"]["workers"] == sides["Pipe"]["workers"] == 2
+    assert sides["mp"]["version"].startswith("executor-plugin-multiproc ")
+    assert document["options"]["backend_options"] == "default"
+    assert document["facts"]["plugins"] == "only the measured backends' (multiproc, uniproc)"
+    assert document["failed"] == []
+    machine = document["machine"]
+    assert machine["cores"] >= 1
+    assert machine["python"].split()[-1].count(".") == 2
+    assert "bench --backends uni,mp" in document["command"]
+
+
+def test_an_unavailable_baseline_is_skipped_with_the_reason(small_run: dict[str, Any]) -> None:
+    skipped = small_run["json"]["skipped"]
+    assert [(s["name"], s["role"]) for s in skipped] == [("vLLM MQ", "baseline")]
+    reason = skipped[0]["reason"]
+    assert str(small_run["empty"]) in reason
+    assert "shm_broadcast.py" in reason
+    markdown = (small_run["out"] / "results.md").read_text()
+    assert f"- vLLM MQ (baseline): {reason}" in markdown
+
+
+def test_markdown_table_is_printed_and_written(small_run: dict[str, Any]) -> None:
+    markdown = (small_run["out"] / "results.md").read_text()
+    assert markdown in small_run["stdout"]
+    lines = markdown.splitlines()
+    header = lines.index("| row | side | median | p99 | n | ÷ Pipe |")
+    table = []
+    for line in lines[header + 2 :]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    assert len(table) == len(small_run["json"]["results"])
+    assert all(line.count("|") == 7 for line in table)
+    assert any(line.startswith("| no-op after 2 ms idle | mp |") for line in table)
+    assert "Default options: every backend runs at its default options" in markdown
+    assert "## Targets" not in markdown  # no vLLM measured: no target to check
+
+
+def test_plot_is_a_png(small_run: dict[str, Any]) -> None:
+    data = (small_run["out"] / "latency.png").read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
+    assert width > height > 100  # two panels side by side
+
+
+def test_progress_bar_reaches_the_end_on_stderr(small_run: dict[str, Any]) -> None:
+    assert "100%" in small_run["stderr"]
+    assert "100%" not in small_run["stdout"]
+
+
+def test_vllm_baseline_gives_the_targets_rows(tmp_path: Path) -> None:
+    """The vLLM baseline (here over a stand-in queue) measures the no-op rows, hot and cold,
+    and the targets against it are checked."""
+    fake = make_fake_vllm(tmp_path / "fake")
+    out = tmp_path / "out"
+    result = run_executor(
+        "bench",
+        "--backends",
+        "mp",
+        "--baselines",
+        "vllm",
+        "--vllm-path",
+        str(fake),
+        "--workloads",
+        "hot,cold",
+        "--quick",
+        "--repeats",
+        "1",
+        "--no-progress",
+        "--output-dir",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads((out / "results.json").read_text())
+    assert document["skipped"] == []
+    (vllm,) = (side for side in document["sides"] if side["role"] == "baseline")
+    assert vllm["name"] == "vLLM MQ"
+    assert vllm["version"] == f"vllm 0.0.test ({fake})"
+    rows = _rows(document)
+    assert set(rows) == {(key, side) for key in ("hot", "cold") for side in ("mp", "vLLM MQ")}
+    for key in ("hot", "cold"):
+        assert rows[key, "vLLM MQ"]["p99_s"] >= rows[key, "vLLM MQ"]["median_s"] > 0
+        assert set(rows[key, "mp"]["ratios"]) == {"vLLM MQ"}
+    targets = {(t["row"], t["statistic"]): t for t in document["targets"]}
+    assert set(targets) == {("cold", "median"), ("hot", "p99")}
+    cold = targets["cold", "median"]
+    assert cold["ratio"] == pytest.approx(
+        rows["cold", "mp"]["median_s"] / rows["cold", "vLLM MQ"]["median_s"]
+    )
+    assert cold["met"] == (cold["ratio"] <= 0.8)
+    assert "## Targets" in (out / "results.md").read_text()
+    assert not result.stderr.strip(), result.stderr  # no progress bar, no warnings
