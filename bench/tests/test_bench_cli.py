@@ -64,7 +64,7 @@ def test_adding_the_command_imports_nothing_heavy() -> None:
         ("--sizes", "6", "not a positive multiple of 4 bytes"),
         ("--baselines", "pipe,zmq", "'zmq': accepted are pipe, ray, vllm"),
         ("--kinds", "float", "'float': accepted are bytes, tensor"),
-        ("--workloads", "warm", "'warm': accepted are hot, cold, payload, startup"),
+        ("--workloads", "warm", "'warm': accepted are overhead, hot, cold, payload, startup"),
         ("--repeats", "0", "'0' is not a positive integer"),
         ("--workers", "two", "'two' is not a positive integer"),
         ("--idle-ms", "-1", "'-1' is not a positive number"),

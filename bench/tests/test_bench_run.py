@@ -186,3 +186,27 @@ def test_vllm_baseline_gives_the_targets_rows(tmp_path: Path) -> None:
     assert cold["met"] == (cold["ratio"] <= 0.8)
     assert "## Targets" in (out / "results.md").read_text()
     assert not result.stderr.strip(), result.stderr  # no progress bar, no warnings
+
+
+def test_the_core_cost_per_call_is_measured_against_a_direct_call(
+    small_run: dict[str, Any],
+) -> None:
+    overhead = small_run["json"]["overhead"]
+    ways = overhead["us_per_call"]
+    assert set(ways) == {
+        "direct",
+        "collective_rpc",
+        "execute_model",
+        "observed collective_rpc",
+        "observed execute_model",
+    }
+    assert all(us > 0 for us in ways.values())
+    # Through the executor costs more than the method alone, and the figures add up.
+    for way, over in overhead["us_over_direct"].items():
+        assert over > 0
+        assert abs(ways[way] - ways["direct"] - over) < 1e-9
+    targets = {t["way"]: t for t in overhead["targets"]}
+    assert set(targets) == {"observed collective_rpc", "observed execute_model"}
+    assert all(t["met"] == (t["us_over_direct"] <= t["limit_us"]) for t in targets.values())
+    markdown = (small_run["out"] / "results.md").read_text()
+    assert "## The core's cost per call (uni, in one process)" in markdown

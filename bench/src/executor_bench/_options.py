@@ -20,8 +20,9 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 
-#: The workloads, in the order they are reported.
-WORKLOADS = ("hot", "cold", "payload", "startup")
+#: The workloads, in the order they are reported (``overhead``: the core's own cost per call,
+#: in one process, on ``uni``).
+WORKLOADS = ("overhead", "hot", "cold", "payload", "startup")
 #: What a payload argument is: ``bytes``, or a CPU float32 tensor (needs torch).
 PAYLOAD_KINDS = ("bytes", "tensor")
 #: Payload sizes of the default run: from a small message to several ring slots.

@@ -9,6 +9,7 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ._overhead import OVERHEAD_LIMITS
 from ._run import BenchResult
 from ._workloads import Row, Summary
 
@@ -195,6 +196,24 @@ def to_json(result: BenchResult, machine: dict[str, Any], command: str) -> dict[
             for row, side, _ in result.summary_rows()
         ],
         "targets": _targets(result, summaries),
+        "overhead": _overhead(result),
+    }
+
+
+def _overhead(result: BenchResult) -> dict[str, Any] | None:
+    overhead = result.overhead
+    if overhead is None:
+        return None
+    over = overhead.over_direct()
+    return {
+        "calls": overhead.calls,
+        "rounds": overhead.rounds,
+        "us_per_call": overhead.us_per_call,
+        "us_over_direct": over,
+        "targets": [
+            {"way": way, "us_over_direct": over[way], "limit_us": limit, "met": over[way] <= limit}
+            for way, limit in OVERHEAD_LIMITS.items()
+        ],
     }
 
 
@@ -258,6 +277,30 @@ def to_markdown(document: dict[str, Any]) -> str:
             lines.append(
                 f"| {t['title']} / {t['baseline']} | {t['ratio']:.2f} | ≤ {t['limit']:g} "
                 f"| {'yes' if t['met'] else 'NO'} |"
+            )
+    overhead = document.get("overhead")
+    if overhead:
+        lines += [
+            "",
+            "## The core's cost per call (uni, in one process)",
+            "",
+            f"The same worker method called directly and through an `uni` executor, without and "
+            f"with one plugin observing calls (`executor_worker_rpc_finished`, counting them); "
+            f"the median over {overhead['rounds']} interleaved rounds of {overhead['calls']:,} "
+            "calls.",
+            "",
+            "| way | µs per call | µs over direct | limit |",
+            "|---|---|---|---|",
+        ]
+        limits = {t["way"]: t for t in overhead["targets"]}
+        for way, us in overhead["us_per_call"].items():
+            over = overhead["us_over_direct"].get(way)
+            target = limits.get(way)
+            limit = (
+                f"≤ {target['limit_us']:g} µs: {'yes' if target['met'] else 'NO'}" if target else ""
+            )
+            lines.append(
+                f"| {way} | {us:.2f} | {'' if over is None else f'{over:.2f}'} | {limit} |"
             )
     baselines = [s["name"] for s in document["sides"] if s["role"] == "baseline"]
     if not document["results"]:

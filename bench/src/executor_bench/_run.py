@@ -20,6 +20,7 @@ from typing import Any
 
 from ._baselines import select_baselines
 from ._options import PAYLOAD_KINDS
+from ._overhead import Overhead, measure_overhead
 from ._ray_session import RaySession
 from ._sides import BenchUsageError, Side, SideSpec, Skipped, select_backends
 from ._workloads import Plan, Row, make_payload
@@ -73,6 +74,8 @@ class BenchResult:
     #: Facts for the report: the plugins loaded, Ray's start, each phase's duration...
     facts: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
+    #: The ``overhead`` workload's figures (None if not measured).
+    overhead: Overhead | None = None
 
     def summary_rows(self) -> list[tuple[Row, SideSpec, list[float]]]:
         """Each (row, side) that has samples, in report order."""
@@ -95,6 +98,8 @@ def _build_rows(config: BenchConfig, kinds: Sequence[str]) -> list[Row]:
             rows += [Row("payload", kind, size) for kind in kinds for size in config.sizes]
         elif workload == "startup":
             rows += [Row("startup"), Row("shutdown")]
+        elif workload == "overhead":
+            continue  # measured apart, in this process (see _overhead)
         else:
             rows.append(Row(workload))
     return rows
@@ -191,6 +196,9 @@ class Bench:
         total = (n * (2 + self.plan.rounds) if call_rows else 0) + (
             n * self.plan.startup_samples if startup else 0
         )
+        overhead = None
+        if "overhead" in config.workloads:
+            overhead = self._overhead()
         ray = RaySession()
         with tqdm(
             total=total, unit="step", disable=not config.progress, dynamic_ncols=True
@@ -226,7 +234,21 @@ class Bench:
             samples={k: v for k, v in self.samples.items() if k[1] not in self.out},
             facts=self.facts,
             wall_s=time.perf_counter() - self.began,
+            overhead=overhead,
         )
+
+    def _overhead(self) -> Overhead | None:
+        """The ``overhead`` workload, first and alone (in this process, before any side)."""
+        from executor_core.backend import Registry
+
+        if "uni" not in Registry.from_entry_points(allow=["uniproc"]).names():
+            self.notes.append("overhead: not measured (executor-plugin-uniproc not installed)")
+            return None
+        began = time.perf_counter()
+        quick = self.config.quick
+        result = measure_overhead(calls=2_000 if quick else 20_000, rounds=3 if quick else 7)
+        self.facts["overhead"] = f"{time.perf_counter() - began:.0f} s, in this process"
+        return result
 
     def _calls(self, rows: list[Row]) -> None:
         for side in self.sides:
