@@ -35,7 +35,7 @@ try:
     from executor_core.backend import default_registry
 except ImportError:  # the tree before the API tiers (before/after runs in one sitting)
     from executor_core import default_registry  # type: ignore[attr-defined,no-redef]
-from executor_core.reference import (
+from executor_reference import (
     MODEL_SIZES,
     GenerationResult,
     ensure_checkpoint,
@@ -57,7 +57,7 @@ LAYOUTS: list[tuple[str, str, int, int, bool]] = [
 def _config(checkpoint: Path, backend: str, tp: int, pp: int, kv_slots: int) -> ExecutorConfig:
     return ExecutorConfig(
         backend=backend,
-        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": kv_slots, "cpu_threads": 1},
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,

@@ -62,7 +62,7 @@ except ImportError as _exc:  # the script is run with a Python that lacks the SD
 
 if TYPE_CHECKING:
     from executor_core import ExecutorConfig
-    from executor_core.reference import GenerationResult, ModelConfig, StepOutput
+    from executor_reference import GenerationResult, ModelConfig, StepOutput
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -201,7 +201,7 @@ class ChildContext:
 def _main_job_defaults() -> argparse.Namespace:
     """``executor run``'s default options (model size, seed, prompts, batch): the tokens
     checks run exactly what the main job runs by default."""
-    from executor_core._main_job import add_run_arguments
+    from executor_reference._main_job import add_run_arguments
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
@@ -211,7 +211,7 @@ def _main_job_defaults() -> argparse.Namespace:
 def _model(size: str, seed: int) -> ModelConfig:
     import attrs
 
-    from executor_core.reference import MODEL_SIZES
+    from executor_reference import MODEL_SIZES
 
     return attrs.evolve(MODEL_SIZES[size], seed=seed)
 
@@ -234,7 +234,7 @@ def _config(
         options["startup_timeout"] = STARTUP_TIMEOUT_S
     return ExecutorConfig(
         backend=backend,
-        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={
             "checkpoint": str(checkpoint),
             "kv_slots": kv_slots,
@@ -253,7 +253,7 @@ def _generate_main_job(
     ctx: ChildContext, *, backend: str, device: str, tp: int = 1
 ) -> GenerationResult:
     from executor_core import create_executor
-    from executor_core.reference import ensure_checkpoint, generate, make_prompts
+    from executor_reference import ensure_checkpoint, generate, make_prompts
 
     job = _main_job_defaults()
     model = _model(job.model_size, job.seed)
@@ -345,7 +345,7 @@ def check_tokens_tp2(ctx: ChildContext) -> Outcome:
 
 def check_sleep_wake(ctx: ChildContext) -> Outcome:
     from executor_core import create_executor
-    from executor_core.reference import ensure_checkpoint, generate, make_prompts
+    from executor_reference import ensure_checkpoint, generate, make_prompts
 
     # On a GPU a model whose weights and KV cache stand far above the allocator's granularity;
     # on the CPU the small one (the dry run must stay quick on two cores).
@@ -427,7 +427,7 @@ def check_timing(ctx: ChildContext) -> Outcome:
     import torch
 
     from executor_core import create_executor
-    from executor_core.reference import StepInput, ensure_checkpoint, generate, make_prompts
+    from executor_reference import StepInput, ensure_checkpoint, generate, make_prompts
 
     if ctx.gpu:
         # Long prefills of a mid-size model: GPU work well above the kernel launches, so a
@@ -550,7 +550,7 @@ def _device_outcome(infos: list[dict[str, Any]], label: str, *, off_main: bool) 
 
 def _thread_infos(ctx: ChildContext, backend: str, device: str, tp: int) -> list[dict[str, Any]]:
     from executor_core import create_executor
-    from executor_core.reference import ensure_checkpoint
+    from executor_reference import ensure_checkpoint
 
     checkpoint = ensure_checkpoint(_model("small", 0), ctx.workdir)
     # A default timeout sends every call through the backend's call path (on uni: its runner
@@ -600,7 +600,7 @@ def check_device_per_thread_ray(ctx: ChildContext) -> Outcome:
     except ImportError as exc:
         return Outcome(SKIP, f"Ray is not installed ({exc})")
     from executor_core import create_executor
-    from executor_core.reference import ensure_checkpoint
+    from executor_reference import ensure_checkpoint
 
     device = "cuda" if ctx.gpu else "cpu"
     # On the CPU one actor: the dry run proves the path, and a second one costs seconds.
@@ -1189,7 +1189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         report = {
             "script": "scripts/gpu_check.py",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "mode": "gpu" if env.gpu else "dry-run",
             "dry_run_reason": dry_reason,
             "budget_s": args.budget,

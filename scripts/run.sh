@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment from the repo's own files and run the main job.
 # Usage: bash scripts/run.sh [executor run options...]   (see: .venv/bin/executor run --help)
+# `executor run` comes from executor-reference (reference/), which requirements.txt installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"

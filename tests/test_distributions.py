@@ -18,6 +18,7 @@ DISTRIBUTIONS = {
     "plugins/ray": ("executor-plugin-ray", "executor_plugin_ray"),
     "examples/executor-threads": ("executor-threads", "executor_threads"),
     "bench": ("executor-bench", "executor_bench"),
+    "reference": ("executor-reference", "executor_reference"),
 }
 
 

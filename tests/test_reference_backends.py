@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from executor_core import Executor, ExecutorConfig, WorkerError, create_executor
 from executor_core.backend import default_registry
-from executor_core.reference import (
+from executor_reference import (
     MODEL_SIZES,
     GenerationResult,
     Split,
@@ -58,7 +58,7 @@ def _layout_param(backend: str, tp: int, pp: int) -> Any:
 def _config(checkpoint: Path, backend: str, tp: int = 1, pp: int = 1) -> ExecutorConfig:
     return ExecutorConfig(
         backend=backend,
-        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": 16, "cpu_threads": 1},
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -216,13 +216,13 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     from executor_core import ExecutorConfig, create_executor
-    from executor_core.reference import generate
+    from executor_reference import generate
 
     checkpoint, out, tp, pp, prompts = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5]), \\
         json.loads(sys.argv[5])
     config = ExecutorConfig(
         backend="external_launcher", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        worker_cls="executor_core.reference:ReferenceWorker", rpc_timeout=120,
+        worker_cls="executor_reference:ReferenceWorker", rpc_timeout=120,
         worker_kwargs={"checkpoint": checkpoint, "kv_slots": 16, "cpu_threads": 1},
     )
     with create_executor(config) as executor:
@@ -389,7 +389,7 @@ def test_main_job_gives_the_same_tokens_on_every_backend(
 def test_every_rank_reports_its_step_times(executor: Executor) -> None:
     """Each rank times each step it runs; generate() takes them all to account for the
     executor's share (see test_reference_model for the accounting itself)."""
-    from executor_core.reference import StepInput
+    from executor_reference import StepInput
 
     executor.collective_rpc("take_step_times")
     step = StepInput(batch_id=7, slots=[0], token_ids=[PROMPTS[0]], start_pos=0)

@@ -22,15 +22,15 @@ import torch
 
 from executor_core import Executor, ExecutorConfig, WorkerError, create_executor
 from executor_core.backend import default_registry
-from executor_core.reference import (
+from executor_core.torch import _offload
+from executor_reference import (
     MODEL_SIZES,
     StepInput,
     ensure_checkpoint,
     generate,
     make_prompts,
 )
-from executor_core.reference import _worker as reference_worker
-from executor_core.torch import _offload
+from executor_reference import _worker as reference_worker
 
 TINY = MODEL_SIZES["tiny"]
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no GPU")
@@ -39,7 +39,7 @@ NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch see
 def _config(checkpoint: Path, device: str = "cpu") -> ExecutorConfig:
     return ExecutorConfig(
         backend="uni",
-        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": 16, "cpu_threads": 1},
         device=device,
         rpc_timeout=120,

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from executor_core import ConfigError, Executor, ExecutorConfig, WorkerError, create_executor
-from executor_core.reference import (
+from executor_reference import (
     MODEL_SIZES,
     GenerationResult,
     ModelConfig,
@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def uni(checkpoint: Path) -> Iterator[Executor]:
     config = ExecutorConfig(
         backend="uni",
-        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": 16, "cpu_threads": 1},
         rpc_timeout=60,
     )
@@ -212,7 +212,7 @@ def test_asleep_worker_refuses_to_run_until_woken(uni: Executor) -> None:
 def test_missing_checkpoint_fails_executor_start(tmp_path: Path) -> None:
     config = ExecutorConfig(
         backend="uni",
-        worker_cls="executor_core.reference:ReferenceWorker",
+        worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={"checkpoint": str(tmp_path / "nope.safetensors")},
     )
     with pytest.raises(WorkerError, match="does not exist"):
@@ -236,7 +236,7 @@ def test_main_job_explains_bad_options(
 
 
 def _timed_step(submitted: float, done: float, started: float, finished: float) -> Any:
-    from executor_core.reference._worker import StepOutput
+    from executor_reference._worker import StepOutput
 
     step = StepInput(batch_id=0, slots=[0], token_ids=[[1]], start_pos=0)
     output = StepOutput(
@@ -251,7 +251,7 @@ def _timed_step(submitted: float, done: float, started: float, finished: float) 
 
 
 def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
-    from executor_core.reference._generate import _step_records
+    from executor_reference._generate import _step_records
 
     # pp2: stage 0 starts 0.5 ms after submit and computes until 20.0; stage 1 (the output
     # rank) starts 3 ms late, but stage 0 is still computing then: only 0.5 ms in + 1 ms back.

@@ -45,8 +45,11 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_core_cli_and_main_job_import_no_torch() -> None:
+    # The parser with every plugin's commands: executor-reference adds `run` without torch.
     modules = _modules_after(
-        "import executor_core, executor_core._cli, executor_core._main_job\n"
+        "import executor_core, executor_core._cli, executor_reference._main_job\n"
+        "from executor_core.backend import default_registry\n"
+        "executor_core._cli.build_parser(default_registry())\n"
         "executor_core.ExecutorConfig, executor_core.WorkerBase"
     )
     assert "torch" not in modules

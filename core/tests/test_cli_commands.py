@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from executor_core import hookimpl
-from executor_core._cli import build_parser
-from executor_core.backend import Registry
+from executor_core import _cli, hookimpl
+from executor_core._cli import IN_TREE_COMMANDS, build_parser
+from executor_core.backend import Registry, default_registry
 
 
 class _HelloPlugin:
@@ -34,7 +34,7 @@ def test_a_clashing_command_stops_with_its_name() -> None:
     class Clash:
         @hookimpl
         def executor_register_commands(self, commands: argparse._SubParsersAction[Any]) -> None:
-            commands.add_parser("run")
+            commands.add_parser("backends")
 
     registry = Registry()
     assert registry.register_plugin(Clash(), "clash")
@@ -51,3 +51,29 @@ def test_the_mp_plugin_adds_executor_node() -> None:
     )
     assert "--master-addr" in done.stdout
     assert "EXECUTOR_NODE_RANK" in done.stdout
+
+
+def test_the_core_adds_no_command_but_backends() -> None:
+    parser = build_parser(Registry())
+    assert parser.parse_args(["backends"]).command == "backends"
+    for name in IN_TREE_COMMANDS:  # run, node, bench: each from its plugin
+        with pytest.raises(SystemExit):
+            parser.parse_args([name])
+
+
+def test_a_missing_in_tree_command_names_its_distribution(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(_cli.IN_TREE_COMMANDS, "fly", "executor-no-such-distribution")
+    with pytest.raises(SystemExit) as info:
+        _cli.main(["fly", "--high"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'fly'." in err
+    assert "provided by executor-no-such-distribution: pip install executor-no-such-" in err
+    # Other unknown commands get argparse's own message, with the choices.
+    with pytest.raises(SystemExit):
+        _cli.main(["flyer"])
+    assert "invalid choice: 'flyer'" in capsys.readouterr().err
+    _cli.build_parser(default_registry()).print_help()
+    assert "  fly: pip install executor-no-such-distribution" in capsys.readouterr().out

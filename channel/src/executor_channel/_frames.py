@@ -92,7 +92,7 @@ class Direction(enum.Enum):
     TO_DIALER = b"executor-channel/1 listener->dialer\x00"
 
 
-class DropReason(str, enum.Enum):
+class DropReason(enum.StrEnum):
     """Why a received frame was dropped (the keys of a link's ``drops`` counter)."""
 
     #: Too few parts, not our magic, a header too short, or a MAC of the wrong size.

@@ -1,18 +1,42 @@
-"""The ``executor`` command: list backends, show versions, run the main job."""
+"""The ``executor`` command: list backends, show versions, and the plugins' subcommands.
+
+The core's own commands are ``backends`` and ``--version``; every other command comes from a
+plugin's ``executor_register_commands`` hook (``run`` from executor-reference, ``node`` from
+executor-plugin-multiproc, ...).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from ._main_job import add_run_arguments, run_main_job
 from ._registry import IN_TREE_BACKENDS, Registry, default_registry
 from ._version import __version__
 
-__all__ = ["build_parser", "main"]
+__all__ = ["IN_TREE_COMMANDS", "build_parser", "main"]
+
+#: Commands that distributions of this repository add, by name, with the distribution that
+#: provides each (used for the install hint when one is asked for but not installed, as
+#: IN_TREE_BACKENDS is for backends).
+IN_TREE_COMMANDS: dict[str, str] = {
+    "run": "executor-reference",
+    "node": "executor-plugin-multiproc",
+    "bench": "executor-bench",
+}
+
+
+def _not_installed(in_tree: Mapping[str, str], present: Collection[str]) -> list[str]:
+    """``"name: pip install distribution"`` for each distribution of ``in_tree`` (name ->
+    distribution) with a name missing from ``present``, sorted by distribution."""
+    missing: dict[str, str] = {}
+    for name, dist in in_tree.items():
+        if name not in present:
+            missing.setdefault(dist, name)
+    return [f"{name}: pip install {dist}" for dist, name in sorted(missing.items())]
 
 
 def _versions(registry: Registry) -> dict[str, str]:
@@ -132,22 +156,27 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         for p in payload["incompatible"]:
             print(f"  {p['plugin']} ({p['distribution'] or '?'} {p['version']}): {p['reason']}")
     known = {n for b in payload["backends"] for n in (b["name"], *b["aliases"])}
-    not_installed: dict[str, str] = {}
-    for name, dist in IN_TREE_BACKENDS.items():
-        if name not in known:
-            not_installed.setdefault(dist, name)
+    not_installed = _not_installed(IN_TREE_BACKENDS, known)
     if not_installed:
         print("\nAlso available:")
-        for dist, name in sorted(not_installed.items()):
-            print(f"  {name}: pip install {dist}")
+        for line in not_installed:
+            print(f"  {line}")
     return 0
 
 
 def build_parser(registry: Registry | None = None) -> argparse.ArgumentParser:
     """The argument parser of the ``executor`` command, with the subcommands of the plugins
     in ``registry`` (none without one)."""
+    return _build_parser(registry)[0]
+
+
+def _build_parser(
+    registry: Registry | None,
+) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[Any]]:
     parser = argparse.ArgumentParser(
-        prog="executor", description="Executor SDK: run a model's workers on any backend."
+        prog="executor",
+        description="Executor SDK: run a model's workers on any backend.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version", action="store_true", help="show the core's and each plugin's version"
@@ -156,12 +185,14 @@ def build_parser(registry: Registry | None = None) -> argparse.ArgumentParser:
     backends = sub.add_parser("backends", help="list the installed backends (like 'pip list')")
     backends.add_argument("--json", action="store_true", help="machine-readable output")
     backends.set_defaults(func=_cmd_backends)
-    run = sub.add_parser("run", help="run the main job: the reference model on a backend")
-    add_run_arguments(run)
-    run.set_defaults(func=run_main_job)
     if registry is not None:
         _add_plugin_commands(registry, sub)
-    return parser
+    not_installed = _not_installed(IN_TREE_COMMANDS, sub.choices)
+    if not_installed:
+        parser.epilog = "also available (not installed):\n" + "\n".join(
+            f"  {line}" for line in not_installed
+        )
+    return parser, sub
 
 
 def _add_plugin_commands(registry: Registry, sub: argparse._SubParsersAction[Any]) -> None:
@@ -172,12 +203,39 @@ def _add_plugin_commands(registry: Registry, sub: argparse._SubParsersAction[Any
         raise SystemExit(f"executor: a plugin's command clashes with another: {exc}") from None
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: its first argument that is not an option (the
+    ``executor`` command's own options take no value)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _unknown_command_message(name: str, registry: Registry) -> str:
+    """Why the in-tree command ``name`` is missing, and how to get it."""
+    dist = IN_TREE_COMMANDS[name]
+    lines = [f"unknown command {name!r}."]
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        lines.append(f"The {name!r} command is provided by {dist}: pip install {dist}")
+    else:
+        lines.append(
+            f"The {name!r} command is provided by {dist}, installed ({version}) but its "
+            "plugin is not loaded."
+        )
+        lines.extend(registry._diagnostics())
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``executor`` console script."""
-    parser = build_parser(default_registry())
+    registry = default_registry()
+    parser, commands = _build_parser(registry)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command(argv)
+    if command in IN_TREE_COMMANDS and command not in commands.choices:
+        parser.error(_unknown_command_message(command, registry))
     args = parser.parse_args(argv)
     if args.version:
-        registry = default_registry()
         for dist, version in _versions(registry).items():
             print(f"{dist} {version}")
         for line in _plugin_problems(registry):

@@ -1,7 +1,8 @@
 """``executor run``: the main job. Greedy decoding with the reference model on any backend.
 
-Imports no torch at module level: ``executor --help`` and ``executor backends`` stay fast,
-and torch (``executor-core[torch]``) is needed only when the job runs.
+The plugin adds the command through :func:`add_run_command`. This module imports no torch at
+module level: ``executor --help`` and ``executor backends`` stay fast, and torch is imported
+only when the job runs.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from ._executor import Executor
-    from .reference import GenerationResult
+    from executor_core import Executor
 
-__all__ = ["add_run_arguments", "run_main_job"]
+    from ._generate import GenerationResult
 
-_MODEL_SIZE_NAMES = ("tiny", "small", "medium", "large")  # keys of reference.MODEL_SIZES
+__all__ = ["add_run_arguments", "add_run_command", "run_main_job"]
+
+_MODEL_SIZE_NAMES = ("tiny", "small", "medium", "large")  # keys of MODEL_SIZES (_config.py)
 
 
 def _positive(text: str) -> int:
@@ -40,6 +42,13 @@ def _backend_option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add ``executor run`` to the ``executor`` command's subcommands."""
+    run = commands.add_parser("run", help="run the main job: the reference model on a backend")
+    add_run_arguments(run)
+    run.set_defaults(func=run_main_job)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +137,7 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | Non
     try:
         # deferred: only the interactive job needs it; tqdm ships no type information
         from tqdm import tqdm  # type: ignore[import-untyped]
-    except ImportError:  # tqdm comes with executor-core[torch]; run without a bar otherwise
+    except ImportError:  # tqdm comes with executor-reference; run without a bar otherwise
         yield None
         return
     with tqdm(total=total, unit="tok", desc="generating", leave=False) as bar:
@@ -197,19 +206,21 @@ def _print_summary(s: dict[str, Any], out: TextIO) -> None:
 def run_main_job(args: argparse.Namespace) -> int:
     """Run greedy generation with the reference model and print a summary."""
     try:
-        import torch  # noqa: F401 - fail early, with the fix, when the extra is missing
+        import torch  # noqa: F401 - fail early, with the fix, when torch is missing
     except ImportError:
         print(
-            "executor run: needs torch; install it with pip install 'executor-core[torch]'",
+            "executor run: needs torch (a dependency of executor-reference); install it "
+            "with pip install executor-reference",
             file=sys.stderr,
         )
         return 1
     import attrs
 
-    from ._config import ExecutorConfig
-    from ._errors import ExecutorError
-    from ._executor import create_executor
-    from .reference import MODEL_SIZES, ensure_checkpoint, generate, make_prompts
+    from executor_core import ExecutorConfig, ExecutorError, create_executor
+
+    from ._checkpoint import ensure_checkpoint
+    from ._config import MODEL_SIZES
+    from ._generate import generate, make_prompts
 
     model = attrs.evolve(MODEL_SIZES[args.model_size], seed=args.seed)
     # Under torchrun every process runs this job; only rank 0 talks.
@@ -220,7 +231,7 @@ def run_main_job(args: argparse.Namespace) -> int:
             checkpoint = ensure_checkpoint(model, directory)
             config = ExecutorConfig(
                 backend=args.backend,
-                worker_cls="executor_core.reference:ReferenceWorker",
+                worker_cls="executor_reference:ReferenceWorker",
                 worker_kwargs={
                     "checkpoint": str(checkpoint),
                     "kv_slots": args.batch_size * max(args.pp, 2),

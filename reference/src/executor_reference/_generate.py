@@ -17,7 +17,7 @@ from ._worker import StepInput, StepOutput
 if TYPE_CHECKING:
     import torch
 
-    from .._executor import Executor
+    from executor_core import Executor
 
 __all__ = ["GenerationResult", "StepRecord", "generate", "make_prompts"]
 
@@ -237,7 +237,7 @@ def generate(
     timeout: float | None = None,
 ) -> GenerationResult:
     """Greedy-decode ``max_new_tokens`` tokens for each prompt on ``executor``'s
-    :class:`~executor_core.reference.ReferenceWorker` ranks.
+    :class:`~executor_reference.ReferenceWorker` ranks.
 
     Prompts are batched ``batch_size`` at a time (prompts of equal length share a batch).
     With ``max_concurrent_batches`` > 1 (default: the executor's) that many batches are in

@@ -13,9 +13,8 @@ from typing import Any
 import attrs
 import torch
 
-from .._errors import SleepStateError
-from .._worker import SLEEP_TAGS, WorkerBase, WorkerContext
-from ..torch import (
+from executor_core import SLEEP_TAGS, SleepStateError, WorkerBase, WorkerContext
+from executor_core.torch import (
     ParallelState,
     TensorOffloader,
     device_memory,
@@ -24,6 +23,7 @@ from ..torch import (
     pinned_host_bytes,
     trim_host_memory,
 )
+
 from ._checkpoint import load_shard, read_config, stage_tensor_names, tensor_nbytes
 from ._model import KVCache, StageModel
 
@@ -139,7 +139,7 @@ class ReferenceWorker(WorkerBase):
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(
                 f"reference checkpoint {checkpoint!r} does not exist on rank {context.rank}; "
-                "create it with executor_core.reference.ensure_checkpoint (on a path every "
+                "create it with executor_reference.ensure_checkpoint (on a path every "
                 "worker can read)"
             )
         if kv_slots < 1:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch import ParallelState, mapped_zeros
+from executor_core.torch import ParallelState, mapped_zeros
+
 from ._config import ModelConfig, stage_layers
 
 __all__ = ["KVCache", "StageModel"]

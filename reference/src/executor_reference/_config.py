@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from .._errors import ConfigError
+from executor_core import ConfigError
 
 __all__ = ["DTYPES", "MODEL_SIZES", "ModelConfig", "stage_layers"]
 
