@@ -69,6 +69,31 @@ class RpcObserver:
         self.seen += 1
 
 
+class CallObserver:
+    """A minimal driver-side observer plugin: counts the calls it sees start and finish."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.finished = 0
+
+    @hookimpl
+    def executor_call_started(
+        self, backend: str, method: str, call_id: int, world_size: int, non_block: bool
+    ) -> None:
+        self.started += 1
+
+    @hookimpl
+    def executor_call_finished(
+        self,
+        backend: str,
+        method: str,
+        call_id: int,
+        duration_s: float,
+        error: BaseException | None,
+    ) -> None:
+        self.finished += 1
+
+
 def per_call_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
     """Median over rounds of the mean time per call, in microseconds."""
     results = []
@@ -110,6 +135,12 @@ def main() -> None:
         registry.register_plugin(RpcObserver(), "bench-observer")
         observed = per_call_us(lambda: executor.collective_rpc("noop"), args.calls)
         observed_model = per_call_us(lambda: executor.execute_model(1), args.calls)
+        # The driver-side observer alone (the worker-side one removed); "n/a" on a core
+        # without the driver-side hooks (before_after.sh runs old revisions).
+        registry.plugin_manager.unregister(name="bench-observer")
+        driver_observed: float | None = None
+        if registry.register_plugin(CallObserver(), "bench-call-observer"):
+            driver_observed = per_call_us(lambda: executor.collective_rpc("noop"), args.calls)
     print(f"\n## uniproc overhead ({args.calls} calls x 7 rounds, median)\n")
     print("| call | µs/call | overhead µs | ratio to direct |\n|---|---|---|---|")
     for label, value in [
@@ -120,7 +151,11 @@ def main() -> None:
         ("`collective_rpc(..., non_block=True).result()` (thread hop)", non_block),
         ('`collective_rpc("noop")` with an RPC observer plugin', observed),
         ("`execute_model(batch)` with an RPC observer plugin", observed_model),
+        ('`collective_rpc("noop")` with a driver-side call observer plugin', driver_observed),
     ]:
+        if value is None:
+            print(f"| {label} | n/a | n/a | n/a |")
+            continue
         print(f"| {label} | {value:.2f} | {value - direct:.2f} | {value / direct:.1f}x |")
 
 

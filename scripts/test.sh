@@ -9,6 +9,11 @@ PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+# The docs site, strict (mkdocs.yml): a broken link, nav entry or API reference fails the run.
+# (Not --quiet: it hides the warnings that --strict turns into a failure.)
+site_dir="$(mktemp -d)"
+trap 'rm -rf "$site_dir"' EXIT
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 # pytest exits 5 when it collects no test; set -e turns that (and any failure) into a failed run.
 if [ $# -eq 0 ]; then
     # The fast subset first (under 2 minutes), so that a broken change fails early; then the

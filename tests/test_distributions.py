@@ -19,6 +19,7 @@ DISTRIBUTIONS = {
     "examples/executor-threads": ("executor-threads", "executor_threads"),
     "bench": ("executor-bench", "executor_bench"),
     "reference": ("executor-reference", "executor_reference"),
+    "plugins/otel": ("executor-plugin-otel", "executor_plugin_otel"),
 }
 
 

@@ -6,6 +6,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
 from ._calls import Call, as_worker_error
@@ -19,6 +20,7 @@ from ._errors import (
     RPCTimeoutError,
     SleepStateError,
 )
+from ._observe import CallObserver, Observation, ObservedCall, death_reporter, notify_sleep
 from ._qualname import resolve_qualname
 from ._transport import Transport, TransportHost, release_host, run_callback
 from ._wire import method_name
@@ -105,8 +107,15 @@ class Executor:
         self._next_seq = 1
         self._sleeping_tags: set[str] = set()
         name = spec.name if spec is not None else cls.__qualname__
-        host = TransportHost(config, name, self.registry.hook)
+        hooks = self.registry.hook
+        host = TransportHost(config, name, hooks)
         self._host = host
+        # Driver-side observer hooks: per call (tested cheaply on every call), on a worker's
+        # death (a failure callback holding the hooks and the name, never the executor).
+        observer = CallObserver(hooks, name, config.world_size)
+        self._observer = observer
+        self._calls_started, self._calls_finished = observer.impls
+        host.failure_callbacks.append(death_reporter(hooks, name))
         transport = self._create_transport(host)
         host.transport = transport
         self._transport = transport
@@ -221,6 +230,10 @@ class Executor:
                 expected = (unique_reply_rank,)
             else:  # a rank this transport does not drive (SPMD): its own ranks answer
                 unique_reply_rank = None
+        if self._calls_started or self._calls_finished:  # a plugin observes calls
+            return self._observed_rpc(
+                method, timeout, args, kwargs, non_block, unique_reply_rank, expected
+            )
         if self._inline and timeout is None and not non_block and not table.calls:
             # One rank, in this process, nothing in flight: a plain method call. No send lock:
             # with a single rank, calls from several threads have no order to disagree on.
@@ -228,6 +241,25 @@ class Executor:
                 return [self._run_inline(method, args, kwargs)]
             except Exception as exc:  # every worker error becomes the caller's WorkerError
                 raise as_worker_error(expected[0], method_name(method), exc) from exc
+        return self._send_call(
+            method, timeout, args, kwargs, non_block, unique_reply_rank, expected
+        )
+
+    def _send_call(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        non_block: bool,
+        unique_reply_rank: int | None,
+        expected: tuple[int, ...],
+        observation: Observation | None = None,
+    ) -> list[Any] | Future[list[Any]]:
+        """Send a validated call through the transport; wait for it unless ``non_block``.
+        ``observation``: a non-blocking call's, reported when the call completes."""
+        host = self._host
+        table = host.table
         name = method if type(method) is str else method_name(method)
         transport = self._transport
         future: Future[list[Any]] | None = None
@@ -239,9 +271,23 @@ class Executor:
                 self._check_open()
             seq = self._next_seq
             self._next_seq = seq + 1
-            call = Call(
-                seq, method, name, args, kwargs, unique_reply_rank, expected, timeout, future
-            )
+            if observation is None:
+                call = Call(
+                    seq, method, name, args, kwargs, unique_reply_rank, expected, timeout, future
+                )
+            else:
+                call = ObservedCall(
+                    observation,
+                    seq,
+                    method,
+                    name,
+                    args,
+                    kwargs,
+                    unique_reply_rank,
+                    expected,
+                    timeout,
+                    future,
+                )
             table.add(call)
             try:
                 sent = transport.send(call)
@@ -266,6 +312,48 @@ class Executor:
             host.ensure_pump(call)
             return future
         return host.wait(call, transport)
+
+    def _observed_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        non_block: bool,
+        unique_reply_rank: int | None,
+        expected: tuple[int, ...],
+    ) -> list[Any] | Future[list[Any]]:
+        """:meth:`collective_rpc` of a validated call, between the started and finished hooks
+        (some plugin implements one of them)."""
+        name = method if type(method) is str else method_name(method)
+        observer = self._observer
+        call_id = observer.begin(name, non_block)
+        start = perf_counter()
+        if non_block:  # ends in whichever thread completes it
+            observation = Observation(observer, name, call_id, start)
+            try:
+                return self._send_call(
+                    method, timeout, args, kwargs, True, unique_reply_rank, expected, observation
+                )
+            except BaseException as error:
+                observation.end(error)
+                raise
+        result: list[Any] | Future[list[Any]]
+        try:
+            if self._inline and timeout is None and not self._host.table.calls:
+                try:
+                    result = [self._run_inline(method, args, kwargs)]
+                except Exception as exc:  # every worker error becomes the caller's WorkerError
+                    raise as_worker_error(expected[0], name, exc) from exc
+            else:
+                result = self._send_call(
+                    method, timeout, args, kwargs, False, unique_reply_rank, expected
+                )
+        except BaseException as error:
+            observer.finished(name, call_id, perf_counter() - start, error)
+            raise
+        observer.finished(name, call_id, perf_counter() - start, None)
+        return result
 
     def execute_model(self, batch: Any, non_block: bool = False) -> Any:
         """Run one step on every worker; return the output rank's result (or a Future of it)."""
@@ -457,6 +545,7 @@ class Executor:
             return
         self.collective_rpc("sleep", kwargs={"level": level})
         self._sleeping_tags = set(SLEEP_TAGS)
+        notify_sleep(self.registry.hook, self._host.name, frozenset(self._sleeping_tags))
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Restore what :meth:`sleep` released: everything, or only ``tags``."""
@@ -480,6 +569,7 @@ class Executor:
             return
         self.collective_rpc("wake_up", kwargs={"tags": wanted})
         self._sleeping_tags.difference_update(wanted)
+        notify_sleep(self.registry.hook, self._host.name, frozenset(self._sleeping_tags))
 
     def check_health(self) -> None:
         """Raise if the executor or any worker is unhealthy."""

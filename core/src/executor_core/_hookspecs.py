@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import argparse
 
     from ._config import ExecutorConfig
+    from ._errors import WorkerDiedError
     from ._registry import BackendSpec
     from ._worker import WorkerBase, WorkerContext
 
@@ -59,6 +60,47 @@ def executor_register_commands(commands: argparse._SubParsersAction[Any]) -> Non
     every time ``executor`` starts. A name already taken raises an error naming it.
     """
     raise NotImplementedError  # pragma: no cover
+
+
+# --- driver side: observers of calls and of the executor's state --------------------------
+
+
+@hookspec
+def executor_call_started(
+    backend: str, method: str, call_id: int, world_size: int, non_block: bool
+) -> None:
+    """A call was accepted (its arguments are valid) and is about to reach the workers.
+
+    ``call_id`` is unique in this process and is passed again to
+    :func:`executor_call_finished`, which follows exactly once. Runs in the thread that sends
+    the call, on the hot path: keep it cheap, and never call the executor from it.
+    """
+
+
+@hookspec
+def executor_call_finished(
+    backend: str, method: str, call_id: int, duration_s: float, error: BaseException | None
+) -> None:
+    """The call ``call_id`` completed: ``error`` is ``None`` when it succeeded, otherwise what
+    the caller gets (``WorkerError``, ``RPCTimeoutError``, ``ExecutorFailedError``, ...).
+
+    Runs in the caller's thread for a blocking call; for ``non_block`` calls in the thread that
+    completes the call, before the future is. Keep it cheap; never call the executor from it.
+    """
+
+
+@hookspec
+def executor_worker_died(
+    backend: str, ranks: tuple[int, ...], node: str | None, error: WorkerDiedError
+) -> None:
+    """The executor failed because workers died: ``ranks`` are gone (one rank, or all the
+    ranks of a lost ``node``). Called once per executor, from the thread that noticed."""
+
+
+@hookspec
+def executor_sleep_changed(backend: str, sleeping: bool, tags: frozenset[str]) -> None:
+    """:meth:`Executor.sleep` or :meth:`Executor.wake_up` changed what is asleep: ``tags``
+    is what is asleep now (``sleeping`` is ``bool(tags)``)."""
 
 
 # --- worker side: called inside each worker process -----------------------------------------
