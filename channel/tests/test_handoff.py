@@ -43,7 +43,7 @@ from executor_channel.shm import SegmentLayout, WorkerRings
 address, index = sys.argv[1], int(sys.argv[2])
 fds = receive_fds(address, bytes.fromhex(os.environ["HANDOFF_TEST_KEY"]), index, 10.0)
 layout = SegmentLayout.build(2, 2, 4096, 1, 4096)
-rings = WorkerRings.attach(fds, layout, index, 0.0)
+rings = WorkerRings.attach(fds, layout, index, 0.0, 0.0)
 call = rings.calls.read(bytes, deadline=time.monotonic() + 10)
 assert call is not None, "no call came"
 reply = b"worker %d (pid %d) got " % (index, os.getpid()) + call

@@ -204,10 +204,16 @@ class WorkerRings:
 
     @classmethod
     def attach(
-        cls, fds: WorkerFds, layout: SegmentLayout, index: int, spin_s: float
+        cls,
+        fds: WorkerFds,
+        layout: SegmentLayout,
+        index: int,
+        spin_s: float,
+        idle_spin_s: float,
     ) -> WorkerRings:
         """Map the segment and wrap the doorbells given as ``fds`` (they now belong to the
-        returned object's process), as worker ``index`` of the node."""
+        returned object's process), as worker ``index`` of the node. The worker spins
+        ``idle_spin_s`` for its next call before it sleeps, ``spin_s`` in its other waits."""
         segment = SharedSegment.attach(fds.segment, layout.nbytes)
         spin = Spinner(spin_s)  # one budget for the process: contention is per machine
         calls = Ring(
@@ -217,6 +223,7 @@ class WorkerRings:
             data_bells=[Doorbell(fds.call_bell, blocking=True)],
             space_bell=Doorbell(fds.call_space_bell),
             spin=spin,
+            wait_spin_s=idle_spin_s,
         )
         replies = Ring(
             segment.buf,

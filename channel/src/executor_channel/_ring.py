@@ -158,8 +158,11 @@ class Ring:
         data_bells: Sequence[Doorbell],
         space_bell: Doorbell,
         spin: Spinner | None = None,
+        wait_spin_s: float | None = None,
     ) -> None:
         self._buf = buf
+        #: A reader's spin while it waits for its next message (default: ``spin``'s own).
+        self._wait_spin_s = wait_spin_s
         self._layout = layout
         self._reader = reader
         self._spin = spin
@@ -352,7 +355,7 @@ class Ring:
             return True
         bell = self._data_bells[0]
         spin = self._spin
-        spin_until = spin.start() if spin is not None else 0.0
+        spin_until = spin.start(self._wait_spin_s) if spin is not None else 0.0
         while True:
             if abort is not None:
                 abort()

@@ -36,14 +36,16 @@ class Spinner:
         self._quiet_until = 0.0
         self._quiet_s = QUIET_MIN_S
 
-    def start(self) -> float:
-        """Monotonic time until which a wait that starts now may spin (0.0: do not spin)."""
-        if not self.spin_s:
+    def start(self, spin_s: float | None = None) -> float:
+        """Monotonic time until which a wait that starts now may spin (0.0: do not spin), for
+        ``spin_s`` (default: :attr:`spin_s`)."""
+        budget = self.spin_s if spin_s is None else spin_s
+        if not budget:
             return 0.0
         now = time.monotonic()
         if now < self._quiet_until:
             return 0.0
-        return now + self.spin_s
+        return now + budget
 
     def pause(self) -> bool:
         """Yield the CPU once; False if that lost it (stop spinning and sleep instead)."""

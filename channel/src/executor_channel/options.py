@@ -34,6 +34,12 @@ class ChannelOptions:
     #: process stops spinning for a while when its yields lose the CPU to other busy
     #: processes (see ``Spinner``). Figures: docs/benchmarks.md.
     spin_s: float = option(50e-6, number(at_least=0.0, at_most=0.01))
+    #: Seconds a worker keeps looking for its next call (spinning as ``spin_s`` does, yielding
+    #: the CPU and backing off when the cores are contested) after it answered one, before it
+    #: sleeps. A call that follows within a model step's gap then finds the worker awake,
+    #: instead of paying for waking it; an idle worker sleeps after this and uses no CPU.
+    #: 0 spins only ``spin_s``. Figures: docs/benchmarks.md.
+    idle_spin_s: float = option(0.005, number(at_least=0.0, at_most=0.1))
     #: Seconds without a heartbeat after which a member on another node (seen from the
     #: driver), or the driver (seen from a member), counts as lost. Heartbeats go every
     #: quarter of it; start-up gets longer (``hub.STARTUP_SILENCE_S``).

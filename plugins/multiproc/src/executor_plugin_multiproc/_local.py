@@ -99,6 +99,7 @@ def start_workers(
                 death_pipe=InheritedFd(death_r),
                 parent_pid=parent_pid,
                 spin_s=options.spin_s,
+                idle_spin_s=options.idle_spin_s,
                 close_fds=(death_w,) if options.start_method == "fork" else (),
                 **_inherited(channel.worker_fds(index)),
             )

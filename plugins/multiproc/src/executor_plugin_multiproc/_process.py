@@ -74,6 +74,7 @@ class WorkerSpec:
     #: PID of the driver, or None where the process's parent is not the driver (forkserver).
     parent_pid: int | None
     spin_s: float
+    idle_spin_s: float
     #: Descriptors a forked child inherited and must close (the death pipe's write end).
     close_fds: tuple[int, ...] = ()
 
@@ -142,6 +143,7 @@ def worker_main(spec: WorkerSpec) -> None:
         spec.layout,
         spec.index,
         spec.spin_s,
+        spec.idle_spin_s,
     )
     calls, replies = rings.calls, rings.replies
     wrapper: WorkerWrapper | None = None

@@ -93,7 +93,13 @@ class RayWorker:
         return None
 
     def attach_rings(
-        self, address: str, key: bytes, index: int, layout: SegmentLayout, spin_s: float
+        self,
+        address: str,
+        key: bytes,
+        index: int,
+        layout: SegmentLayout,
+        spin_s: float,
+        idle_spin_s: float,
     ) -> Failed | None:
         """Attach to the driver's rings as worker ``index`` of its node (the descriptors come
         over the Unix socket ``address``, to a holder of ``key``), say ready on them and
@@ -102,7 +108,7 @@ class RayWorker:
 
         try:
             fds = receive_fds(address, key, index, _ATTACH_S)
-            rings = WorkerRings.attach(fds, layout, index, spin_s)
+            rings = WorkerRings.attach(fds, layout, index, spin_s, idle_spin_s)
         except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
             return Failed(RemoteFailure.capture(self._rank, "attach_rings", exc))
         self._rings = rings

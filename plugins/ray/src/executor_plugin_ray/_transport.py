@@ -146,7 +146,12 @@ class RayTransport(Transport):
         try:
             refs = [
                 self.actors[rank].attach_rings.remote(
-                    handoff.address, key, index, rings.layout, options.ring_sizes.spin_s
+                    handoff.address,
+                    key,
+                    index,
+                    rings.layout,
+                    options.ring_sizes.spin_s,
+                    options.idle_spin_s,
                 )
                 for index, rank in enumerate(ranks)
             ]
