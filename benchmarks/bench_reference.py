@@ -15,13 +15,16 @@ summed over steps (``GenerationResult.executor_share``). With batches in flight 
 steps overlap, so the table also gives executor seconds per wall second
 (``executor_time_per_wall_s``), which adds up the executor time of overlapping steps.
 
-Layouts whose backend is not installed are skipped (and said so).
+Layouts whose backend is not installed are skipped (and said so). Only the backends' plugins
+are loaded (``EXECUTOR_PLUGINS``, in the driver and the workers), so that the development
+install's observers (the test fixtures, ``executor-plugin-otel``) do not run on every call.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -196,6 +199,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs per layout (best/median)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
+    os.environ.setdefault("EXECUTOR_PLUGINS", "uniproc,multiproc,ray,reference")
     with tempfile.TemporaryDirectory(prefix="bench-reference-") as tmp:
         checkpoint = ensure_checkpoint(MODEL_SIZES[args.model_size], tmp)
         gen = bench_generation(checkpoint, args)

@@ -37,9 +37,14 @@ __all__ = [
     "plan_assembly",
 ]
 
+#: A frame's kind: a call to the workers (its body is ``(method, args, kwargs)``).
 KIND_CALL = 1
+#: A frame's kind: the stop message; a worker that reads it stops serving.
 KIND_STOP = 2
+#: A frame's kind: a worker is ready for calls (its body is its process id), or could not start
+#: (not ok: its body is why).
 KIND_READY = 3
+#: A frame's kind: a worker's answer to a call (its body is the result or the failure).
 KIND_REPLY = 4
 
 #: kind (u8), ok (u8), rank or reply rank (i32, -1 for none), sequence number (u64),
@@ -58,7 +63,8 @@ OOB_BYTES_THRESHOLD = 4096
 #: Containers longer than this are not searched for large ``bytes`` (keeps encoding O(1)).
 _SCAN_LIMIT = 64
 
-Frame = tuple[list[Any], int]  # parts to copy back to back, total bytes
+#: An encoded frame: the parts to copy back to back, and their total bytes.
+Frame = tuple[list[Any], int]
 
 
 class _Bulk:

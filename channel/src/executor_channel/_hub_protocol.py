@@ -31,16 +31,28 @@ __all__ = [
     "read_control",
 ]
 
+#: Member to hub: who it is (JSON: its node or rank, host, process and version), its first
+#: message.
 JOIN = b"J"
+#: Hub to member: the spec of what to run (the backend's bytes), the answer to ``JOIN``.
 SPEC = b"S"
+#: Hub to member: the join is refused (JSON: why); the member exits.
 REFUSED = b"R"
+#: Hub to member: every member is ready; calls follow.
 READY = b"A"
+#: Hub to member: a call frame of the codec, forwarded as it is.
 CALL = b"C"
+#: Member to hub: a worker's ready or reply frame of the codec, forwarded as it is.
 FRAME = b"F"
+#: Either way: a heartbeat.
 PING = b"P"
+#: Member to hub: a worker of its node died (JSON: its rank and exit code).
 DIED = b"D"
+#: Member to hub: it could not start its workers or serve on (JSON: why).
 FAILED = b"X"
+#: Hub to member: stop every worker now, without waiting for calls in flight.
 KILL = b"K"
+#: Member to hub: its workers have stopped; the last message of the link.
 BYE = b"B"
 
 

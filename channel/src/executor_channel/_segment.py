@@ -19,6 +19,7 @@ from executor_core import ExecutorError
 
 __all__ = ["SHM_DIR", "SharedSegment", "check_free_space"]
 
+#: Where POSIX shared memory lives on Linux (its free space bounds a node's rings).
 SHM_DIR = "/dev/shm"
 _NAME_PREFIX = "executor-mp-"
 _MIB = 1 << 20

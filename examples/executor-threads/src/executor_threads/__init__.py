@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from executor_core.backend import BackendSpec, Capabilities, hookimpl
 
+__all__ = ["__version__", "executor_register_backends"]
+
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 
