@@ -55,3 +55,36 @@ def test_quiet_time_grows_while_losses_continue(monkeypatch: pytest.MonkeyPatch)
     time.sleep(0.2)  # calm for longer than the quiet time: back to the shortest
     assert not spinner.pause()
     assert spinner._quiet_s == 0.02
+
+
+def test_a_wait_may_ask_for_its_own_budget_under_the_same_back_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spinner = Spinner(0.001)
+    before = time.monotonic()
+    until = spinner.start(0.005)  # a worker waiting for its next call (idle_spin_s)
+    assert before + 0.005 <= until <= time.monotonic() + 0.005
+    assert spinner.start(0.0) == 0.0
+    # Contention seen by any wait quiets them all, whatever their budget.
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(2 * _spin.LOST_CPU_S))
+    assert not spinner.pause()
+    assert spinner.start(0.005) == 0.0
+
+
+def test_a_worker_waits_for_calls_with_the_longer_of_its_budgets() -> None:
+    from collections.abc import Callable
+
+    from executor_channel.shm import NodeRings, RingSizes, WorkerRings
+
+    sizes = RingSizes(slots=2, slot_bytes=4096, reply_slots=1, reply_slot_bytes=4096, spin_s=0)
+    for spin_s, idle_spin_s, expected in ((1e-4, 0.005, 0.005), (1e-4, 0.0, 1e-4)):
+        cleanups: list[Callable[[], None]] = []
+        rings = NodeRings(1, sizes, cleanups.append)
+        try:
+            worker = WorkerRings.attach(rings.worker_fds(0), rings.layout, 0, spin_s, idle_spin_s)
+            # idle_spin_s 0 means "only spin_s", never "no spin at all".
+            assert worker.calls._wait_spin_s == expected
+            worker.segment.close()
+        finally:
+            for cleanup in reversed(cleanups):
+                cleanup()

@@ -223,7 +223,7 @@ class WorkerRings:
             data_bells=[Doorbell(fds.call_bell, blocking=True)],
             space_bell=Doorbell(fds.call_space_bell),
             spin=spin,
-            wait_spin_s=idle_spin_s,
+            wait_spin_s=max(idle_spin_s, spin_s),  # 0: only ``spin_s``
         )
         replies = Ring(
             segment.buf,
