@@ -94,14 +94,22 @@ class CallObserver:
         self.finished += 1
 
 
-def per_call_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
-    """Median over rounds of the mean time per call, in microseconds."""
+def per_call_us(
+    fn: Callable[[], object],
+    calls: int,
+    rounds: int = 7,
+    between: Callable[[], None] | None = None,
+) -> float:
+    """Median over rounds of the mean time per call, in microseconds (``between`` runs after
+    each round, untimed)."""
     results = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         results.append((time.perf_counter() - start) / calls * 1e6)
+        if between is not None:
+            between()
     return statistics.median(results)
 
 

@@ -26,20 +26,12 @@ import argparse
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
-from executor_core import ExecutorConfig, WorkerBase, create_executor, hookimpl
+from bench_core import NoopWorker, per_call_us  # the same worker and timing as bench_core
+
+from executor_core import ExecutorConfig, create_executor, hookimpl
 from executor_core._registry import Registry
-
-
-class NoopWorker(WorkerBase):
-    def noop(self) -> None:
-        return None
-
-    def execute_model(self, batch: object) -> object:
-        return batch
 
 
 class NoopCallObserver:
@@ -61,21 +53,6 @@ class NoopCallObserver:
         error: BaseException | None,
     ) -> None:
         return None
-
-
-def per_call_us(
-    fn: Callable[[], object], calls: int, rounds: int, between: Callable[[], None] | None = None
-) -> float:
-    """Median over rounds of the mean time per call, in microseconds."""
-    results = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        results.append((time.perf_counter() - start) / calls * 1e6)
-        if between is not None:
-            between()
-    return statistics.median(results)
 
 
 def import_ms(statement: str, before: str, repeats: int) -> float:

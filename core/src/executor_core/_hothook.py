@@ -6,8 +6,9 @@ pays it on every call. For a hook whose implementations are all plain functions,
 functions can be called directly, with the same arguments, in the same order as pluggy would
 (:class:`HotHook`). As soon as one implementation is a wrapper, pluggy's own call is used.
 
-Plugins may be registered or removed at any time: the implementations are looked up afresh on
-every :meth:`HotHook.active`, and the direct calls rebuilt when they changed. pluggy's call
+Plugins may be registered or removed at any time: every :meth:`HotHook.active` compares the
+hook's implementations with those it has seen (pluggy's own list, which pluggy changes in place,
+so the check allocates nothing), and rebuilds the direct calls when they changed. pluggy's call
 tracing (``PluginManager.add_hookcall_monitoring``) does not see direct calls.
 """
 
@@ -18,7 +19,28 @@ from typing import Any
 
 import pluggy
 
-__all__ = ["HotHook"]
+__all__ = ["HotHook", "live_impls"]
+
+
+class _AskImpls:
+    """Stands for pluggy's list of a hook's implementations where it is not reachable."""
+
+    __slots__ = ("_caller",)
+
+    def __init__(self, caller: pluggy.HookCaller) -> None:
+        self._caller = caller
+
+    def __bool__(self) -> bool:
+        return bool(self._caller.get_hookimpls())
+
+
+def live_impls(caller: pluggy.HookCaller) -> Any:
+    """Something true exactly while ``caller`` has implementations, as cheap to test as can be:
+    pluggy's own list (changed in place as plugins come and go), else a stand-in that asks."""
+    impls = getattr(caller, "_hookimpls", None)
+    if isinstance(impls, list):
+        return impls
+    return _AskImpls(caller)  # pragma: no cover - a pluggy without the list
 
 
 class HotHook:
@@ -27,13 +49,16 @@ class HotHook:
     Call :meth:`active` first, then call the object if it returned True.
     """
 
-    __slots__ = ("_argnames", "_caller", "_direct", "_seen")
+    __slots__ = ("_argnames", "_caller", "_direct", "_live", "_seen")
 
     def __init__(self, caller: pluggy.HookCaller) -> None:
         spec = caller.spec
         if spec is None:
             raise ValueError(f"hook {caller.name!r} has no specification")
         self._caller = caller
+        live = live_impls(caller)
+        #: pluggy's own list of the implementations, or None where it is not reachable.
+        self._live: list[pluggy.HookImpl] | None = live if isinstance(live, list) else None
         self._argnames: tuple[str, ...] = tuple(spec.argnames)
         self._seen: list[pluggy.HookImpl] = []
         # (function, indices of the values it takes, or None for all of them), in call order;
@@ -42,7 +67,7 @@ class HotHook:
 
     def active(self) -> bool:
         """True if any plugin implements the hook now."""
-        impls = self._caller.get_hookimpls()
+        impls = self._live if self._live is not None else self._caller.get_hookimpls()
         if impls != self._seen:
             self._rebuild(impls)
         return bool(impls)

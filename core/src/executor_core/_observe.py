@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._calls import Call
 from ._errors import WorkerDiedError
-from ._hothook import HotHook
+from ._hothook import HotHook, live_impls
 
 if TYPE_CHECKING:
     import pluggy
@@ -36,49 +36,6 @@ def _log_hook_error(hook: str) -> None:
     logging.getLogger("executor_core").exception("an implementation of %s raised", hook)
 
 
-class _LiveImpls:
-    """Stands for pluggy's list of a hook's implementations where it is not reachable."""
-
-    __slots__ = ("_caller",)
-
-    def __init__(self, caller: pluggy.HookCaller) -> None:
-        self._caller = caller
-
-    def __bool__(self) -> bool:
-        return bool(self._caller.get_hookimpls())
-
-
-def _live_impls(caller: pluggy.HookCaller) -> Any:
-    """Something true exactly while ``caller`` has implementations, as cheap to test as can be:
-    pluggy's own list (changed in place as plugins come and go), else a stand-in that asks."""
-    impls = getattr(caller, "_hookimpls", None)
-    if isinstance(impls, list):
-        return impls
-    return _LiveImpls(caller)  # pragma: no cover - a pluggy without the list
-
-
-class _LiveHotHook(HotHook):
-    """A :class:`HotHook` that compares pluggy's live list of implementations with the ones
-    it has seen, instead of a copy of it (one allocation less per call)."""
-
-    __slots__ = ("_live",)
-
-    def __init__(self, caller: pluggy.HookCaller, live: list[pluggy.HookImpl]) -> None:
-        super().__init__(caller)
-        self._live = live
-
-    def active(self) -> bool:
-        live = self._live
-        if live != self._seen:
-            self._rebuild(live)  # copies the list
-        return bool(live)
-
-
-def _hot_hook(caller: pluggy.HookCaller) -> HotHook:
-    live = _live_impls(caller)
-    return _LiveHotHook(caller, live) if isinstance(live, list) else HotHook(caller)
-
-
 class CallObserver:
     """The per-call hooks of one executor."""
 
@@ -89,10 +46,10 @@ class CallObserver:
         self.world_size = world_size
         started = hooks.executor_call_started
         finished = hooks.executor_call_finished
-        self._started = _hot_hook(started)
-        self._finished = _hot_hook(finished)
+        self._started = HotHook(started)
+        self._finished = HotHook(finished)
         #: True (either list non-empty) while any plugin observes calls.
-        self.impls: tuple[Any, Any] = (_live_impls(started), _live_impls(finished))
+        self.impls: tuple[Any, Any] = (live_impls(started), live_impls(finished))
 
     def begin(self, method: str, non_block: bool) -> int:
         """Call the started hook; return the call's id."""
