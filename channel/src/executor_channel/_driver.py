@@ -196,10 +196,13 @@ class ChannelDriver:
         deadline = None if timeout is None else now + timeout
         spin_until = spinner.start()
         while True:
-            if now < spin_until and spinner.pause():
-                pass  # a reply is often only microseconds away
+            if now < spin_until:
+                # A reply is often only microseconds away.
+                if not spinner.pause():
+                    spin_until = 0.0  # lost the CPU: look once more, then sleep
+                    if any(ring.small_waiting() for ring in rings):
+                        spinner.contended()  # it came meanwhile: the spin delayed it
             else:
-                spin_until = 0.0
                 # Replies, the hub and interrupt() ring this doorbell; a stale ring costs one
                 # look.
                 bell.wait(None if deadline is None else max(0.0, deadline - now))

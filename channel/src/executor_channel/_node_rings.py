@@ -167,6 +167,7 @@ class NodeRings:
                 data_bells=[self.reply_bell],
                 space_bell=self.reply_spaces[rank],
                 spin=spin,
+                ends_bulk=False,
             )
             for rank, ring in enumerate(layout.replies)
         ]
@@ -232,5 +233,6 @@ class WorkerRings:
             data_bells=[Doorbell(fds.reply_bell)],
             space_bell=Doorbell(fds.reply_space_bell),
             spin=spin,
+            ends_bulk=False,
         )
         return cls(segment, calls, replies)

@@ -159,8 +159,14 @@ class Ring:
         space_bell: Doorbell,
         spin: Spinner | None = None,
         wait_spin_s: float | None = None,
+        ends_bulk: bool = True,
     ) -> None:
         self._buf = buf
+        #: Which spinner a message of one slot on this ring takes out of its ``bulk`` state
+        #: (see :meth:`Spinner.contended`): on a ring of calls, a small call starts a new
+        #: exchange; a small reply (``ends_bulk=False``) may answer a large call that the
+        #: other readers are still copying.
+        self._ends_bulk = spin if ends_bulk else None
         #: A reader's spin while it waits for its next message (default: ``spin``'s own).
         self._wait_spin_s = wait_spin_s
         self._layout = layout
@@ -204,9 +210,14 @@ class Ring:
         return free
 
     def _wait_for_space(
-        self, needed: int, deadline: float | None, abort: Callable[[], None]
+        self,
+        needed: int,
+        deadline: float | None,
+        abort: Callable[[], None],
+        small: bool = False,
     ) -> bool:
-        """Wait until ``needed`` slots are free; False if ``deadline`` passed first."""
+        """Wait until ``needed`` slots are free; False if ``deadline`` passed first.
+        ``small``: for a message of one slot (see :meth:`Spinner.contended`)."""
         if self._free_slots() >= needed:
             return True
         bell = self._space_bell
@@ -224,8 +235,14 @@ class Ring:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                if now < spin_until and spin is not None and spin.pause():
-                    continue
+                if now < spin_until and spin is not None:
+                    if spin.pause():
+                        continue
+                    spin_until = 0.0
+                    if self._free_slots() >= needed:  # freed while this process was off
+                        if small:  # the CPU: the spin delayed a small message
+                            spin.contended()
+                        return True
                 spin_until = 0.0
                 if not waiting:
                     waiting = True
@@ -257,7 +274,7 @@ class Ring:
         """
         buf = self._buf
         if nbytes <= self._slot_data:  # the common case, kept short (no extra calls)
-            if self._free < 1 and not self._wait_for_space(1, deadline, abort):
+            if self._free < 1 and not self._wait_for_space(1, deadline, abort, True):
                 return False
             count = self._count
             slot = self._slot_offs[count % self._nslots]
@@ -272,7 +289,11 @@ class Ring:
             store_release(buf, self._written_off, count)  # publish, then ring
             for bell in self._data_bells:
                 bell.ring()
+            if self._ends_bulk is not None:
+                self._ends_bulk.bulk = False
             return True
+        if self._spin is not None:
+            self._spin.bulk = True
         nchunks = -(-nbytes // self._slot_data)
         needed = min(nchunks, self._nslots)
         if self._free < needed and not self._wait_for_space(needed, deadline, abort):
@@ -364,8 +385,14 @@ class Ring:
                     acquire_fence()
                 return True
             if spin_until:
-                if time.monotonic() < spin_until and spin is not None and spin.pause():
-                    continue
+                if time.monotonic() < spin_until and spin is not None:
+                    if spin.pause():
+                        continue
+                    spin_until = 0.0
+                    if load(buf, off)[0] > count:  # it came while this process was off
+                        if self._next_is_small():  # the CPU: the spin delayed it
+                            spin.contended()
+                        continue  # (the look above, again with its fence)
                 spin_until = 0.0
             if deadline is None:
                 if abort is not None:
@@ -383,6 +410,19 @@ class Ring:
             if now >= deadline:
                 return False
             bell.wait(min(MAX_SLEEP_S, deadline - now))
+
+    def small_waiting(self) -> bool:
+        """True if the next message waiting for this reader fits in one slot (a short
+        answer, not part of a large transfer); False if none is waiting."""
+        return self.poll() and self._next_is_small()
+
+    def _next_is_small(self) -> bool:
+        """Whether the waiting message (there is one) fits in one slot."""
+        if WEAK_ORDER:
+            acquire_fence()  # the caller's load of ``written``, before the slot's header
+        slot = self._slot_offs[self._count % self._nslots]
+        nbytes, size = _CHUNK.unpack_from(self._buf, slot)
+        return bool(nbytes == size)
 
     def try_read(
         self,
@@ -403,6 +443,8 @@ class Ring:
         if size != nbytes:
             return self.read(decode, None, abort, assemble)
         view = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
+        if self._ends_bulk is not None:
+            self._ends_bulk.bulk = False
         try:
             return decode(view)
         finally:
@@ -434,7 +476,10 @@ class Ring:
         slots = self._layout.slots
         slot = self._slot_offs[self._count % slots]
         nbytes, size = _CHUNK.unpack_from(buf, slot)
+        spin = self._spin
         if size == nbytes:
+            if self._ends_bulk is not None:
+                self._ends_bulk.bulk = False
             view = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]
             try:
                 return decode(view)
@@ -445,6 +490,8 @@ class Ring:
         # Several slots: copy each chunk out as it is published, into memory this reader
         # owns (warm, from the buffer cache, or where ``assemble`` says), releasing its slot
         # at once so that the writer can stream on meanwhile.
+        if spin is not None:
+            spin.bulk = True
         plan = None
         if assemble is not None:
             first = buf[slot + _SLOT_HEADER : slot + _SLOT_HEADER + size]

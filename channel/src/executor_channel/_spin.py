@@ -6,9 +6,16 @@ when every process has a core. But ``sched_yield`` hands the CPU to any other ru
 process on the same core, and when that is a busy process (another job on a shared machine)
 the yield returns only after its time slice, milliseconds later, so spinning then costs a
 no-op call far more than sleeping would (figures: docs/benchmarks.md, mp). A
-sleeper on an eventfd, by contrast, is woken at once (the scheduler favours it). So a yield
-that took much longer than a peer's short turn means the cores are contested: this process
-stops spinning for a while and only sleeps.
+sleeper on an eventfd, by contrast, is woken at once (the scheduler favours it).
+
+So a yield that took much longer than a peer's short turn ends the wait's spin, and the
+wait looks once more: if what it waits for came while this process was off the CPU, the
+spin delayed it, and the cores are contested. The process then stops spinning for a while
+and only sleeps (:meth:`Spinner.contended`). Only small messages count, between small
+messages: while a message of several slots moves, the processes at both ends copy it for
+milliseconds and take each other's CPU, which says nothing of other jobs, and quieting every
+wait for long after such a transfer would slow the small calls that follow it. A yield lost
+while nothing came cost nothing and does not count either.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ class Spinner:
         self.spin_s = spin_s
         self._quiet_until = 0.0
         self._quiet_s = QUIET_MIN_S
+        #: True while the last message this process read or wrote spanned several slots
+        #: (the rings set it): :meth:`contended` then ignores a loss.
+        self.bulk = False
 
     def start(self, spin_s: float | None = None) -> float:
         """Monotonic time until which a wait that starts now may spin (0.0: do not spin), for
@@ -48,15 +58,21 @@ class Spinner:
         return now + budget
 
     def pause(self) -> bool:
-        """Yield the CPU once; False if that lost it (stop spinning and sleep instead)."""
+        """Yield the CPU once; False if that lost it for a time slice: the wait stops
+        spinning, and calls :meth:`contended` if what it waits for came meanwhile."""
         before = time.monotonic()
         os.sched_yield()
-        after = time.monotonic()
-        if after - before < LOST_CPU_S:
-            return True
-        if after - self._quiet_until > self._quiet_s:  # calm since the last quiet time
+        return time.monotonic() - before < LOST_CPU_S
+
+    def contended(self) -> None:
+        """What a wait waited for came while its yield had lost the CPU: stop spinning for
+        a while, longer each time this repeats soon after the last quiet time. Callers
+        report only small messages; ignored while :attr:`bulk` is set."""
+        if self.bulk:
+            return
+        now = time.monotonic()
+        if now - self._quiet_until > self._quiet_s:  # calm since the last quiet time
             self._quiet_s = QUIET_MIN_S
         else:
             self._quiet_s = min(QUIET_MAX_S, 2 * self._quiet_s)
-        self._quiet_until = after + self._quiet_s
-        return False
+        self._quiet_until = now + self._quiet_s
