@@ -14,7 +14,9 @@ mkdir -p "$out"
 base=$(mktemp -d)
 trap 'git worktree remove --force "$base" >/dev/null 2>&1 || rm -rf "$base"' EXIT
 git worktree add --detach "$base" "$rev" >/dev/null
-old_path="$base/core/src:$base/plugins/uniproc/src:$base/plugins/multiproc/src:$base/plugins/ray/src"
+# Every distribution's sources in REV (core, channel, the plugins, ...), so that no module of
+# this tree's stands in for one of REV's.
+old_path=$(find "$base" -mindepth 2 -maxdepth 4 -type d -name src -not -path "*/tests/*" | paste -sd:)
 py=.venv/bin/python
 run() { # name side args...
   local name=$1 side=$2
@@ -31,4 +33,5 @@ for side in old new; do run mp "$side" benchmarks/bench_multiproc.py --workers 1
 for side in new old; do run mp2 "$side" benchmarks/bench_multiproc.py --workers 1 2 --startup-repeats 2 --blocks 6; done
 for side in old new; do run ray "$side" benchmarks/bench_ray.py --rounds 10 --calls 20 --phases 6; done
 for side in old new; do run ref "$side" benchmarks/bench_reference.py --requests 16; done
+for side in new old; do run after-large "$side" benchmarks/bench_small_after_large.py; done
 echo "results in $out/" >&2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -81,6 +82,19 @@ def test_a_wait_may_ask_for_its_own_budget_under_the_same_back_off() -> None:
     assert spinner.start(0.005) == 0.0
 
 
+def lose_next_yield(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None] | None) -> None:
+    """Make the next ``sched_yield`` lose the CPU (return after the threshold), running
+    ``meanwhile`` first: what another process does while this one is off the CPU."""
+
+    def slow_yield() -> None:
+        monkeypatch.setattr(os, "sched_yield", lambda: None)  # only this yield is lost
+        if meanwhile is not None:
+            meanwhile()
+        time.sleep(2 * _spin.LOST_CPU_S)
+
+    monkeypatch.setattr(os, "sched_yield", slow_yield)
+
+
 class _Pair:
     """A writer and one reader on a ring of 4 slots of 4 KiB; the reader has ``spinner``.
     ``lose_cpu`` makes the reader's next yield lose the CPU, ``arrive`` being written into
@@ -108,13 +122,7 @@ class _Pair:
         assert self.writer.write([bytes(nbytes)], nbytes, time.monotonic() + 5.0)
 
     def lose_cpu(self, monkeypatch: pytest.MonkeyPatch, arrive: int | None) -> None:
-        def slow_yield() -> None:
-            monkeypatch.setattr(os, "sched_yield", lambda: None)  # only this yield is lost
-            if arrive is not None:
-                self.send(arrive)
-            time.sleep(2 * _spin.LOST_CPU_S)
-
-        monkeypatch.setattr(os, "sched_yield", slow_yield)
+        lose_next_yield(monkeypatch, None if arrive is None else lambda: self.send(arrive))
 
     def read(self) -> int:
         got = self.reader.read(lambda data: len(memoryview(data)), time.monotonic() + 5.0)
@@ -191,8 +199,6 @@ def test_small_waiting_tells_a_short_answer_from_a_large_transfer() -> None:
 
 
 def test_a_worker_waits_for_calls_with_the_longer_of_its_budgets() -> None:
-    from collections.abc import Callable
-
     from executor_channel.shm import NodeRings, RingSizes, WorkerRings
 
     sizes = RingSizes(slots=2, slot_bytes=4096, reply_slots=1, reply_slot_bytes=4096, spin_s=0)
@@ -207,3 +213,43 @@ def test_a_worker_waits_for_calls_with_the_longer_of_its_budgets() -> None:
         finally:
             for cleanup in reversed(cleanups):
                 cleanup()
+
+
+@pytest.mark.parametrize(
+    ("bulk", "size", "quiet"),
+    [(False, 10, True), (True, 10, False), (False, 10_000, False)],
+    ids=["small reply to a small call", "small reply to a large call", "large reply"],
+)
+def test_the_driver_counts_only_a_small_reply_that_came_during_a_lost_yield(
+    monkeypatch: pytest.MonkeyPatch, bulk: bool, size: int, quiet: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from executor_channel._codec import KIND_REPLY, encode
+    from executor_channel._driver import ChannelDriver
+    from executor_channel.shm import NodeRings, RingSizes, WorkerRings
+
+    sizes = RingSizes(slots=2, slot_bytes=4096, reply_slots=4, reply_slot_bytes=4096, spin_s=0.01)
+    cleanups: list[Callable[[], None]] = []
+    rings = NodeRings(1, sizes, cleanups.append)
+    try:
+        worker = WorkerRings.attach(rings.worker_fds(0), rings.layout, 0, 0.0, 0.0)
+        delivered: list[tuple[int, int, bool, object]] = []
+        host = SimpleNamespace(deliver=lambda *reply: delivered.append(reply))
+        driver = ChannelDriver(host, rings)  # type: ignore[arg-type]  # only deliver is used
+
+        def reply() -> None:
+            parts, nbytes = encode(KIND_REPLY, True, 0, 7, bytes(size))
+            assert worker.replies.write(parts, nbytes, time.monotonic() + 5.0)
+
+        rings.spinner.bulk = bulk  # as the driver's last call left it
+        lose_next_yield(monkeypatch, reply)
+        driver.poll(5.0)
+        assert [(seq, rank, ok, len(value)) for seq, rank, ok, value in delivered] == [
+            (7, 0, True, size)
+        ]
+        assert (rings.spinner.start() == 0.0) is quiet
+        worker.segment.close()
+    finally:
+        for cleanup in reversed(cleanups):
+            cleanup()
