@@ -27,9 +27,17 @@ def run_executor(*args: str, timeout: float = TIMEOUT_S) -> subprocess.Completed
 
 
 #: A stand-in for vLLM's shm_broadcast: the same MessageQueue interface the baseline uses,
-#: over one multiprocessing queue per reader (the real one is a shared-memory ring).
+#: over a named pipe (FIFO) per reader, so that a handle is a list of paths that can travel
+#: to another process, as a reader's own reply queue's does (the real one is a shared-memory
+#: ring).
 FAKE_SHM_BROADCAST = """
-import multiprocessing
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+
+_LEN = struct.Struct("<Q")
 
 
 class _Ring:
@@ -40,31 +48,55 @@ class _Buffer:
     shared_memory = _Ring()
 
 
+def _read(fd, n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
 class MessageQueue:
     def __init__(self, n_reader, n_local_reader, **options):
-        ctx = multiprocessing.get_context("spawn")
-        self._queues = [ctx.Queue() for _ in range(n_reader)]
+        self._root = tempfile.mkdtemp(prefix="fake-shm-broadcast-")
+        self._paths = [os.path.join(self._root, str(i)) for i in range(n_reader)]
+        for path in self._paths:
+            os.mkfifo(path)
+        # Read-write: opening does not wait for the other end.
+        self._fds = [os.open(path, os.O_RDWR) for path in self._paths]
         self._mine = None
         self.buffer = _Buffer()
 
     @classmethod
     def create_from_handle(cls, handle, rank):
         queue = cls.__new__(cls)
-        queue._queues, queue._mine = None, handle[rank]
+        queue._root, queue._fds = None, []
+        queue._mine = os.open(handle[rank], os.O_RDWR)
+        queue.buffer = _Buffer()
         return queue
 
     def export_handle(self):
-        return self._queues
+        return list(self._paths)
 
     def wait_until_ready(self):
         pass
 
     def enqueue(self, obj):
-        for queue in self._queues:
-            queue.put(obj)
+        data = pickle.dumps(obj)
+        for fd in self._fds:
+            os.write(fd, _LEN.pack(len(data)) + data)
 
     def dequeue(self, indefinite=False):
-        return self._mine.get()
+        (n,) = _LEN.unpack(_read(self._mine, _LEN.size))
+        return pickle.loads(_read(self._mine, n))
+
+    def __del__(self):
+        for fd in self._fds + ([self._mine] if self._mine is not None else []):
+            os.close(fd)
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
 """
 
 

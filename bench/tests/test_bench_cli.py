@@ -62,7 +62,7 @@ def test_adding_the_command_imports_nothing_heavy() -> None:
     [
         ("--sizes", "4X", "accepted: comma-separated sizes"),
         ("--sizes", "6", "not a positive multiple of 4 bytes"),
-        ("--baselines", "pipe,zmq", "'zmq': accepted are pipe, ray, vllm"),
+        ("--baselines", "pipe,zmq", "'zmq': accepted are pipe, ray, vllm, vllm-own"),
         ("--kinds", "float", "'float': accepted are bytes, tensor"),
         ("--workloads", "warm", "'warm': accepted are overhead, hot, cold, payload, startup"),
         ("--repeats", "0", "'0' is not a positive integer"),

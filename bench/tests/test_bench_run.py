@@ -145,8 +145,9 @@ def test_progress_bar_reaches_the_end_on_stderr(small_run: dict[str, Any]) -> No
 
 
 def test_vllm_baseline_gives_the_targets_rows(tmp_path: Path) -> None:
-    """The vLLM baseline (here over a stand-in queue) measures the no-op rows, hot and cold,
-    and the targets against it are checked."""
+    """The vLLM baselines (here over a stand-in queue), with Pipe replies and with each
+    reader's own reply queue, measure the no-op rows, hot and cold, and the targets against
+    the first are checked."""
     fake = make_fake_vllm(tmp_path / "fake")
     out = tmp_path / "out"
     result = run_executor(
@@ -154,7 +155,7 @@ def test_vllm_baseline_gives_the_targets_rows(tmp_path: Path) -> None:
         "--backends",
         "mp",
         "--baselines",
-        "vllm",
+        "vllm,vllm-own",
         "--vllm-path",
         str(fake),
         "--workloads",
@@ -169,14 +170,18 @@ def test_vllm_baseline_gives_the_targets_rows(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads((out / "results.json").read_text())
     assert document["skipped"] == []
-    (vllm,) = (side for side in document["sides"] if side["role"] == "baseline")
-    assert vllm["name"] == "vLLM MQ"
-    assert vllm["version"] == f"vllm 0.0.test ({fake})"
+    baselines = [side for side in document["sides"] if side["role"] == "baseline"]
+    assert [side["name"] for side in baselines] == ["vLLM MQ", "vLLM MQ, own replies"]
+    assert all(side["version"] == f"vllm 0.0.test ({fake})" for side in baselines)
+    assert "Pipe" in baselines[0]["note"]
+    assert "MessageQueue each" in baselines[1]["note"]
+    vllms = ("vLLM MQ", "vLLM MQ, own replies")
     rows = _rows(document)
-    assert set(rows) == {(key, side) for key in ("hot", "cold") for side in ("mp", "vLLM MQ")}
+    assert set(rows) == {(key, side) for key in ("hot", "cold") for side in ("mp", *vllms)}
     for key in ("hot", "cold"):
-        assert rows[key, "vLLM MQ"]["p99_s"] >= rows[key, "vLLM MQ"]["median_s"] > 0
-        assert set(rows[key, "mp"]["ratios"]) == {"vLLM MQ"}
+        for vllm in vllms:
+            assert rows[key, vllm]["p99_s"] >= rows[key, vllm]["median_s"] > 0
+        assert set(rows[key, "mp"]["ratios"]) == set(vllms)
     targets = {(t["row"], t["statistic"]): t for t in document["targets"]}
     assert set(targets) == {("cold", "median"), ("hot", "p99")}
     cold = targets["cold", "median"]

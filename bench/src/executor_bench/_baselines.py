@@ -8,14 +8,19 @@
   store once, as it enters a backend's ring once). Only if ray imports.
 * ``vLLM MQ``: vLLM's shared-memory ``MessageQueue`` (``shm_broadcast.py``) with one writer
   (this process) and N reader processes at the constructor's defaults; readers dequeue as
-  vLLM's worker loop does and reply through a Pipe. Only if vLLM's ``shm_broadcast``
-  imports: from an installed ``vllm``, or from ``--vllm-path DIR``. Its readers spin for a
-  second after each read, so the run lets them settle before timing another side.
+  vLLM's worker loop does and reply through a Pipe, the faster of the two ways here for a
+  small call (the driver sleeps in the Pipe's read instead of spinning beside the readers).
+  Only if vLLM's ``shm_broadcast`` imports: from an installed ``vllm``, or from
+  ``--vllm-path DIR``. Its readers spin for a second after each read, so the run lets them
+  settle before timing another side.
+* ``vLLM MQ, own replies``: the same, laid out as vLLM's multiprocess executor lays it out:
+  each reader replies through a ``MessageQueue`` of its own, back to this process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import importlib.metadata
@@ -53,6 +58,8 @@ _SHM_FILE = os.path.join(*SHM_MODULE.split(".")) + ".py"
 _JOIN_S = 10.0
 #: What a reader sends when it stops (never a pickled reply: those start with b"\x80").
 _BYE = b"bye"
+#: Seconds to wait for a vLLM reader's reply-queue handle (it imports vLLM's module first).
+_HANDLE_S = 60.0
 
 _SPAWN = multiprocessing.get_context("spawn")
 
@@ -190,11 +197,18 @@ def describe_vllm(module: Any) -> str:
     return f"vllm {version} ({root})"
 
 
-def _vllm_reader(handle: Any, rank: int, conn: Connection) -> None:
-    """A vLLM reader: dequeue as vLLM's worker loop does, reply through the Pipe."""
+def _vllm_reader(handle: Any, rank: int, conn: Connection, own_replies: bool) -> None:
+    """A vLLM reader: dequeue as vLLM's worker loop does; reply through ``conn``, or through
+    a queue of its own (its handle goes to the writer over ``conn`` first)."""
     shm_broadcast = importlib.import_module(SHM_MODULE)
     queue = shm_broadcast.MessageQueue.create_from_handle(handle, rank)
+    replies = None
+    if own_replies:
+        replies = shm_broadcast.MessageQueue(1, 1)
+        conn.send(replies.export_handle())
     queue.wait_until_ready()
+    if replies is not None:
+        replies.wait_until_ready()
     try:
         while True:
             message = queue.dequeue(indefinite=True)
@@ -203,17 +217,28 @@ def _vllm_reader(handle: Any, rank: int, conn: Connection) -> None:
             method, args = message
             result = answer(method, args)
             del message, args
-            conn.send_bytes(pickle.dumps(result, protocol=5))
+            if replies is not None:
+                replies.enqueue(result)
+            else:
+                conn.send_bytes(pickle.dumps(result, protocol=5))
     finally:
         conn.send_bytes(_BYE)
-        del queue
+        del queue, replies  # a queue's creator unlinks its ring when it is collected
         gc.collect()
 
 
-class VllmQueueSide:
-    """vLLM's ``MessageQueue`` from this process to ``workers`` reader processes."""
+def _recv_handle(conn: Connection) -> Any:
+    """A reader's reply-queue handle; a reader that died before sending it is an error."""
+    if not conn.poll(_HANDLE_S):
+        raise RuntimeError(f"a vLLM reader sent no reply queue within {_HANDLE_S:g} s")
+    return conn.recv()
 
-    def __init__(self, workers: int) -> None:
+
+class VllmQueueSide:
+    """vLLM's ``MessageQueue`` from this process to ``workers`` reader processes; replies
+    come through a Pipe each, or (``own_replies``) through a queue of each reader's."""
+
+    def __init__(self, workers: int, own_replies: bool = False) -> None:
         shm_broadcast = importlib.import_module(SHM_MODULE)
         # vLLM puts its zmq ipc sockets under VLLM_RPC_BASE_PATH: a directory of this side's.
         self._ipc_dir = tempfile.mkdtemp(prefix="executor-bench-vllm-")
@@ -221,21 +246,28 @@ class VllmQueueSide:
         os.environ["VLLM_RPC_BASE_PATH"] = self._ipc_dir
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
+        self._replies: list[Any] = []
         try:
             self._queue = shm_broadcast.MessageQueue(workers, workers)
-            self._ring = str(self._queue.buffer.shared_memory.name)
+            self._rings = [str(self._queue.buffer.shared_memory.name)]
             for rank in range(workers):
                 here, there = _SPAWN.Pipe()
                 proc = _SPAWN.Process(
                     target=_vllm_reader,
-                    args=(self._queue.export_handle(), rank, there),
+                    args=(self._queue.export_handle(), rank, there, own_replies),
                     daemon=True,
                 )
                 proc.start()
                 there.close()
                 self._conns.append(here)
                 self._procs.append(proc)
+            handles = [_recv_handle(conn) for conn in self._conns] if own_replies else []
             self._queue.wait_until_ready()
+            for handle in handles:
+                replies = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
+                self._rings.append(str(replies.buffer.shared_memory.name))
+                replies.wait_until_ready()
+                self._replies.append(replies)
         finally:
             if before is None:
                 os.environ.pop("VLLM_RPC_BASE_PATH", None)
@@ -245,6 +277,8 @@ class VllmQueueSide:
     def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         """Enqueue the call once; read each reader's reply."""
         self._queue.enqueue((method, args))
+        if self._replies:
+            return [replies.dequeue() for replies in self._replies]
         return [pickle.loads(conn.recv_bytes()) for conn in self._conns]
 
     def close(self) -> None:
@@ -258,14 +292,16 @@ class VllmQueueSide:
         _stop_processes(self._procs)
         for conn in self._conns:
             conn.close()
-        # The ring's creator unlinks it when collected (vLLM's ShmRingBuffer.__del__).
-        del self._queue
+        # A ring's creator unlinks it when collected (vLLM's ShmRingBuffer.__del__): this
+        # process's queue here, each reader's reply queue in that reader.
+        del self._queue, self._replies
         gc.collect()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        leftover = f"/dev/shm/{self._ring.lstrip('/')}"
-        if os.path.exists(leftover):
-            with contextlib.suppress(OSError):
-                os.unlink(leftover)
+        for ring in self._rings:
+            leftover = f"/dev/shm/{ring.lstrip('/')}"
+            if os.path.exists(leftover):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
 
 
 # --- selection ------------------------------------------------------------------------------
@@ -312,16 +348,16 @@ def select_baselines(
             except LookupError as exc:
                 skipped.append(Skipped(name, "baseline", str(exc)))
                 continue
-            description = describe_vllm(module)
+            own_replies = key == "vllm-own"
             sides.append(
                 SideSpec(
                     name,
                     "baseline",
                     workers,
-                    _VLLM_NOTE,
-                    _starter(VllmQueueSide, workers),
+                    _VLLM_OWN_NOTE if own_replies else _VLLM_NOTE,
+                    functools.partial(VllmQueueSide, workers, own_replies),
                     spins=True,
-                    version=description,
+                    version=describe_vllm(module),
                 )
             )
     return sides, skipped
@@ -333,6 +369,10 @@ _RAY_NOTE = (
     "shutdown is ray.kill, which returns before the actors have exited"
 )
 _VLLM_NOTE = "constructor defaults; readers reply through a Pipe; they spin 1 s after a read"
+_VLLM_OWN_NOTE = (
+    "constructor defaults; readers reply through a MessageQueue each, as in vLLM's "
+    "executor; they spin 1 s after a read"
+)
 
 
 def _starter(cls: Callable[[int], Side], workers: int) -> Callable[[], Side]:

@@ -27,7 +27,9 @@ Rows: a no-op collective_rpc back to back ("hot"), the same after --idle-ms of i
 ("cold"), one argument of each --sizes and --kinds ("payload"), and start-up (create to
 first call returned) and shutdown ("startup"). Baselines: a multiprocessing.Pipe round trip
 to N processes ("pipe"), raw Ray actors with ray.put once + refs ("ray", if ray imports),
-vLLM's shared-memory MessageQueue ("vllm", if vllm imports or --vllm-path points at it).
+vLLM's shared-memory MessageQueue ("vllm", if vllm imports or --vllm-path points at it;
+readers reply through a Pipe), and the same with a MessageQueue back from each reader, as
+vLLM's executor has it ("vllm-own").
 Writes results.md, results.json and latency.png to --output-dir and prints the table.
 """
 

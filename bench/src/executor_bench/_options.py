@@ -28,7 +28,12 @@ PAYLOAD_KINDS = ("bytes", "tensor")
 #: Payload sizes of the default run: from a small message to several ring slots.
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 #: The baselines, by the name ``--baselines`` takes, with their label in the results.
-BASELINES = {"pipe": "Pipe", "ray": "Ray actors", "vllm": "vLLM MQ"}
+BASELINES = {
+    "pipe": "Pipe",
+    "ray": "Ray actors",
+    "vllm": "vLLM MQ",
+    "vllm-own": "vLLM MQ, own replies",
+}
 
 _UNITS = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB}
 _UNITS |= {"G": GIB, "GB": GIB, "GIB": GIB}
