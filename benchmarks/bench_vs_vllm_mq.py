@@ -8,18 +8,18 @@ out-of-band path measured in the same run."
 
 ``mp``: the mp backend at its default options (``EXECUTOR_PLUGINS=multiproc``, as in
 bench_multiproc.py, so that the development install's test fixtures are not loaded), 2
-workers, ``collective_rpc("numel", args=(tensor,))``: every worker receives the float32 CPU
-tensor and returns its ``numel()``.
+workers, ``collective_rpc("size_of", args=(tensor,))``: every worker receives the float32 CPU
+tensor and returns its size in bytes (``executor bench``'s worker and vLLM baseline).
 
 ``vLLM MQ``: vLLM's ``MessageQueue`` (vllm/distributed/device_communicators/shm_broadcast.py)
 with one writer (this process) and 2 local reader processes, at the constructor's defaults
 (``max_chunk_bytes`` 24 MiB, ``max_chunks`` 10, no tensor arena). The writer enqueues
-``("numel", (tensor,))``: vLLM pickles with protocol 5 and a ``buffer_callback`` that takes
+``("size_of", (tensor,))``: vLLM pickles with protocol 5 and a ``buffer_callback`` that takes
 buffers of 1 MiB and more out of band (a CPU tensor becomes one such buffer); a message that
 fits ``max_chunk_bytes`` goes through the shared-memory ring (the writer copies it in, each
 reader copies the out-of-band buffer out), a larger one overflows to a zmq ipc socket. Each
 reader dequeues (``indefinite=True``, as vLLM's worker loop does) and replies with the tiny
-``numel`` through a ``multiprocessing.Pipe`` (``send_bytes`` of pickle protocol 5): the
+size through a ``multiprocessing.Pipe`` (``send_bytes`` of pickle protocol 5): the
 cheapest reply path measured. ``--reply mq`` answers instead through the reader's own
 ``MessageQueue(1, 1)`` with the reader as its writer, the way vLLM's workers answer: slower
 at the no-op, the same within noise with tensors. vLLM's waiting is kept as it is: a reader
@@ -49,21 +49,17 @@ vllm modules it imports).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
-import multiprocessing
 import os
-import pickle
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
-from executor_core import ExecutorConfig, WorkerBase, create_executor
+from executor_bench._baselines import VllmQueueSide
+from executor_bench._worker import BenchWorker
+from executor_core import ExecutorConfig, create_executor
 
 MB = 1 << 20
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
@@ -84,110 +80,17 @@ vllm.utils.cpu_resource_utils), or point --vllm-path at a site-packages with vll
 Then: --vllm-path DIR, or VLLM_MQ_PATH=DIR."""
 
 
-class BenchWorker(WorkerBase):
-    """The mp executor's worker (spawned workers import it from this script, as
-    bench_multiproc.py's do)."""
-
-    def noop(self) -> None:
-        return None
-
-    def numel(self, tensor: Any) -> int:
-        return int(tensor.numel())
-
-
 # --- vLLM's side -------------------------------------------------------------------------
 
 
-def vllm_reader(handle: Any, rank: int, conn: Connection, reply: str) -> None:
-    """A reader process: dequeue, answer the numel (or None for the no-op), until None."""
-    shm_broadcast = importlib.import_module(SHM_MODULE)
-    queue = shm_broadcast.MessageQueue.create_from_handle(handle, rank)
-    answers = None
-    if reply == "mq":
-        answers = shm_broadcast.MessageQueue(1, 1)
-        conn.send(answers.export_handle())
-    queue.wait_until_ready()
-    if answers is not None:
-        answers.wait_until_ready()
-    try:
-        while True:
-            message = queue.dequeue(indefinite=True)
-            if message is None:
-                return
-            method, args = message
-            result = int(args[0].numel()) if method == "numel" else None
-            del message, args
-            if answers is not None:
-                answers.enqueue(result)
-            else:
-                conn.send_bytes(pickle.dumps(result, protocol=5))
-    finally:
-        conn.send_bytes(b"bye")
-        del queue, answers
-        gc.collect()
-
-
-class VllmQueue:
-    """vLLM's MessageQueue to ``workers`` local reader processes."""
+class VllmQueue(VllmQueueSide):
+    """``executor bench``'s vLLM baseline, with a name for the table."""
 
     spins = True
 
     def __init__(self, workers: int, reply: str, max_chunk_bytes: int | None = None) -> None:
-        shm_broadcast = importlib.import_module(SHM_MODULE)
-        self.reply = reply
+        super().__init__(workers, own_replies=reply == "mq", max_chunk_bytes=max_chunk_bytes)
         self.name = "vLLM MQ" if max_chunk_bytes is None else "vLLM MQ 16MiB chunk"
-        extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
-        self.queue = shm_broadcast.MessageQueue(workers, workers, **extra)
-        #: This side's shared memory: its ring, and the readers' reply rings.
-        self.ring_names = [self.queue.buffer.shared_memory.name]
-        ctx = multiprocessing.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.procs = []
-        for rank in range(workers):
-            here, there = ctx.Pipe()
-            proc = ctx.Process(
-                target=vllm_reader,
-                args=(self.queue.export_handle(), rank, there, reply),
-                daemon=True,
-            )
-            proc.start()
-            there.close()
-            self.conns.append(here)
-            self.procs.append(proc)
-        self.answers: list[Any] = []
-        if reply == "mq":
-            handles = [conn.recv() for conn in self.conns]
-        self.queue.wait_until_ready()
-        if reply == "mq":
-            for handle in handles:
-                self.ring_names.append(handle.buffer_handle[3])
-                answers = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
-                answers.wait_until_ready()
-                self.answers.append(answers)
-
-    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        self.queue.enqueue((method, args))
-        if self.reply == "mq":
-            return [answers.dequeue() for answers in self.answers]
-        return [pickle.loads(conn.recv_bytes()) for conn in self.conns]
-
-    def close(self) -> None:
-        self.queue.enqueue(None)
-        for conn in self.conns:
-            with contextlib.suppress(EOFError):
-                while conn.recv_bytes() != b"bye":
-                    pass
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-        for conn in self.conns:
-            conn.close()
-        # The ring's creator unlinks it when collected (ShmRingBuffer.__del__); the
-        # readers' reply rings are theirs and went with them.
-        del self.queue, self.answers
-        gc.collect()
 
 
 # --- ours --------------------------------------------------------------------------------
@@ -299,9 +202,6 @@ def main() -> None:
     module = import_vllm(args.vllm_path)
     # Load only the plugin under test (the dev install also has test fixtures).
     os.environ["EXECUTOR_PLUGINS"] = "multiproc"
-    # vLLM's zmq ipc sockets go under VLLM_RPC_BASE_PATH (the readers inherit it).
-    ipc_dir = tempfile.mkdtemp(prefix="bench-vllm-mq-")
-    os.environ["VLLM_RPC_BASE_PATH"] = ipc_dir
 
     import torch
 
@@ -310,7 +210,7 @@ def main() -> None:
     workloads: dict[str, tuple[str, tuple[Any, ...], Any, int]] = {"noop": ("noop", (), None, 2000)}
     for mib, calls in ((1, 800), (16, 400), (64, 80)):
         tensor = torch.ones(mib * MB // 4, dtype=torch.float32)
-        workloads[f"{mib} MiB tensor"] = ("numel", (tensor,), tensor.numel(), calls)
+        workloads[f"{mib} MiB tensor"] = ("size_of", (tensor,), mib * MB, calls)
     if args.only:
         workloads = {name: workloads[name] for name in args.only}
 
@@ -326,12 +226,10 @@ def main() -> None:
     )
     samples: dict[str, dict[str, list[float]]] = {}
     sides: list[Any] = []
-    ring_names: list[str] = []
     try:
         sides = [Mp(workers)]
         for chunk in (None, 16 * MB):
             sides.append(VllmQueue(workers, args.reply, max_chunk_bytes=chunk))
-            ring_names += sides[-1].ring_names
         for name, (method, call_args, expect, calls) in workloads.items():
             here = sides if name == HEADLINE else sides[:2]
             samples[name] = measure(
@@ -347,11 +245,7 @@ def main() -> None:
         for side in sides:
             side.close()
         sides.clear()
-        gc.collect()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        left = [n for n in ring_names if os.path.exists(f"/dev/shm/{n.lstrip('/')}")]
-        if left:
-            print(f"warning: shared memory left behind: {left}")
+        gc.collect()  # each side removed its rings and sockets when it closed
 
     print("| size | side | median µs | p99 µs | n | mp / this |")
     print("|---|---|---|---|---|---|")

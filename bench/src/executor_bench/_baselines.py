@@ -236,9 +236,12 @@ def _recv_handle(conn: Connection) -> Any:
 
 class VllmQueueSide:
     """vLLM's ``MessageQueue`` from this process to ``workers`` reader processes; replies
-    come through a Pipe each, or (``own_replies``) through a queue of each reader's."""
+    come through a Pipe each, or (``own_replies``) through a queue of each reader's.
+    ``max_chunk_bytes``: the call queue's chunk (None: the constructor's default)."""
 
-    def __init__(self, workers: int, own_replies: bool = False) -> None:
+    def __init__(
+        self, workers: int, own_replies: bool = False, max_chunk_bytes: int | None = None
+    ) -> None:
         shm_broadcast = importlib.import_module(SHM_MODULE)
         # vLLM puts its zmq ipc sockets under VLLM_RPC_BASE_PATH: a directory of this side's.
         self._ipc_dir = tempfile.mkdtemp(prefix="executor-bench-vllm-")
@@ -248,7 +251,8 @@ class VllmQueueSide:
         self._procs: list[BaseProcess] = []
         self._replies: list[Any] = []
         try:
-            self._queue = shm_broadcast.MessageQueue(workers, workers)
+            extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
+            self._queue = shm_broadcast.MessageQueue(workers, workers, **extra)
             self._rings = [str(self._queue.buffer.shared_memory.name)]
             for rank in range(workers):
                 here, there = _SPAWN.Pipe()
