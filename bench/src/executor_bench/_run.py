@@ -1,11 +1,18 @@
 """One benchmark run: select the sides, measure them interleaved, return every sample.
 
-The calls (no-op back to back, no-op after idle, payloads) are measured with every side
-started at once, in rounds: in each round every side runs every row, the sides in a rotating
-order, so that the machine's noise (other processes, frequency changes) falls on all of them
-alike. A side whose workers busy-wait after a call (vLLM's readers) is followed by a pause
-long enough for them to stop, so that it never takes a core from the side timed after it.
-Then every side is stopped, and start-up is measured one side at a time.
+The calls (no-op back to back, no-op after idle, payloads) are measured with every side of a
+phase started at once, in rounds: in each round every side runs every row, the sides in a
+rotating order, so that the machine's noise (other processes, frequency changes) falls on all
+of them alike. A side whose workers busy-wait after a call (vLLM's readers) is followed by a
+pause long enough for them to stop, so that it never takes a core from the side timed after
+it. Then the phase's sides are stopped, and start-up is measured one side at a time.
+
+Two phases: first every side that does not need Ray, with no Ray process on the machine; then
+Ray is started and the sides that need it are measured in the same way. Ray's own processes
+(raylet, GCS, each actor's core-worker threads) take the CPU from whatever runs beside them,
+far more often than the machine alone does (``benchmarks/machine_noise.py``): measured beside
+them, a backend that never uses Ray would be timed with a cost its users never pay. A ratio
+between sides of different phases compares each side in the conditions it brings.
 """
 
 from __future__ import annotations
@@ -204,20 +211,26 @@ class Bench:
             total=total, unit="step", disable=not config.progress, dynamic_ncols=True
         ) as self.bar:
             try:
-                if any(side.needs_ray for side in self.sides):
-                    self.bar.set_description("starting Ray (once, for every Ray side)")
-                    ray.start(config.workers)
-                    self.facts["ray_start"] = f"{ray.start_s:.1f} s (not part of any row)"
                 phases = []
-                if call_rows:
-                    began = time.perf_counter()
-                    self._calls(call_rows)
-                    phases.append(f"calls {time.perf_counter() - began:.0f} s")
-                if startup:
-                    began = time.perf_counter()
-                    self._startup()
-                    phases.append(f"start-up {time.perf_counter() - began:.0f} s")
-                self.facts["phases"] = ", ".join(phases)
+                for with_ray in (False, True):
+                    sides = [side for side in self.sides if side.needs_ray == with_ray]
+                    if not sides:
+                        continue
+                    if with_ray and not self._start_ray(ray, sides):
+                        continue
+                    steps = []
+                    if call_rows:
+                        began = time.perf_counter()
+                        self._calls(sides, call_rows)
+                        steps.append(f"calls {time.perf_counter() - began:.0f} s")
+                    if startup:
+                        began = time.perf_counter()
+                        self._startup(sides)
+                        steps.append(f"start-up {time.perf_counter() - began:.0f} s")
+                    names = ", ".join(side.name for side in sides)
+                    where = "with Ray running" if with_ray else "no Ray process running"
+                    phases.append(f"{names} ({where}): {', '.join(steps)}")
+                self.facts["phases"] = "; then ".join(phases)
             finally:
                 self._close_all()
                 ray.close()
@@ -237,6 +250,19 @@ class Bench:
             overhead=overhead,
         )
 
+    def _start_ray(self, ray: RaySession, sides: list[SideSpec]) -> bool:
+        """Start Ray for ``sides``; if it cannot start, they are out of the run (the other
+        phase's results stand) and False is returned."""
+        self.bar.set_description("starting Ray (once, for every Ray side)")
+        try:
+            ray.start(self.config.workers)
+        except Exception as exc:  # noqa: BLE001  (reported with each Ray side, the run goes on)
+            for side in sides:
+                self._lost(side, "could not start", exc)
+            return False
+        self.facts["ray_start"] = f"{ray.start_s:.1f} s (not part of any row)"
+        return True
+
     def _overhead(self) -> Overhead | None:
         """The ``overhead`` workload, first and alone (in this process, before any side)."""
         from executor_core.backend import Registry
@@ -250,8 +276,9 @@ class Bench:
         self.facts["overhead"] = f"{time.perf_counter() - began:.0f} s, in this process"
         return result
 
-    def _calls(self, rows: list[Row]) -> None:
-        for side in self.sides:
+    def _calls(self, sides: list[SideSpec], rows: list[Row]) -> None:
+        """Start ``sides``, warm them up, measure ``rows`` in interleaved rounds, stop them."""
+        for side in sides:
             self.bar.set_description(f"starting {side.name}")
             try:
                 self.live[side.name] = side.start()
@@ -271,8 +298,9 @@ class Bench:
                 self.bar.update()
         self._close_all()
 
-    def _startup(self) -> None:
-        sides = [s for s in self.sides if s.name not in self.out]
+    def _startup(self, sides: list[SideSpec]) -> None:
+        """Start and stop each of ``sides`` in turn, ``startup_samples`` times."""
+        sides = [s for s in sides if s.name not in self.out]
         samples = self.plan.startup_samples
         for turn in range(samples):
             shift = turn % len(sides) if sides else 0

@@ -87,7 +87,11 @@ class Plan:
         rounds = repeats if repeats is not None else (2 if quick else 5)
         if quick:
             return cls(rounds, 40, 10, 1, 1, idle_s, 32 * MIB)
-        return cls(rounds, 200, 40, 3, min(rounds, 3), idle_s, 256 * MIB)
+        # 1000 back-to-back no-ops a round: the p99 of 1000 calls would be their 10th
+        # slowest, which a handful of the machine's own pauses (a process taken off its core
+        # for tens of µs) decides; over 5000 it is a figure of the calls. They cost little
+        # time, except on the slowest side (raw Ray actor calls).
+        return cls(rounds, 1000, 40, 3, min(rounds, 3), idle_s, 256 * MIB)
 
     def calls(self, row: Row) -> int:
         """Timed calls of ``row`` per round."""
