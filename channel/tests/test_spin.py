@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -93,6 +95,25 @@ def lose_next_yield(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], Non
         time.sleep(2 * _spin.LOST_CPU_S)
 
     monkeypatch.setattr(os, "sched_yield", slow_yield)
+
+
+@contextlib.contextmanager
+def node_rings(spin_s: float, worker_spin_s: float = 0.0) -> Iterator[tuple[Any, Any]]:
+    """A driver's rings for one worker (4 slots of 4 KiB each way) and that worker's end."""
+    from executor_channel.shm import NodeRings, RingSizes, WorkerRings
+
+    sizes = RingSizes(slots=4, slot_bytes=4096, reply_slots=4, reply_slot_bytes=4096, spin_s=spin_s)
+    cleanups: list[Callable[[], None]] = []
+    try:
+        rings = NodeRings(1, sizes, cleanups.append)
+        worker = WorkerRings.attach(rings.worker_fds(0), rings.layout, 0, worker_spin_s, 0.0)
+        try:
+            yield rings, worker
+        finally:
+            worker.segment.close()
+    finally:
+        for cleanup in reversed(cleanups):
+            cleanup()
 
 
 class _Pair:
@@ -227,13 +248,8 @@ def test_the_driver_counts_only_a_small_reply_that_came_during_a_lost_yield(
 
     from executor_channel._codec import KIND_REPLY, encode
     from executor_channel._driver import ChannelDriver
-    from executor_channel.shm import NodeRings, RingSizes, WorkerRings
 
-    sizes = RingSizes(slots=2, slot_bytes=4096, reply_slots=4, reply_slot_bytes=4096, spin_s=0.01)
-    cleanups: list[Callable[[], None]] = []
-    rings = NodeRings(1, sizes, cleanups.append)
-    try:
-        worker = WorkerRings.attach(rings.worker_fds(0), rings.layout, 0, 0.0, 0.0)
+    with node_rings(0.01) as (rings, worker):
         delivered: list[tuple[int, int, bool, object]] = []
         host = SimpleNamespace(deliver=lambda *reply: delivered.append(reply))
         driver = ChannelDriver(host, rings)  # type: ignore[arg-type]  # only deliver is used
@@ -249,7 +265,77 @@ def test_the_driver_counts_only_a_small_reply_that_came_during_a_lost_yield(
             (7, 0, True, size)
         ]
         assert (rings.spinner.start() == 0.0) is quiet
-        worker.segment.close()
-    finally:
-        for cleanup in reversed(cleanups):
-            cleanup()
+
+
+def count_yields(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count ``sched_yield`` calls (each returns at once)."""
+    count = [0]
+
+    def counted() -> None:
+        count[0] += 1
+
+    monkeypatch.setattr(os, "sched_yield", counted)
+    return count
+
+
+def test_handoff_yields_once_unless_quiet_or_not_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    yields = count_yields(monkeypatch)
+    spinner = Spinner(0.001)
+    spinner.handoff(lambda: pytest.fail("a yield that kept the CPU asks nothing"))
+    assert yields[0] == 1
+    assert spinner.start() > 0.0
+    Spinner(0.0).handoff(lambda: True)  # spinning is off: no yield either
+    spinner.contended()  # quiet: its waits sleep at once, and it hands nothing off
+    spinner.handoff(lambda: True)
+    assert yields[0] == 1
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_handoff_that_lost_the_cpu_quiets_only_if_the_answer_came(
+    monkeypatch: pytest.MonkeyPatch, answered: bool
+) -> None:
+    lose_next_yield(monkeypatch, None)
+    spinner = Spinner(0.001)
+    spinner.handoff(lambda: answered)
+    assert (spinner.start() == 0.0) is answered
+
+
+@pytest.mark.parametrize(("size", "handed_off"), [(10, True), (10_000, False)])
+def test_the_driver_hands_the_cpu_off_after_a_small_call_only(
+    monkeypatch: pytest.MonkeyPatch, size: int, handed_off: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from executor_channel._driver import ChannelDriver
+    from executor_core.backend import Call
+
+    with node_rings(0.01) as (rings, _worker):
+        host = SimpleNamespace(while_blocked=lambda: None)
+        driver = ChannelDriver(host, rings)  # type: ignore[arg-type]  # send uses only this
+        handoffs: list[bool] = []
+        monkeypatch.setattr(rings.spinner, "handoff", lambda answered: handoffs.append(True))
+        call = Call(1, "size_of", "size_of", (bytes(size),), None, None, (0,), 5.0, None)
+        assert driver.send(call)
+        assert handoffs == ([True] if handed_off else [])
+
+
+@pytest.mark.parametrize(("size", "handed_off"), [(10, True), (10_000, False)])
+def test_a_worker_hands_the_cpu_off_after_a_small_reply_only(
+    monkeypatch: pytest.MonkeyPatch, size: int, handed_off: bool
+) -> None:
+    from executor_channel._codec import KIND_CALL, KIND_STOP, encode
+    from executor_channel.shm import serve_rings
+
+    with node_rings(0.01, worker_spin_s=0.01) as (rings, worker):
+        spinner = worker.replies.spinner
+        assert spinner is not None
+        handoffs: list[bool] = []
+        monkeypatch.setattr(spinner, "handoff", lambda answered: handoffs.append(answered()))
+        for seq, kind in ((1, KIND_CALL), (2, KIND_STOP)):
+            parts, nbytes = encode(kind, True, -1, seq, ("make", (size,), {}))
+            assert rings.calls.write(parts, nbytes, time.monotonic() + 5.0)
+        # The stop message is already waiting when the reply is written: a small call came.
+        serve_rings(
+            lambda method, args, kwargs, rank: (True, bytes(*args)), worker.calls, worker.replies, 0
+        )
+        assert handoffs == ([True] if handed_off else [])

@@ -147,12 +147,20 @@ class ChannelDriver:
                 sent = ring.write(parts, nbytes, call.deadline, self._while_sending)
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)
+            if sent and ring is not None and ring.fits_one_slot(nbytes):
+                # A worker may be spinning on this core for this call: let it run it now,
+                # before this thread's bookkeeping (see Spinner.handoff).
+                self._spinner.handoff(self._reply_waiting)
             return sent
         except RingAbortedError:
             raise self._closed_error() from None
         except BaseException:
             self._check_rings()
             raise
+
+    def _reply_waiting(self) -> bool:
+        """Whether a small reply is waiting on some ring."""
+        return any(ring.small_waiting() for ring in self._reply_rings)
 
     def _while_sending(self) -> None:
         """The call ring is full: stop if interrupted, else let replies flow (a worker blocked
@@ -200,7 +208,7 @@ class ChannelDriver:
                 # A reply is often only microseconds away.
                 if not spinner.pause():
                     spin_until = 0.0  # lost the CPU: look once more, then sleep
-                    if any(ring.small_waiting() for ring in rings):
+                    if self._reply_waiting():
                         spinner.contended()  # it came meanwhile: the spin delayed it
             else:
                 # Replies, the hub and interrupt() ring this doorbell; a stale ring costs one

@@ -192,6 +192,15 @@ class Ring:
         #: that the readers' counters are loaded only when it runs out.
         self._free = 0
 
+    @property
+    def spinner(self) -> Spinner | None:
+        """The spin budget this side's waits use (None: they never spin)."""
+        return self._spin
+
+    def fits_one_slot(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` is published at once, in a single slot."""
+        return nbytes <= self._slot_data
+
     # --- writer ------------------------------------------------------------------------
 
     def _free_slots(self) -> int:

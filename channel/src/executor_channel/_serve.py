@@ -49,6 +49,9 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
     (:meth:`WorkerWrapper.handle <executor_core.backend.WorkerWrapper.handle>`, or a
     function with its signature: it knows which ranks answer)."""
     read, write = calls.read, replies.write
+    spinner = replies.spinner
+    handoff = spinner.handoff if spinner is not None else None
+    small_call_waiting = calls.small_waiting
     while True:
         item = read(decode_call, None, None, plan_assembly)
         assert item is not None  # no deadline: read returns a message
@@ -62,7 +65,12 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
         method, args, kwargs = body
         reply = handle(method, args, kwargs, reply_rank)
         if reply is not None:
-            write(*reply_frame(rank, seq, method, *reply))
+            parts, nbytes = reply_frame(rank, seq, method, *reply)
+            write(parts, nbytes)
+            if handoff is not None and replies.fits_one_slot(nbytes):
+                # The driver may be spinning on this core for this reply (see Spinner.handoff).
+                handoff(small_call_waiting)
+            del parts
         # Drop this call's arguments and result now: an idle worker must not keep the last
         # call's memory (a large payload, a cached receive buffer) until the next one.
         del item, body, method, args, kwargs, reply
