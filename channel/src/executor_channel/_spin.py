@@ -8,11 +8,6 @@ the yield returns only after its time slice, milliseconds later, so spinning the
 no-op call far more than sleeping would (figures: docs/benchmarks.md, mp). A
 sleeper on an eventfd, by contrast, is woken at once (the scheduler favours it).
 
-A process that has just published a small message it expects an answer to yields once at
-once (:meth:`Spinner.handoff`), before its own bookkeeping: when its reader shares its core
-(two cores, three processes), the reader then answers while that bookkeeping waits, instead
-of after it. With a core each, nobody is waiting for the CPU and the yield returns at once.
-
 So a yield that took much longer than a peer's short turn ends the wait's spin, and the
 wait looks once more: if what it waits for came while this process was off the CPU, the
 spin delayed it, and the cores are contested. The process then stops spinning for a while
@@ -21,6 +16,11 @@ messages: while a message of several slots moves, the processes at both ends cop
 milliseconds and take each other's CPU, which says nothing of other jobs, and quieting every
 wait for long after such a transfer would slow the small calls that follow it. A yield lost
 while nothing came cost nothing and does not count either.
+
+A process that has just published a small message it expects an answer to yields once at
+once (:meth:`Spinner.handoff`), before its own bookkeeping: when its reader shares its core
+(two cores, three processes), the reader then answers while that bookkeeping waits, instead
+of after it. With a core each, nobody is waiting for the CPU and the yield returns at once.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Spinner:
         quiet (see :meth:`contended`), so that a reader spinning on this core reads it now.
         ``answered()`` says whether a small answer to it has arrived; one that came while
         the yield had lost the CPU counts as contention, as in a wait."""
-        if not self.spin_s or time.monotonic() < self._quiet_until:
+        if not self.start():
             return
         if not self.pause() and answered():
             self.contended()
