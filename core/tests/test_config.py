@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import pytest
 
 from executor_core import ConfigError, ExecutorConfig, WorkerBase
@@ -46,6 +50,18 @@ def test_evolve_rederives_world_size() -> None:
         ({"env": {"A": 1}}, "env", "strings"),
         ({"env": {"A=B": "x"}}, "env", "without '='"),
         ({"device": ""}, "device", "non-empty"),
+        ({"distributed_host": ""}, "distributed_host", "non-empty"),
+        ({"num_nodes": -2}, "num_nodes", ">= 1"),
+        ({"world_size": 0}, "world_size", ">= 1"),
+        ({"tensor_parallel_size": 2.0}, "tensor_parallel_size", "integer"),
+        ({"rpc_timeout": -1.5}, "rpc_timeout", "> 0"),
+        ({"rpc_timeout": float("nan")}, "rpc_timeout", "> 0"),
+        ({"rpc_timeout": False}, "rpc_timeout", "> 0"),
+        ({"env": {"": "x"}}, "env", "non-empty"),
+        ({"worker_kwargs": {1: "x"}}, "worker_kwargs", "string keys"),
+        ({"backend_options": {None: 1}}, "backend_options", "strings"),
+        ({"async_scheduling": 1}, "async_scheduling", "True or False"),
+        ({"backend": "   "}, "backend", "registered backend name"),
     ],
 )
 def test_invalid_values_name_field_value_and_rule(
@@ -58,6 +74,7 @@ def test_invalid_values_name_field_value_and_rule(
     message = str(info.value)
     assert f"ExecutorConfig.{field}=" in message
     assert hint in message
+    assert info.value.allowed.startswith("must ")
     assert isinstance(info.value, ValueError)
 
 
@@ -72,3 +89,98 @@ def test_mappings_are_copied() -> None:
     config = ExecutorConfig(worker_cls=_Worker, env=env)
     env["A"] = "2"
     assert config.env == {"A": "1"}
+
+
+# --- every field, from its declaration -------------------------------------------------------
+
+#: Values of many types; each field must refuse every one its declared type does not admit.
+_SAMPLES: tuple[object, ...] = (
+    None,
+    True,
+    7,
+    2.5,
+    1j,
+    "text",
+    b"bytes",
+    [1],
+    ("t",),
+    {"k": 1},
+    {"k": "v"},
+    {1: "v"},
+    object(),
+)
+
+
+def _admits(hint: Any, value: object) -> bool:
+    """Whether ``value`` is of the type ``hint`` (a field's annotation, resolved)."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_admits(arg, value) for arg in typing.get_args(hint))
+    if hint is None or hint is type(None):
+        return value is None
+    if hint is bool or isinstance(value, bool):  # bool is an int, but never a number here
+        return hint is bool and isinstance(value, bool)
+    if hint is float:  # the numeric tower: an int is a float
+        return isinstance(value, int | float)
+    if origin is not None and issubclass(origin, Mapping):
+        key_hint, value_hint = typing.get_args(hint)
+        return isinstance(value, Mapping) and all(
+            _admits(key_hint, key) and _admits(value_hint, val) for key, val in value.items()
+        )
+    return isinstance(value, origin or hint)
+
+
+def _accepted_type(field: attrs.Attribute[Any]) -> Any:
+    """What ``ExecutorConfig(...)`` takes for ``field``: its converter's argument, else its type."""
+    if field.converter is not None:
+        hints = typing.get_type_hints(field.converter)
+        hints.pop("return", None)
+        return next(iter(hints.values()))
+    return typing.get_type_hints(ExecutorConfig)[field.name]
+
+
+_WRONG = [
+    pytest.param(field.name, value, id=f"{field.name}-{index}-{type(value).__name__}")
+    for field in attrs.fields(ExecutorConfig)
+    for index, value in enumerate(_SAMPLES)
+    if not _admits(_accepted_type(field), value)
+]
+
+
+def test_every_field_has_wrong_values_to_try() -> None:
+    tried = {param.values[0] for param in _WRONG}
+    assert tried == {field.name for field in attrs.fields(ExecutorConfig)}
+
+
+@pytest.mark.parametrize(("field", "value"), _WRONG)
+def test_a_value_of_the_wrong_type_names_the_field(field: str, value: object) -> None:
+    kwargs: dict[str, Any] = {"worker_cls": _Worker, field: value}
+    with pytest.raises(ConfigError) as info:
+        ExecutorConfig(**kwargs)
+    assert info.value.field == field
+    assert info.value.value == value  # (a mapping is copied before it is checked)
+    assert f"ExecutorConfig.{field}={value!r}: must " in str(info.value)
+    # evolve validates the same way.
+    with pytest.raises(ConfigError, match=rf"ExecutorConfig\.{field}="):
+        ExecutorConfig(worker_cls=_Worker).evolve(**{field: value})
+
+
+class _BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+
+def test_a_huge_or_hostile_value_still_gives_a_short_message() -> None:
+    huge: Any = "x" * 100_000
+    with pytest.raises(ConfigError) as info:
+        ExecutorConfig(worker_cls=_Worker, async_scheduling=huge)
+    message = str(info.value)
+    assert len(message) < 400
+    assert "(100002 characters)" in message  # the repr's length: the string and its quotes
+    assert message.endswith(": must be True or False")
+    assert info.value.value is huge
+    hostile: Any = _BadRepr()
+    with pytest.raises(ConfigError, match=r"=<_BadRepr object \(its repr raised\)>: must be"):
+        ExecutorConfig(worker_cls=_Worker, num_nodes=hostile)

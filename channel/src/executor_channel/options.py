@@ -6,9 +6,12 @@ so that the keys, defaults, checks and meaning of the channel's knobs are writte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, Self
+
 import attrs
 
-from executor_core.options import integer, number, option, optional
+from executor_core.options import integer, number, option, optional, parse_backend_options
 
 from ._node_rings import RingSizes
 
@@ -44,6 +47,14 @@ class ChannelOptions:
     #: driver), or the driver (seen from a member), counts as lost. Heartbeats go every
     #: quarter of it; start-up gets longer (``hub.STARTUP_SILENCE_S``).
     node_timeout_s: float = option(1.0, number(at_least=0.2, at_most=600.0))
+
+    @classmethod
+    def from_backend_options(cls, options: Mapping[str, Any], backend: str | None = None) -> Self:
+        """``options`` (``ExecutorConfig.backend_options``) parsed into this class. The
+        executor has refused bad ones already (this is its ``options_cls``); called on its
+        own, a bad key or value raises :class:`~executor_core.ConfigError` naming ``backend``
+        (default: this class)."""
+        return parse_backend_options(cls, options, backend or cls.__qualname__)
 
     @property
     def reply_bytes(self) -> int:

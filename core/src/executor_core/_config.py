@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -19,81 +19,73 @@ __all__ = ["FORWARDED_ENV_PREFIXES", "ExecutorConfig", "worker_environment"]
 FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("NCCL_", "TORCH_NCCL_", "GLOO_")
 
 
-def _positive_int(field: str) -> Any:
-    def check(_inst: object, _attr: object, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(field, value, "must be an integer >= 1")
+#: A check of one field's value: true if the value is allowed.
+_Accepts = Callable[[Any], bool]
+
+
+def _check(allowed: str, accepts: _Accepts) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: a value ``accepts`` refuses raises :class:`ConfigError` naming the
+    field, the value and ``allowed`` (which says what the field takes)."""
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not accepts(value):
+            raise ConfigError(attribute.name, value, allowed)
 
     return check
 
 
-def _check_backend(_inst: object, _attr: object, value: Any) -> None:
-    if isinstance(value, str):
-        if not value.strip():
-            raise ConfigError(
-                "backend",
-                value,
-                "must be a registered backend name (e.g. 'uni', 'mp', 'ray'), 'auto', "
-                "an Executor subclass, or a 'package.module:Class' qualname",
-            )
-        return
-    if isinstance(value, type):
-        # Imported here: _executor imports this module.
-        from ._executor import Executor
+def _is_positive_int(value: object) -> bool:
+    return type(value) is int and value >= 1
 
-        if issubclass(value, Executor):
-            return
-    raise ConfigError(
-        "backend",
-        value,
-        "must be a backend name, 'auto', an Executor subclass, or a 'package.module:Class' string",
+
+def _is_backend(value: object) -> bool:
+    if isinstance(value, str):
+        return bool(value.strip())
+    # Imported here: _executor imports this module.
+    from ._executor import Executor
+
+    return isinstance(value, type) and issubclass(value, Executor)
+
+
+def _is_worker_cls(value: object) -> bool:
+    if isinstance(value, str):
+        return ":" in value
+    from ._worker import WorkerBase
+
+    return isinstance(value, type) and issubclass(value, WorkerBase)
+
+
+def _is_str_keyed_dict(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(key, str) for key in value)
+
+
+def _is_env(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(key, str) and key and "=" not in key and isinstance(val, str)
+        for key, val in value.items()
     )
 
 
-def _check_worker_cls(_inst: object, _attr: object, value: Any) -> None:
-    if isinstance(value, str):
-        if ":" not in value:
-            raise ConfigError(
-                "worker_cls", value, "a string must be a qualname like 'package.module:MyWorker'"
-            )
-        return
-    if isinstance(value, type):
-        from ._worker import WorkerBase
-
-        if issubclass(value, WorkerBase):
-            return
-    raise ConfigError(
-        "worker_cls",
-        value,
-        "must be a WorkerBase subclass or a 'package.module:MyWorker' qualname",
-    )
-
-
-def _check_env(_inst: object, _attr: object, value: Mapping[str, str]) -> None:
-    for key, val in value.items():
-        if not isinstance(key, str) or not key or "=" in key:
-            raise ConfigError("env", key, "keys must be non-empty strings without '='")
-        if not isinstance(val, str):
-            raise ConfigError("env", {key: val}, "values must be strings")
-
-
-def _check_timeout(_inst: object, _attr: object, value: float | None) -> None:
+def _is_timeout(value: object) -> bool:
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError("rpc_timeout", value, "must be None (no timeout) or a number > 0")
+        return True
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
-def _check_nonempty_str(field: str) -> Any:
-    def check(_inst: object, _attr: object, value: object) -> None:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(field, value, "must be a non-empty string")
-
-    return check
+def _is_nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 def _dict_copy(value: Mapping[str, Any] | None) -> dict[str, Any]:
-    return dict(value) if value is not None else {}
+    """A mapping's own copy (None: an empty dict); anything else is left to the validator."""
+    if value is None:
+        return {}
+    raw: Any = value  # what a caller passed, whatever its annotation says
+    return dict(raw) if isinstance(raw, Mapping) else raw
+
+
+_POSITIVE_INT = _check("must be an integer >= 1", _is_positive_int)
+_NONEMPTY_STR = _check("must be a non-empty string", _is_nonempty_str)
 
 
 @attrs.frozen(kw_only=True)
@@ -106,44 +98,71 @@ class ExecutorConfig:
     """
 
     #: The worker class each process hosts: a :class:`WorkerBase` subclass or a qualname.
-    worker_cls: type | str = attrs.field(validator=_check_worker_cls)
+    worker_cls: type | str = attrs.field(
+        validator=_check(
+            "must be a WorkerBase subclass or a 'package.module:MyWorker' qualname",
+            _is_worker_cls,
+        )
+    )
     #: Keyword arguments for the worker's constructor (must be picklable across processes).
-    worker_kwargs: dict[str, Any] = attrs.field(factory=dict, converter=_dict_copy)
+    worker_kwargs: dict[str, Any] = attrs.field(
+        factory=dict,
+        converter=_dict_copy,
+        validator=_check("must be a dict of keyword arguments (string keys)", _is_str_keyed_dict),
+    )
     #: A registered backend name or alias, ``"auto"``, an Executor subclass, or a qualname.
-    backend: str | type = attrs.field(default="auto", validator=_check_backend)
+    backend: str | type = attrs.field(
+        default="auto",
+        validator=_check(
+            "must be a registered backend name (e.g. 'uni', 'mp', 'ray'), 'auto', "
+            "an Executor subclass, or a 'package.module:Class' qualname",
+            _is_backend,
+        ),
+    )
     #: Ranks per tensor-parallel group.
-    tensor_parallel_size: int = attrs.field(
-        default=1, validator=_positive_int("tensor_parallel_size")
-    )
+    tensor_parallel_size: int = attrs.field(default=1, validator=_POSITIVE_INT)
     #: Pipeline stages.
-    pipeline_parallel_size: int = attrs.field(
-        default=1, validator=_positive_int("pipeline_parallel_size")
-    )
+    pipeline_parallel_size: int = attrs.field(default=1, validator=_POSITIVE_INT)
     #: Total workers; must equal tensor_parallel_size * pipeline_parallel_size.
-    world_size: int = attrs.field(validator=_positive_int("world_size"))
+    world_size: int = attrs.field(validator=_POSITIVE_INT)
     #: Nodes the workers span (used by ``backend="auto"`` and by multi-node backends).
-    num_nodes: int = attrs.field(default=1, validator=_positive_int("num_nodes"))
+    num_nodes: int = attrs.field(default=1, validator=_POSITIVE_INT)
     #: Environment variables set in every worker process before the worker is built. The
     #: driver's variables named by :data:`FORWARDED_ENV_PREFIXES` are added unless named here.
-    env: dict[str, str] = attrs.field(factory=dict, converter=_dict_copy, validator=_check_env)
-    #: Default timeout in seconds for collective calls; ``None`` waits for ever.
-    rpc_timeout: float | None = attrs.field(default=None, validator=_check_timeout)
-    #: Device type the workers use: ``"cpu"`` (gloo), ``"cuda"`` (nccl), or a plugin's.
-    device: str = attrs.field(default="cpu", validator=_check_nonempty_str("device"))
-    #: Address used for the torch.distributed rendezvous. Loopback unless told otherwise.
-    distributed_host: str = attrs.field(
-        default="127.0.0.1", validator=_check_nonempty_str("distributed_host")
+    env: dict[str, str] = attrs.field(
+        factory=dict,
+        converter=_dict_copy,
+        validator=_check(
+            "must be a dict of variable names (non-empty strings without '=') to string values",
+            _is_env,
+        ),
     )
+    #: Default timeout in seconds for collective calls; ``None`` waits for ever.
+    rpc_timeout: float | None = attrs.field(
+        default=None,
+        validator=_check("must be None (no timeout) or a number of seconds > 0", _is_timeout),
+    )
+    #: Device type the workers use: ``"cpu"`` (gloo), ``"cuda"`` (nccl), or a plugin's.
+    device: str = attrs.field(default="cpu", validator=_NONEMPTY_STR)
+    #: Address used for the torch.distributed rendezvous. Loopback unless told otherwise.
+    distributed_host: str = attrs.field(default="127.0.0.1", validator=_NONEMPTY_STR)
     #: Overlap scheduling with execution (raises max_concurrent_batches to 2 when pp is 1).
     async_scheduling: bool = attrs.field(
-        default=False, validator=attrs.validators.instance_of(bool)
+        default=False, validator=_check("must be True or False", lambda value: type(value) is bool)
     )
-    #: Backend-specific options; each backend documents and validates its own keys.
-    backend_options: dict[str, Any] = attrs.field(factory=dict, converter=_dict_copy)
+    #: Backend-specific options: each backend documents its keys, and the executor refuses
+    #: a key or a value its backend does not take (see ``executor_core.options``).
+    backend_options: dict[str, Any] = attrs.field(
+        factory=dict,
+        converter=_dict_copy,
+        validator=_check("must be a dict of option names (strings) to values", _is_str_keyed_dict),
+    )
 
     @world_size.default
     def _default_world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        # A bad size is refused by its own validator, which runs before world_size's.
+        return tp * pp if _is_positive_int(tp) and _is_positive_int(pp) else 1
 
     @world_size.validator
     def _check_world_size(self, _attr: object, value: int) -> None:
@@ -173,7 +192,8 @@ class ExecutorConfig:
         ):
             tp = changes.get("tensor_parallel_size", self.tensor_parallel_size)
             pp = changes.get("pipeline_parallel_size", self.pipeline_parallel_size)
-            changes["world_size"] = tp * pp
+            if _is_positive_int(tp) and _is_positive_int(pp):  # else their validators refuse
+                changes["world_size"] = tp * pp
         return attrs.evolve(self, **changes)
 
 

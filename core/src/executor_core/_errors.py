@@ -31,6 +31,21 @@ def describe_exception(exc: BaseException) -> tuple[str, str]:
     return name, "".join(traceback.format_exception(exc))
 
 
+#: Longest repr of a refused value that an error message quotes.
+_REPR_LIMIT = 200
+
+
+def _short_repr(value: object) -> str:
+    """``repr(value)``, cut to :data:`_REPR_LIMIT` characters; a repr that raises is described."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - any repr may raise; the message must still be built
+        return f"<{type(value).__qualname__} object (its repr raised)>"
+    if len(text) > _REPR_LIMIT:
+        return f"{text[:_REPR_LIMIT]}... ({len(text)} characters)"
+    return text
+
+
 class ExecutorError(Exception):
     """Base class of every error raised by the executor SDK."""
 
@@ -42,7 +57,7 @@ class ConfigError(ExecutorError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid ExecutorConfig.{field}={value!r}: {allowed}")
+        super().__init__(f"invalid ExecutorConfig.{field}={_short_repr(value)}: {allowed}")
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str]]:
         return (type(self), (self.field, self.value, self.allowed))

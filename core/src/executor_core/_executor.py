@@ -9,6 +9,8 @@ from concurrent.futures import Future
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
+import attrs
+
 from ._calls import Call, as_worker_error
 from ._config import ExecutorConfig
 from ._errors import (
@@ -25,8 +27,11 @@ from ._qualname import resolve_qualname
 from ._transport import Transport, TransportHost, release_host, run_callback
 from ._wire import method_name
 from ._worker import SLEEP_TAGS
+from .options import NoOptions, parse_backend_options
 
 if TYPE_CHECKING:
+    from attrs import AttrsInstance
+
     from ._aio import AsyncSender
     from ._registry import BackendSpec, Registry
 
@@ -77,6 +82,11 @@ class Executor:
 
     #: The backend's transport class: how workers start and stop and how calls reach them.
     transport_cls: ClassVar[type[Transport]]
+    #: The backend's options: an attrs class whose fields are the ``backend_options`` keys it
+    #: takes (see ``executor_core.options``). The core refuses any other key, and a bad value,
+    #: before the transport is built; the default, :class:`~executor_core.options.NoOptions`,
+    #: takes none.
+    options_cls: ClassVar[type[AttrsInstance]] = NoOptions
     #: Sends the asyncio calls (made on the first one; see :meth:`collective_rpc_async`).
     _aio: AsyncSender | None = None
 
@@ -102,11 +112,12 @@ class Executor:
         self._spec = spec
         if spec is not None:
             _check_capabilities(spec, config)
+        name = spec.name if spec is not None else cls.__qualname__
+        _check_backend_options(cls, config, name)
         self._all_ranks = tuple(range(config.world_size))
         self._default_timeout = config.rpc_timeout
         self._next_seq = 1
         self._sleeping_tags: set[str] = set()
-        name = spec.name if spec is not None else cls.__qualname__
         hooks = self.registry.hook
         host = TransportHost(config, name, hooks)
         self._host = host
@@ -643,6 +654,17 @@ def _as_args(args: Any) -> tuple[Any, ...]:
     if isinstance(args, list | tuple):
         return tuple(args)
     raise TypeError(f"args must be a tuple of positional arguments, not {type(args).__name__}")
+
+
+def _check_backend_options(cls: type[Executor], config: ExecutorConfig, name: str) -> None:
+    """Refuse ``backend_options`` keys and values the backend's ``options_cls`` does not take."""
+    options_cls = cls.options_cls
+    if not (isinstance(options_cls, type) and attrs.has(options_cls)):
+        raise TypeError(
+            f"{cls.__qualname__}.options_cls must be an attrs class of the backend_options it "
+            f"takes, not {options_cls!r} (see executor_core.options)"
+        )
+    parse_backend_options(options_cls, config.backend_options, name)
 
 
 def _check_capabilities(spec: BackendSpec, config: ExecutorConfig) -> None:

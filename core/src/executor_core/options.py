@@ -1,8 +1,11 @@
 """``ExecutorConfig.backend_options``, parsed one way for every backend (for backend authors).
 
 A backend declares its options as a frozen attrs class whose fields carry a check in their
-metadata (:func:`option`); :func:`parse_backend_options` refuses unknown keys and bad values
-with the same :class:`~executor_core.ConfigError` shape on every backend.
+metadata (:func:`option`), and names it as its executor's ``options_cls``. The core's
+:class:`~executor_core.Executor` checks ``ExecutorConfig.backend_options`` against that class
+before anything starts: :func:`parse_backend_options` refuses unknown keys (listing the known
+ones) and bad values with the same :class:`~executor_core.ConfigError` shape on every
+backend. A backend that names no options class gets :class:`NoOptions`, and refuses every key.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import attrs
 from ._errors import ConfigError
 
 __all__ = [
+    "NoOptions",
     "boolean",
     "integer",
     "number",
@@ -41,14 +45,28 @@ def option(default: Any, check: Check) -> Any:
     return attrs.field(default=default, metadata={"check": check})
 
 
+@attrs.frozen
+class NoOptions:
+    """The options class of a backend that takes no ``backend_options`` (the default
+    ``Executor.options_cls``): every key is refused."""
+
+
 def parse_backend_options(cls: type[T], options: Mapping[str, Any], backend: str) -> T:
-    """``cls(**options)``, each value checked; :class:`ConfigError` names a bad key or value."""
+    """``cls(**options)``, each value checked; :class:`ConfigError` names a bad key or value
+    (and, for an unknown key, every key the ``backend`` takes)."""
     fields = {field.name: field for field in attrs.fields(cls)}
-    unknown = sorted(set(options) - set(fields))
+    unknown = sorted(set(options) - set(fields), key=str)
     if unknown:
+        bad = {key: options[key] for key in unknown}
+        if not fields:
+            raise ConfigError(
+                "backend_options",
+                bad,
+                f"the {backend!r} backend takes no backend_options; leave them empty",
+            )
         raise ConfigError(
             "backend_options",
-            {key: options[key] for key in unknown},
+            bad,
             f"unknown key(s) {unknown} for the {backend!r} backend; known keys: {sorted(fields)}",
         )
     values: dict[str, Any] = {}

@@ -7,6 +7,7 @@ from typing import ClassVar
 from executor_core import Executor
 from executor_core.backend import Transport
 
+from ._options import MultiprocOptions
 from ._transport import MultiprocTransport
 
 __all__ = ["MultiprocExecutor"]
@@ -22,3 +23,5 @@ class MultiprocExecutor(Executor):
     """
 
     transport_cls: ClassVar[type[Transport]] = MultiprocTransport
+    #: The backend_options it takes (the core refuses any other key).
+    options_cls = MultiprocOptions

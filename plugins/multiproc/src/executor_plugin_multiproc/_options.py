@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import attrs
 
 from executor_channel.options import ChannelOptions
-from executor_core.options import integer, number, one_of, option, parse_backend_options
+from executor_core.options import integer, number, one_of, option
 
 __all__ = ["MultiprocOptions"]
 
@@ -19,7 +16,7 @@ _MIB = 1 << 20
 class MultiprocOptions(ChannelOptions):
     """Knobs of the mp backend, read from ``ExecutorConfig.backend_options``: the channel's
     (:class:`~executor_channel.options.ChannelOptions`: ring sizes, spinning, heartbeats)
-    and its own."""
+    and its own. ``MultiprocExecutor.options_cls``: the core refuses any other key."""
 
     #: How worker processes are started: "spawn" (default), "forkserver", or "fork" (only
     #: safe if the driver has no threads holding locks and no CUDA context yet).
@@ -33,8 +30,3 @@ class MultiprocOptions(ChannelOptions):
     #: With ``num_nodes > 1``: the TCP port on which the driver waits for the node agents
     #: (``executor node --master-port``), on ``ExecutorConfig.distributed_host``.
     node_port: int = option(29550, integer(at_least=1, at_most=65535))
-
-    @classmethod
-    def from_backend_options(cls, options: Mapping[str, Any]) -> MultiprocOptions:
-        """Validate ``options``; raise :class:`~executor_core.ConfigError` naming the bad key."""
-        return parse_backend_options(cls, options, "mp")

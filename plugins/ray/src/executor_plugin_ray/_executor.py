@@ -26,6 +26,8 @@ class RayExecutor(Executor):
     """
 
     transport_cls: ClassVar[type[Transport]] = RayTransport
+    #: The backend_options it takes (the core refuses any other key).
+    options_cls = RayOptions
 
     @property
     def transport(self) -> RayTransport:

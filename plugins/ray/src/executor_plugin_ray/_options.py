@@ -14,7 +14,6 @@ from executor_core.options import (
     one_of,
     option,
     optional,
-    parse_backend_options,
     text,
 )
 
@@ -52,6 +51,7 @@ class RayOptions(ChannelOptions):
     """What ``ExecutorConfig.backend_options`` may hold for ``backend="ray"``.
 
     Every key is optional; see the distribution's README for the user-facing table.
+    ``RayExecutor.options_cls``: the core refuses any other key.
     """
 
     #: Ray cluster to connect to ("auto", "host:port", "ray://...") when this process is not
@@ -76,9 +76,3 @@ class RayOptions(ChannelOptions):
     temp_dir: str | None = option(None, optional(text()))
     #: Forward the actors' stdout/stderr to this process (a local instance only).
     log_to_driver: bool = option(True, boolean())
-
-    @classmethod
-    def from_backend_options(cls, options: Mapping[str, Any]) -> RayOptions:
-        """Validate ``options``; an unknown key or a bad value raises
-        :class:`~executor_core.ConfigError`."""
-        return parse_backend_options(cls, options, "ray")
