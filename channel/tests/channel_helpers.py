@@ -79,8 +79,15 @@ def wire_tap(cls: type[Listener] | type[Connection]) -> Iterator[list[list[bytes
 
 
 @contextmanager
-def raw_dealers(address: str, count: int) -> Iterator[list[zmq.Socket[Any]]]:
-    """``count`` plain zmq DEALER sockets connected to ``address``: peers without a secret."""
+def raw_dealers(
+    address: str, count: int, token: tuple[bytes, bytes] | None = None
+) -> Iterator[list[zmq.Socket[Any]]]:
+    """``count`` plain zmq DEALER sockets connected to ``address``: peers without a secret.
+
+    With ``token`` (:func:`executor_channel.testing.gate_token`) they pass the listener's
+    gate, as an observer who captured a dialer's token could, and their frames meet the
+    link's checks; without it zmq refuses them in its handshake.
+    """
     context: zmq.Context[Any] = zmq.Context()
     sockets: list[zmq.Socket[Any]] = []
     try:
@@ -88,6 +95,9 @@ def raw_dealers(address: str, count: int) -> Iterator[list[zmq.Socket[Any]]]:
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, int(WAIT * 1000))
+            if token is not None:
+                sock.setsockopt(zmq.PLAIN_USERNAME, token[0])
+                sock.setsockopt(zmq.PLAIN_PASSWORD, token[1])
             sock.connect(address)
             sockets.append(sock)
         yield sockets

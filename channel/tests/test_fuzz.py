@@ -19,6 +19,7 @@ import pytest
 from channel_helpers import WAIT, Server, raw_dealers, wire_tap
 
 from executor_channel import Connection, Listener, Message, Secret
+from executor_channel.testing import gate_token
 
 FRAMES = 10_000
 DEALERS = 4
@@ -167,7 +168,7 @@ def test_fuzz_listener(caplog: pytest.LogCaptureFixture) -> None:
         assert len(captured) == 21  # the HELLO and the calls: all valid once, stale now
         frames = malformed_frames(rng, captured)
         start = time.monotonic()
-        with raw_dealers(listener.address, DEALERS) as dealers:
+        with raw_dealers(listener.address, DEALERS, gate_token(secret)) as dealers:
             for i, frame in enumerate(frames):
                 dealers[i % DEALERS].send_multipart(frame)
             deadline = time.monotonic() + WAIT

@@ -1,6 +1,10 @@
 """The signed frame: one zmq multipart message, authenticated before anything reads its payload.
 
-A frame is the multipart message ``[header, part_1, ..., part_n, mac]``.
+A frame is the multipart message ``[header, chunks of part_1, ..., chunks of part_n, mac]``:
+each payload part travels as one zmq part, or, when it is longer than the sender's
+:attr:`Limits.chunk_bytes`, as several consecutive zmq parts of at most that size (zero-copy
+slices of it). No zmq part a holder of the secret sends is larger than that or than the header,
+so a receiver refuses larger ones in zmq itself (``MAXMSGSIZE``), before they are buffered.
 
 ``header`` is :data:`HEADER_FIXED` (big-endian) followed by ``n`` lengths (u64 each):
 
@@ -23,8 +27,9 @@ lengths     8 * n   the length of each payload part
 its sender. The lengths are in the authenticated header because the parts are hashed back to
 back: without them ``[b"ab", b"c"]`` and ``[b"a", b"bc"]`` would carry the same MAC.
 
-Guarantees of :func:`parse_header` followed by :func:`verify`: a frame is accepted only if it
-has exactly ``count + 2`` zmq parts, every part has its declared length, no declared length
+Guarantees of :func:`parse_header` followed by :func:`verify`: a frame is accepted only if its
+zmq parts between the header and the MAC add up, in order, to exactly the declared lengths of
+its ``count`` payload parts (a part of length 0 is one empty zmq part), no declared length
 exceeds the :class:`Limits`, and its MAC matches under the shared secret (compared in constant
 time with :func:`hmac.compare_digest`). Every check on sizes runs before a payload byte is
 read. Freshness (the sequence and the epoch) is the link's job: see :mod:`._link`.
@@ -54,12 +59,14 @@ __all__ = [
     "Limits",
     "check_fresh",
     "parse_header",
+    "payload_parts",
     "seal",
     "verify",
 ]
 
 MAGIC = b"EXCH"
-VERSION = 1
+# 2: payload parts longer than a chunk travel as several zmq parts.
+VERSION = 2
 NONCE_BYTES = 16
 MAC_BYTES = 32
 ZERO_NONCE = bytes(NONCE_BYTES)
@@ -113,6 +120,12 @@ class DropReason(enum.StrEnum):
     BAD_MAC = "bad_mac"
     #: Authentic in form but out of place (a WELCOME sent to a listener, for instance).
     UNEXPECTED = "unexpected"
+    #: A connection refused in zmq's own handshake, before it could send a message: its gate
+    #: token is missing or not made with the secret (see :mod:`._gate`).
+    GATE = "gate"
+    #: A connection cut while still in zmq's handshake: more than ``Limits.max_pending``
+    #: connections were in it at once.
+    PENDING = "pending"
 
 
 class FrameError(Exception):
@@ -128,23 +141,41 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
         raise ValueError(f"{attribute.name} must be at least 1, got {value}")
 
 
+def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{attribute.name} must be a finite number of seconds > 0, got {value}")
+
+
 @attrs.frozen
 class Limits:
     """Bounds on what a link accepts and queues; a frame beyond them is dropped unread.
 
-    They bound what a peer *without* the secret can make this side hold in memory: zmq
-    refuses a single zmq part above ``max_part_bytes`` (and disconnects its sender), and
-    queues at most ``hwm`` messages each way.
+    Before a peer has passed the gate (:mod:`._gate`: zmq's handshake, in which it proves it
+    holds the secret), zmq accepts no message from it: a connection can make this side hold
+    at most one zmq part of at most ``chunk_bytes``, for at most ``handshake_s``, and at most
+    ``max_pending`` connections are kept in that state at once. After the gate, zmq refuses
+    any part above ``chunk_bytes`` (and disconnects its sender) and queues at most ``hwm``
+    messages each way; the link drops a message whose parts exceed ``max_parts`` or
+    ``max_part_bytes``. Both ends of a link should use the same limits: a part above the
+    receiver's ``chunk_bytes`` costs the sender its connection.
     """
 
     #: Most payload parts in one message.
     max_parts: int = attrs.field(default=1024, validator=_positive)
-    #: Largest payload part, in bytes.
+    #: Largest payload part, in bytes (it may travel as several chunks).
     max_part_bytes: int = attrs.field(default=1 << 30, validator=_positive)
     #: zmq high-water mark (messages queued) for sending and for receiving.
     hwm: int = attrs.field(default=1000, validator=_positive)
     #: Most sessions a listener keeps (the least recently active goes first).
     max_peers: int = attrs.field(default=1024, validator=_positive)
+    #: Largest zmq part sent or accepted: a longer payload part travels as several. It is
+    #: what one connection that has not passed the gate can make a listener hold; a larger
+    #: value saves the receiver one copy of parts up to that size.
+    chunk_bytes: int = attrs.field(default=1 << 20, validator=_positive)
+    #: How long a connection may take over zmq's handshake (the gate) before zmq drops it.
+    handshake_s: float = attrs.field(default=10.0, validator=_positive_seconds)
+    #: Most connections a listener keeps in zmq's handshake at once; newer ones are cut.
+    max_pending: int = attrs.field(default=32, validator=_positive)
 
 
 @attrs.frozen
@@ -155,7 +186,10 @@ class Header:
     session: bytes
     epoch: bytes
     sequence: int
+    #: The declared length of each payload part.
     lengths: tuple[int, ...]
+    #: How many zmq parts (chunks) each payload part arrived in.
+    spans: tuple[int, ...]
 
 
 def _mac(
@@ -180,15 +214,27 @@ def seal(
     epoch: bytes,
     sequence: int,
     parts: Sequence[memoryview],
+    chunk_bytes: int | None = None,
 ) -> list[bytes | memoryview]:
-    """The frame ``[header, *parts, mac]`` carrying ``parts`` (byte-format memoryviews)."""
+    """The frame ``[header, *chunks, mac]`` carrying ``parts`` (byte-format memoryviews),
+    each part cut into zero-copy slices of at most ``chunk_bytes`` (whole if ``None``)."""
     if len(session) != NONCE_BYTES or len(epoch) != NONCE_BYTES:
         raise ValueError(f"session and epoch must be {NONCE_BYTES} bytes each")
     if not 1 <= sequence <= _MAX_SEQUENCE:
         raise ValueError(f"sequence out of range: {sequence}")
     header = HEADER_FIXED.pack(MAGIC, VERSION, kind, session, epoch, sequence, len(parts))
     header += b"".join(_LENGTH.pack(part.nbytes) for part in parts)
-    return [header, *parts, _mac(key, direction, header, parts)]
+    mac = _mac(key, direction, header, parts)
+    if chunk_bytes is None or all(part.nbytes <= chunk_bytes for part in parts):
+        return [header, *parts, mac]
+    frames: list[bytes | memoryview] = [header]
+    for part in parts:
+        if part.nbytes <= chunk_bytes:
+            frames.append(part)
+        else:
+            frames.extend(part[i : i + chunk_bytes] for i in range(0, part.nbytes, chunk_bytes))
+    frames.append(mac)
+    return frames
 
 
 def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
@@ -211,17 +257,53 @@ def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
         raise FrameError(DropReason.UNKNOWN_KIND)
     if count > limits.max_parts:
         raise FrameError(DropReason.TOO_LARGE)
-    if header.nbytes != HEADER_FIXED.size + _LENGTH.size * count or len(frames) != count + 2:
+    if header.nbytes != HEADER_FIXED.size + _LENGTH.size * count or len(frames) < count + 2:
         raise FrameError(DropReason.BAD_LENGTHS)
     if frames[-1].nbytes != MAC_BYTES:
         raise FrameError(DropReason.MALFORMED)
     lengths = struct.unpack_from(f"!{count}Q", header, HEADER_FIXED.size)
-    for declared, part in zip(lengths, frames[1:-1], strict=True):
+    spans = []
+    chunks = len(frames) - 1
+    index = 1
+    for declared in lengths:
         if declared > limits.max_part_bytes:
             raise FrameError(DropReason.TOO_LARGE)
-        if declared != part.nbytes:
+        # The zmq parts of one payload part: consecutive, non-empty unless the part is.
+        first = index
+        total = 0
+        while True:
+            if index >= chunks:
+                raise FrameError(DropReason.BAD_LENGTHS)
+            size = frames[index].nbytes
+            index += 1
+            total += size
+            if total >= declared or size == 0:
+                break
+        if total != declared:
             raise FrameError(DropReason.BAD_LENGTHS)
-    return Header(Kind(kind), session, epoch, sequence, lengths)
+        spans.append(index - first)
+    if index != chunks:
+        raise FrameError(DropReason.BAD_LENGTHS)
+    return Header(Kind(kind), session, epoch, sequence, lengths, tuple(spans))
+
+
+def payload_parts(frames: Sequence[memoryview], header: Header) -> tuple[memoryview, ...]:
+    """The payload parts of a checked frame: a part that came whole is a zero-copy view of
+    its zmq part; one that came in chunks is joined into a new buffer (one copy)."""
+    parts = []
+    index = 1
+    for length, span in zip(header.lengths, header.spans, strict=True):
+        if span == 1:
+            parts.append(frames[index])
+        else:
+            joined = bytearray(length)
+            offset = 0
+            for chunk in frames[index : index + span]:
+                joined[offset : offset + chunk.nbytes] = chunk
+                offset += chunk.nbytes
+            parts.append(memoryview(joined))
+        index += span
+    return tuple(parts)
 
 
 def verify(key: bytes, direction: Direction, frames: Sequence[memoryview]) -> bool:

@@ -66,9 +66,11 @@ from ._frames import (
     Limits,
     check_fresh,
     parse_header,
+    payload_parts,
     seal,
     verify,
 )
+from ._gate import Gate, dialer_token
 from ._secret import Secret
 
 __all__ = [
@@ -166,7 +168,17 @@ class _Drops:
             if overflow:
                 self._overflowed = True
         name = peer.hex() if isinstance(peer, bytes) else peer
-        if first:
+        if first and reason in (DropReason.GATE, DropReason.PENDING):
+            log.warning(
+                "%s refused %s (%s); later refusals are only counted. A connection is served "
+                "only if it proves in zmq's handshake that it holds the same secret "
+                "(fingerprint %s here).",
+                self._side,
+                name,
+                reason.value,
+                self._fingerprint,
+            )
+        elif first:
             log.warning(
                 "%s dropped a frame from peer %s (%s); later drops from this peer are only "
                 "counted. A peer is served only if it holds the same secret (fingerprint %s "
@@ -221,17 +233,28 @@ class _Link:
             self._socket.setsockopt(zmq.SNDHWM, limits.hwm)
             self._socket.setsockopt(zmq.RCVHWM, limits.hwm)
             # zmq drops (and disconnects) a peer sending a part larger than this before it is
-            # buffered whole: the header, with its lengths, may be the largest legitimate part.
+            # buffered whole: no part a holder of the secret sends is larger than a chunk or
+            # than the header (with its lengths).
             header_max = HEADER_FIXED.size + 8 * limits.max_parts
-            self._socket.setsockopt(zmq.MAXMSGSIZE, max(limits.max_part_bytes, header_max))
+            self._socket.setsockopt(zmq.MAXMSGSIZE, max(limits.chunk_bytes, header_max))
         except BaseException:
             self._socket.close(linger=0)
             if self._own_context:
                 self._context.term()
             raise
+        self._gate: Gate | None = None
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._wait_pollers: dict[tuple[int, ...], zmq.Poller] = {}
+
+    def _add_gate(self) -> None:
+        """Put a :class:`Gate` in front of this (listening, not yet bound) socket."""
+        try:
+            self._gate = Gate(self._key, self._context, self._socket, self._limits, self._drops.add)
+        except RuntimeError as exc:
+            raise ChannelError(str(exc)) from None
+        for sock in self._gate.sockets:
+            self._poller.register(sock, zmq.POLLIN)
 
     @property
     def closed(self) -> bool:
@@ -251,8 +274,10 @@ class _Link:
         if self._closed:
             return
         self._closed = True
-        self._poller.unregister(self._socket)
+        self._poller = zmq.Poller()
         self._wait_pollers.clear()
+        if self._gate is not None:
+            self._gate.close()
         self._socket.close(linger=_CLOSE_LINGER_MS)
         if self._own_context:
             self._context.term()
@@ -303,6 +328,8 @@ class _Link:
                 if remaining <= 0:
                     raise ChannelTimeoutError(f"no message within {timeout}s") from None
                 self._poller.poll(max(1, math.ceil(remaining * 1000)))
+                if self._gate is not None:
+                    self._gate.service()
                 continue
             message = handle(frames)
             if message is not None:
@@ -324,17 +351,25 @@ class _Link:
         own a link and also wake for work of its own, since a link is not thread-safe.
         """
         self._check_open()
-        _deadline(timeout)
+        deadline = _deadline(timeout)
         poller = self._wait_pollers.get(tuple(fds))
         if poller is None:
             poller = zmq.Poller()
             poller.register(self._socket, zmq.POLLIN)
             for fd in fds:
                 poller.register(fd, zmq.POLLIN)
+            for sock in self._gate.sockets if self._gate is not None else ():
+                poller.register(sock, zmq.POLLIN)
             self._wait_pollers[tuple(fds)] = poller
-        events = dict(poller.poll(math.ceil(timeout * 1000)))
-        ready = [fd for fd in fds if events.get(fd)]
-        return bool(events.get(self._socket)), ready
+        while True:
+            events = dict(poller.poll(math.ceil(max(0.0, deadline - time.monotonic()) * 1000)))
+            ready = [fd for fd in fds if events.get(fd)]
+            frames_waiting = bool(events.get(self._socket))
+            if self._gate is not None:
+                self._gate.service()
+            # Woken only by the gate: the caller's wait is not over.
+            if frames_waiting or ready or not events or time.monotonic() >= deadline:
+                return frames_waiting, ready
 
 
 class _Session:
@@ -377,6 +412,8 @@ class Listener(_Link):
             # Replies to a peer that is gone raise instead of vanishing; a full queue blocks
             # (up to the send timeout) instead of dropping.
             self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # Before the socket binds, so that no connection comes in ungated.
+            self._add_gate()
             if ":" in host:
                 self._socket.setsockopt(zmq.IPV6, 1)
                 endpoint = f"tcp://[{host}]:{port or '*'}"
@@ -391,6 +428,8 @@ class Listener(_Link):
             self.close()
             raise
         self._port = int(self._address.rsplit(":", 1)[1])
+        assert self._gate is not None  # added above
+        self._gate.bound(self._port)
         self._epoch = secrets.token_bytes(NONCE_BYTES)
         # Least recently active first, for eviction.
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
@@ -442,6 +481,7 @@ class Listener(_Link):
             epoch=session.client_nonce,
             sequence=session.sent,
             parts=views,
+            chunk_bytes=self._limits.chunk_bytes,
         )
         self._send([session.routing_id, *frames], timeout)
 
@@ -478,7 +518,7 @@ class Listener(_Link):
         if header.kind is Kind.BYE:
             del self._sessions[header.session]
             return None
-        return Message(PeerId(header.session), tuple(views[1:-1]))
+        return Message(PeerId(header.session), payload_parts(views, header))
 
     def _hello(self, routing_id: bytes, header: Header, views: list[memoryview]) -> None:
         if header.epoch != ZERO_NONCE:
@@ -564,6 +604,10 @@ class Connection(_Link):
         try:
             if "[" in address:
                 self._socket.setsockopt(zmq.IPV6, 1)
+            # The gate's token, presented in zmq's handshake (and again on each reconnect).
+            username, password = dialer_token(self._key)
+            self._socket.setsockopt(zmq.PLAIN_USERNAME, username)
+            self._socket.setsockopt(zmq.PLAIN_PASSWORD, password)
             self._socket.connect(address)
             hello = seal(
                 self._key,
@@ -637,6 +681,7 @@ class Connection(_Link):
             epoch=self._nonce,
             sequence=self._sent,
             parts=views,
+            chunk_bytes=self._limits.chunk_bytes,
         )
 
     def _check(self, frames: list[zmq.Frame], kind: Kind) -> tuple[Header, list[memoryview]]:
@@ -668,4 +713,4 @@ class Connection(_Link):
         except FrameError as exc:
             self._drops.add("listener", exc.reason)
             return None
-        return Message(PeerId(header.session), tuple(views[1:-1]))
+        return Message(PeerId(header.session), payload_parts(views, header))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -137,7 +138,7 @@ def test_garbage_at_the_hub_is_dropped_and_calls_go_on(ray_cluster: Cluster) -> 
     secret are dropped, and calls going on meanwhile all succeed."""
     import threading
 
-    from executor_channel.testing import throw_garbage
+    from executor_channel.testing import gate_token, throw_garbage
 
     executor = make(placement_strategy="SPREAD")
     try:
@@ -159,7 +160,9 @@ def test_garbage_at_the_hub_is_dropped_and_calls_go_on(ray_cluster: Cluster) -> 
 
         caller = threading.Thread(target=calls)
         caller.start()
-        assert throw_garbage(address, 10_000) == 10_000
+        # With a token an observer could have captured: past the gate, the frames meet the
+        # link's checks (test_unfinished_messages_at_the_hub_hold_bounded_memory: no token).
+        assert throw_garbage(address, gate_token(hub._listener), 10_000) == 10_000
         deadline = time.monotonic() + 30  # every frame sent is dropped, and counted
         while sum(hub._listener.drops.values()) < 10_000 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -170,5 +173,56 @@ def test_garbage_at_the_hub_is_dropped_and_calls_go_on(ray_cluster: Cluster) -> 
         assert done[0] > 0
         assert not executor.is_failed
         assert executor.collective_rpc("get_rank") == [0, 1]
+    finally:
+        executor.shutdown()
+
+
+def test_unfinished_messages_at_the_hub_hold_bounded_memory(ray_cluster: Cluster) -> None:
+    """Peers without the secret stream 256 MiB parts of messages they never finish, and
+    others garbage, at the hub of an executor whose workers are on other nodes: the driver
+    grows by at most tens of MiB and every call goes on."""
+    import json
+    import subprocess
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    executor = make(placement_strategy="SPREAD")
+    try:
+        hub = executor.transport._driver.hub  # type: ignore[union-attr]  # set: workers elsewhere
+        assert hub is not None
+        assert executor.collective_rpc("get_rank") == [0, 1]
+        baseline = peak = rss_bytes()
+        attacker = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys, json; from executor_channel.testing import "
+                "flood_unauthenticated as f; print(json.dumps(f(sys.argv[1], 6.0)))",
+                hub._listener.address,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        calls = 0
+        try:
+            while attacker.poll() is None:
+                assert executor.collective_rpc("echo", args=(calls,), timeout=30) == [
+                    (0, (calls,), {}),
+                    (1, (calls,), {}),
+                ]
+                calls += 1
+                peak = max(peak, rss_bytes())
+            out, _ = attacker.communicate(timeout=30)
+        finally:
+            if attacker.poll() is None:
+                attacker.kill()
+                attacker.wait(30)
+        done = json.loads(out)
+        assert done["bytes"] > 64 << 20, done
+        assert calls > 10
+        assert peak - baseline < 32 << 20, (peak - baseline) >> 20
+        assert not executor.is_failed
     finally:
         executor.shutdown()

@@ -1,0 +1,242 @@
+"""The listener's gate and its bounds: what a peer without the secret can make it hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from channel_helpers import WAIT, Server
+
+from executor_channel import Connection, DropReason, Limits, Listener, Message, Secret
+from executor_channel._frames import (
+    Direction,
+    FrameError,
+    Kind,
+    parse_header,
+    payload_parts,
+    seal,
+)
+
+KEY = bytes(range(32))
+SESSION = bytes(16)
+
+
+def echo(message: Message) -> list[memoryview]:
+    return list(message.parts)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def frame(parts: list[bytes], chunk_bytes: int | None) -> list[memoryview]:
+    frames = seal(
+        KEY,
+        Direction.TO_LISTENER,
+        Kind.DATA,
+        session=SESSION,
+        epoch=SESSION,
+        sequence=1,
+        parts=[memoryview(p) for p in parts],
+        chunk_bytes=chunk_bytes,
+    )
+    return [memoryview(bytes(f)) for f in frames]
+
+
+def test_large_parts_travel_in_chunks_and_come_back_whole() -> None:
+    parts = [b"a" * 2500, b"", b"b" * 1000, b"c" * 1001]
+    frames = frame(parts, 1000)
+    # header, 3 chunks, 1 empty, 1 whole, 2 chunks, mac
+    assert [f.nbytes for f in frames[1:-1]] == [1000, 1000, 500, 0, 1000, 1000, 1]
+    header = parse_header(frames, Limits())
+    assert header.lengths == (2500, 0, 1000, 1001)
+    assert header.spans == (3, 1, 1, 2)
+    assert [bytes(p) for p in payload_parts(frames, header)] == parts
+    # A part that came whole is not copied.
+    assert payload_parts(frames, header)[2].obj is frames[5].obj
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        lambda fs: fs[:3] + fs[4:],  # a chunk missing
+        lambda fs: [*fs[:3], memoryview(b"x"), *fs[3:]],  # a chunk too many
+        lambda fs: [*fs[:2], memoryview(b""), *fs[2:]],  # an empty chunk inside a part
+        lambda fs: [*fs[:3], memoryview(bytes(fs[3]) + b"b"), *fs[4:]],  # a chunk too long
+    ],
+)
+def test_chunks_that_do_not_add_up_are_dropped(
+    cut: Callable[[list[memoryview]], list[memoryview]],
+) -> None:
+    frames = cut(frame([b"a" * 2500, b"b" * 10], 1000))
+    with pytest.raises(FrameError) as raised:
+        parse_header(frames, Limits())
+    assert raised.value.reason is DropReason.BAD_LENGTHS
+
+
+def test_chunks_cut_elsewhere_still_add_up() -> None:
+    # The split carries no meaning: the lengths are in the header, and the MAC binds every
+    # byte in order.
+    frames = frame([b"a" * 2500], 1000)
+    recut = [frames[0], memoryview(b"a" * 2000), memoryview(b"a" * 500), frames[-1]]
+    header = parse_header(recut, Limits())
+    assert [bytes(p) for p in payload_parts(recut, header)] == [b"a" * 2500]
+
+
+def test_a_message_larger_than_a_chunk_round_trips(secret: Secret) -> None:
+    limits = Limits(chunk_bytes=64 << 10)
+    big = os.urandom(1 << 20) + b"tail"
+    with (
+        Listener(secret, limits=limits) as listener,
+        Server(listener, echo) as server,
+        Connection(listener.address, secret, timeout=WAIT, limits=limits) as connection,
+    ):
+        connection.send([big, b"", b"small"], timeout=WAIT)
+        reply = connection.recv(timeout=WAIT)
+        assert [bytes(p) for p in reply.parts] == [big, b"", b"small"]
+    assert not server.errors
+    assert listener.drops == {}
+
+
+@pytest.fixture
+def secret() -> Secret:
+    return Secret.generate()
+
+
+def _raw_connections(port: int, count: int) -> list[socket.socket]:
+    conns = []
+    for _ in range(count):
+        conn = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+        conns.append(conn)
+    return conns
+
+
+def _closed_by_peer(conn: socket.socket, within: float) -> bool:
+    conn.settimeout(within)
+    try:
+        while True:
+            if not conn.recv(4096):  # zmq's greeting first, then EOF
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_connections_beyond_max_pending_are_cut(secret: Secret) -> None:
+    limits = Limits(max_pending=4, handshake_s=WAIT)
+    with Listener(secret, limits=limits) as listener, Server(listener, echo) as server:
+        conns = _raw_connections(listener.port, 12)  # silent: they never finish the handshake
+        try:
+            deadline = time.monotonic() + WAIT
+            while listener.drops.get(DropReason.PENDING.value, 0) < 8:
+                assert time.monotonic() < deadline, listener.drops
+                time.sleep(0.02)
+            closed = [_closed_by_peer(conn, 0.5) for conn in conns]
+            assert closed.count(True) == 8
+            assert closed[:4] == [False] * 4  # the first four are kept, the newest cut
+            # Like a full accept queue: while the slots are held, newcomers are cut; sessions
+            # already open are never touched. Once the slots free, a dialer gets in.
+            for conn in conns[:4]:
+                conn.close()
+            with Connection(listener.address, secret, timeout=WAIT) as connection:
+                connection.send([b"in"], timeout=WAIT)
+                assert bytes(connection.recv(timeout=WAIT).parts[0]) == b"in"
+        finally:
+            for conn in conns:
+                conn.close()
+    assert not server.errors
+
+
+def test_the_handshake_has_a_deadline(secret: Secret) -> None:
+    with Listener(secret, limits=Limits(handshake_s=0.5)) as listener, Server(listener, echo):
+        (conn,) = _raw_connections(listener.port, 1)
+        with conn:
+            start = time.monotonic()
+            assert _closed_by_peer(conn, WAIT)
+            assert 0.3 < time.monotonic() - start < 3.0
+
+
+# What one connection that has not passed the gate can make a listener hold is one zmq part
+# (chunk_bytes); the bound for the flood below adds zmq's own buffers and allocator slack.
+RSS_BOUND = 32 << 20
+
+
+@pytest.mark.slow
+def test_unfinished_messages_and_garbage_hold_bounded_memory(secret: Secret) -> None:
+    """Several connections stream 256 MiB parts of messages they never finish, and 200 more
+    send garbage, while an authenticated client keeps calling: the listener's process grows
+    by at most RSS_BOUND, every call is answered, and every flooding connection is refused."""
+    seconds = 6.0
+    with Listener(secret) as listener, Server(listener, echo) as server:  # noqa: SIM117 (the connection must close before the listener's drops are read)
+        with Connection(listener.address, secret, timeout=WAIT) as connection:
+            connection.send([b"warm"], timeout=WAIT)
+            connection.recv(timeout=WAIT)
+            baseline = rss_bytes()
+            peak = baseline
+            attacker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys, json; from executor_channel.testing import "
+                    "flood_unauthenticated as f; "
+                    f"print(json.dumps(f(sys.argv[1], {seconds}, connections=6)))",
+                    listener.address,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            calls = 0
+            try:
+                while attacker.poll() is None:
+                    connection.send([b"call %d" % calls], timeout=WAIT)
+                    assert bytes(connection.recv(timeout=WAIT).parts[0]) == b"call %d" % calls
+                    calls += 1
+                    peak = max(peak, rss_bytes())
+                    time.sleep(0.005)
+                out, _ = attacker.communicate(timeout=WAIT)
+            finally:
+                if attacker.poll() is None:
+                    attacker.kill()
+                    attacker.wait(WAIT)
+    done = json.loads(out)
+    assert done["bytes"] > 64 << 20, done  # the attack really sent data
+    assert calls > 50
+    assert peak - baseline < RSS_BOUND, (peak - baseline) >> 20
+    # Each streaming connection was cut (a part above chunk_bytes) and dialled again.
+    assert done["connections"] > 200 + 6 * 3, done
+    assert listener.drops == {}  # nothing reached the link: zmq refused it all
+    assert not server.errors
+
+
+def test_one_gate_per_context(secret: Secret) -> None:
+    import zmq
+
+    from executor_channel import ChannelError
+
+    context: zmq.Context[object] = zmq.Context()
+    try:
+        with Listener(secret, context=context), pytest.raises(ChannelError, match="own context"):
+            Listener(secret, context=context)
+    finally:
+        context.term()
+
+
+def test_the_gate_leaves_no_thread_behind(secret: Secret) -> None:
+    before = threading.active_count()
+    with (
+        Listener(secret) as listener,
+        Server(listener, echo),
+        Connection(listener.address, secret, timeout=WAIT) as connection,
+    ):
+        connection.send([b"x"], timeout=WAIT)
+        connection.recv(timeout=WAIT)
+    assert threading.active_count() == before
