@@ -1,7 +1,9 @@
 """A hub: the driver's links to the members that run ranks on other machines.
 
 Members (an ``executor node`` agent for a node's ranks, say) dial the hub's listener, join
-under an index, and get a spec of what to run. Then one thread (the hub's pump) owns the
+under an index, and get a spec of what to run; one the hub cannot admit (its index taken,
+out of range or not awaited, another version) is refused at once with the reason, during
+start-up and while the pump runs. Then one thread (the hub's pump) owns the
 listener, since a zmq socket is not thread-safe: it forwards each call to every member, hands
 the replies it receives to the backend's poll (through :attr:`Hub.inbox` and a doorbell),
 exchanges heartbeats, and reports a member that stops answering or a worker that died
@@ -15,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -24,7 +26,7 @@ from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
 
 from . import _hub_protocol as wire
 from ._doorbell import Doorbell
-from ._link import ChannelError, ChannelTimeoutError, Listener, PeerId
+from ._link import ChannelError, ChannelTimeoutError, Listener, Message, PeerId
 from ._node_rings import Reply, decode_reply
 
 __all__ = ["STARTUP_SILENCE_S", "Hub", "Member"]
@@ -74,6 +76,11 @@ class Hub:
         self._on_failure = on_failure
         self.nodes: list[Member] = []
         self._by_peer: dict[PeerId, Member] = {}
+        # The admission state (see join): the job's node ranks and those awaited now.
+        self._node_ranks: frozenset[int] = frozenset()
+        self._awaited: set[int] = set()
+        self._version = ""
+        self._terms: dict[str, Any] = {}
         #: Replies (and ready frames) from the agents, for the transport's poll.
         self.inbox: collections.deque[Reply] = collections.deque()
         self._outbox: collections.deque[list[bytes]] = collections.deque()
@@ -93,38 +100,150 @@ class Hub:
 
     # --- start-up (the starting thread owns the listener until start()) ------------------
 
-    def join(self, node_ranks: Sequence[int], version: str, timeout: float, hint: str) -> None:
-        """Wait until a member has joined for every one of ``node_ranks``; one that says
-        another ``version`` is refused. ``hint`` ends the error if some never join (how to
-        start them)."""
+    def join(
+        self,
+        node_ranks: Sequence[int],
+        version: str,
+        timeout: float,
+        hint: str,
+        *,
+        terms: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Wait until a member has joined for every one of ``node_ranks``, the job's node
+        ranks. ``hint`` ends the error if some never join (how to start them). ``terms`` are
+        facts about the job (``{"num_nodes": 3}``) that a member may say it expects.
+
+        Whether a member is admitted depends only on the admission state: the job's node
+        ranks, those awaited now (:attr:`awaited`) and the members that hold the others. A
+        member that cannot be admitted is answered ``REFUSED`` at once, with the reason (a
+        :class:`~._hub_protocol.Refusal`): during this wait, and afterwards by the pump.
+        """
+        self._node_ranks = frozenset(node_ranks)
+        self._awaited = set(self._node_ranks)
+        self._version = version
+        self._terms = dict(terms or {})
         deadline = time.monotonic() + timeout
-        missing = set(node_ranks)
         listener = self._listener
-        while missing:
+        while self._awaited:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ExecutorError(
-                    f"node rank(s) {sorted(missing)} did not join within startup_timeout="
+                    f"node rank(s) {sorted(self._awaited)} did not join within startup_timeout="
                     f"{timeout:g} s: {hint}"
                 )
             try:
                 message = listener.recv(min(remaining, 1.0))
             except ChannelTimeoutError:
                 continue
-            if not message.parts or bytes(message.parts[0]) != wire.JOIN:
-                continue  # a stray message of an agent from an earlier run
-            info = wire.read_control(message.parts)
-            refusal = _refusal(info, missing, version)
-            if refusal:
-                logger.warning("refused a node agent: %s", refusal)
-                self._send_now(message.peer, wire.control(wire.REFUSED, {"reason": refusal}))
-                continue
-            rank = int(info["node_rank"])
-            missing.discard(rank)
-            node = Member(rank, str(info["hostname"]), int(info["pid"]), message.peer)
-            self.nodes.append(node)
-            self._by_peer[message.peer] = node
+            if message.parts and bytes(message.parts[0]) == wire.JOIN:
+                self._on_join(message)
+            # anything else: a stray message of an agent from an earlier run
         self.nodes.sort(key=lambda node: node.node_rank)
+
+    @property
+    def awaited(self) -> frozenset[int]:
+        """The node ranks whose member is awaited now: a member joining for one of them is
+        admitted, any other is refused. Empty once :meth:`join` has returned; admitting a
+        member again for a lost node would mean putting its rank back here (and sending the
+        new member its spec from the pump)."""
+        return frozenset(self._awaited)
+
+    def _on_join(self, message: Message) -> Member | None:
+        """Admit the member that sent this ``JOIN``, or refuse it at once (whoever owns the
+        listener: the starting thread in :meth:`join`, then the pump)."""
+        if message.peer in self._by_peer:
+            return None  # a member joins once; a second JOIN of its session changes nothing
+        info = wire.read_control(message.parts)
+        refused = self._refusal(info)
+        if refused is not None:
+            refusal, reason = refused
+            logger.warning(
+                "refused a node agent (pid %s on %s): %s",
+                info.get("pid", "?"),
+                info.get("hostname", "?"),
+                reason,
+            )
+            # Best effort: an agent gone since it asked must not stop the executor.
+            with contextlib.suppress(ChannelError):
+                self._listener.send(
+                    message.peer,
+                    wire.control(
+                        wire.REFUSED,
+                        {
+                            "reason": reason,
+                            "refusal": refusal.value,
+                            "awaited": sorted(self._awaited),
+                        },
+                    ),
+                    timeout=0,
+                )
+            return None
+        rank = int(info["node_rank"])
+        self._awaited.discard(rank)
+        node = Member(rank, str(info["hostname"]), int(info["pid"]), message.peer)
+        self.nodes.append(node)
+        self._by_peer[message.peer] = node
+        return node
+
+    def _refusal(self, info: dict[str, Any]) -> tuple[wire.Refusal, str] | None:
+        """Why the member that sent ``info`` cannot be admitted now; None if it can."""
+        rank = info.get("node_rank")
+        hostname, pid, expects = info.get("hostname"), info.get("pid"), info.get("expects", {})
+        if (
+            type(rank) is not int
+            or not isinstance(hostname, str)
+            or type(pid) is not int
+            or not isinstance(expects, dict)
+        ):
+            shown = repr(info)
+            shown = shown if len(shown) <= 200 else shown[:200] + "..."
+            return wire.Refusal.MALFORMED, f"a malformed join request {shown}"
+        if info.get("version") != self._version:
+            return wire.Refusal.VERSION, (
+                f"node rank {rank} runs version {info.get('version')}, the driver "
+                f"{self._version}: install the same versions on every node"
+            )
+        differ = {
+            key: value
+            for key, value in expects.items()
+            if key in self._terms and self._terms[key] != value
+        }
+        if differ:
+            theirs = ", ".join(f"{key}={value!r}" for key, value in differ.items())
+            ours = ", ".join(f"{key}={self._terms[key]!r}" for key in differ)
+            return wire.Refusal.MISMATCH, (
+                f"node rank {rank} was started for {theirs}, and this executor has {ours}"
+            )
+        if rank not in self._node_ranks:
+            job = ", ".join(f"{key}={value!r}" for key, value in self._terms.items())
+            return wire.Refusal.OUT_OF_RANGE, (
+                f"node rank {rank} is out of range: this executor's agents have node rank(s) "
+                f"{_ranks_text(self._node_ranks)}" + (f" ({job})" if job else "")
+            )
+        if rank in self._awaited:
+            return None
+        holder = next(
+            (n for n in self.nodes if n.node_rank == rank and not n.lost and not n.done), None
+        )
+        if holder is not None:
+            if self._awaited:
+                state = f"the executor still awaits node rank(s) {_ranks_text(self._awaited)}"
+            elif self.ready:
+                state = "the executor is running and awaits no agent"
+            else:
+                state = "the executor is starting its workers and awaits no agent"
+            return wire.Refusal.TAKEN, (
+                f"node rank {rank} has joined already (agent pid {holder.pid} on "
+                f"{holder.hostname}); {state}"
+            )
+        gone = next((n for n in self.nodes if n.node_rank == rank), None)
+        if gone is not None and gone.done:
+            why = "its agent has stopped its workers: the executor is shutting down"
+        elif gone is not None:
+            why = "its agent was lost, and the executor awaits no other agent for it"
+        else:
+            why = "the executor awaits no agent for it"
+        return wire.Refusal.NOT_AWAITED, f"node rank {rank} is not awaited: {why}"
 
     def send_spec(self, member: Member, node_id: str, ranks: Sequence[int], spec: bytes) -> None:
         """Send a joined member what it runs (before :meth:`start`): ``spec`` is the
@@ -256,11 +375,17 @@ class Hub:
                 message = listener.recv(0)
             except ChannelTimeoutError:
                 break
+            if not message.parts:
+                continue
+            op = bytes(message.parts[0])
             node = self._by_peer.get(message.peer)
-            if node is None or node.lost or not message.parts:
+            if node is None:
+                if op == wire.JOIN:  # a late or duplicate agent: it is told why at once
+                    self._on_join(message)
+                continue
+            if node.lost:
                 continue
             node.last_seen = time.monotonic()
-            op = bytes(message.parts[0])
             if op == wire.FRAME and len(message.parts) == 2:
                 reply = decode_reply(message.parts[1])
                 if reply[2] not in node.ranks:
@@ -307,18 +432,14 @@ class Hub:
                     self._listener.send(node.peer, [wire.KILL], timeout=0.1)
 
 
-def _refusal(info: dict[str, Any], missing: set[int], version: str) -> str:
-    rank = info.get("node_rank")
-    if not isinstance(rank, int) or "hostname" not in info or "pid" not in info:
-        return f"a malformed join request {info!r}"
-    if info.get("version") != version:
-        return (
-            f"node rank {rank} runs version {info.get('version')}, the driver {version}: "
-            "install the same versions on every node"
-        )
-    if rank not in missing:
-        return f"node rank {rank} is not expected or has joined already"
-    return ""
+def _ranks_text(ranks: Iterable[int]) -> str:
+    """``1 to 3`` for a run of ranks, else ``[1, 4]``."""
+    ordered = sorted(ranks)
+    if len(ordered) == 1:
+        return str(ordered[0])
+    if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]} to {ordered[-1]}"
+    return str(ordered)
 
 
 def _died_on(node: Member, info: dict[str, Any]) -> WorkerDiedError:

@@ -12,6 +12,7 @@ once, ``KILL``. Member to hub: ``JOIN``, then ``FRAME`` (a worker's ready or rep
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
@@ -27,16 +28,20 @@ __all__ = [
     "READY",
     "REFUSED",
     "SPEC",
+    "Refusal",
     "control",
     "read_control",
 ]
 
-#: Member to hub: who it is (JSON: its node or rank, host, process and version), its first
-#: message.
+#: Member to hub: who it is, its first message. JSON: ``node_rank`` (its node or rank),
+#: ``hostname``, ``pid``, ``version`` and, optionally, ``expects``: facts about the job the
+#: member was started for (``{"num_nodes": 3}``), refused if the hub's differ.
 JOIN = b"J"
 #: Hub to member: the spec of what to run (the backend's bytes), the answer to ``JOIN``.
 SPEC = b"S"
-#: Hub to member: the join is refused (JSON: why); the member exits.
+#: Hub to member: the join is refused, at once; the member exits. JSON: ``reason`` (a
+#: sentence saying why), ``refusal`` (a :class:`Refusal` value) and ``awaited`` (the node
+#: ranks awaited now), for the member to say what to do.
 REFUSED = b"R"
 #: Hub to member: every member is ready; calls follow.
 READY = b"A"
@@ -54,6 +59,24 @@ FAILED = b"X"
 KILL = b"K"
 #: Member to hub: its workers have stopped; the last message of the link.
 BYE = b"B"
+
+
+class Refusal(enum.StrEnum):
+    """Why a hub refused a ``JOIN``: the ``refusal`` of a ``REFUSED`` message."""
+
+    #: The join request lacks a field or has one of the wrong type.
+    MALFORMED = "malformed"
+    #: The member runs another version than the hub.
+    VERSION = "version"
+    #: The member was started for another job (its ``expects`` differ from the hub's).
+    MISMATCH = "mismatch"
+    #: Its node rank is not one of the job's.
+    OUT_OF_RANGE = "out_of_range"
+    #: Another member holds its node rank.
+    TAKEN = "taken"
+    #: Its node rank is the job's, held by no one, and not awaited now (its member was lost
+    #: or has stopped).
+    NOT_AWAITED = "not_awaited"
 
 
 def control(op: bytes, payload: dict[str, Any]) -> list[bytes]:

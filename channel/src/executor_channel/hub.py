@@ -21,6 +21,7 @@ from ._hub_protocol import (
     READY,
     REFUSED,
     SPEC,
+    Refusal,
     control,
     read_control,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "STARTUP_SILENCE_S",
     "Hub",
     "Member",
+    "Refusal",
     "control",
     "read_control",
 ]

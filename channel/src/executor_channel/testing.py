@@ -55,6 +55,8 @@ def throw_garbage(
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.PLAIN_USERNAME, token[0])
             sock.setsockopt(zmq.PLAIN_PASSWORD, token[1])
+            # A token the gate refuses leaves every frame queued here: fail, do not hang.
+            sock.setsockopt(zmq.SNDTIMEO, 10_000)
             sock.connect(address)
             for i in range(count // 10 + (batch < count % 10)):
                 kind = (i + batch) % 4
@@ -67,7 +69,13 @@ def throw_garbage(
                     parts = [rng.randbytes(rng.randrange(1, 64)) for _ in range(nparts)]
                 else:  # an unsigned join request, as an agent would send it signed
                     parts = [b"J", json.dumps({"node_rank": 1}).encode()]
-                sock.send_multipart(parts)
+                try:
+                    sock.send_multipart(parts)
+                except zmq.Again:
+                    raise RuntimeError(
+                        f"the listener at {address} did not take frames for 10 s: was the "
+                        "token made with its secret (gate_token)?"
+                    ) from None
                 sent += 1
             sock.close(linger=1000)
     finally:

@@ -6,7 +6,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -37,6 +37,7 @@ class Agents:
         master_addr: str = "127.0.0.1",
         join_timeout: float = 60.0,
         stderr: int | None = None,
+        extra: Sequence[str] = (),
     ) -> subprocess.Popen[bytes]:
         agent = subprocess.Popen(
             [
@@ -52,6 +53,7 @@ class Agents:
                 str(port),
                 "--join-timeout",
                 str(join_timeout),
+                *extra,
             ],
             env=agent_env(self.secret_hex),
             stderr=stderr,
@@ -67,6 +69,9 @@ class Agents:
                 except subprocess.TimeoutExpired:
                     agent.kill()
                     agent.wait(10)
+            for pipe in (agent.stdout, agent.stderr):
+                if pipe is not None:
+                    pipe.close()
 
 
 @pytest.fixture(scope="class")

@@ -19,7 +19,7 @@ import pytest
 from mp_nodes import Agents, agent_env, agents, node_secret
 from mp_test_helpers import wait_gone
 
-from executor_channel.testing import throw_garbage
+from executor_channel.testing import flood_unauthenticated, gate_token, throw_garbage
 from executor_core import ConfigError, Executor, ExecutorError, WorkerDiedError, create_executor
 from executor_core.backend import Registry, find_free_port
 from executor_core.testing import ExecutorConformanceTests, conformance_config
@@ -166,15 +166,116 @@ class TestNodes:
         assert time.monotonic() - started < 5
         _, err = wrong.communicate(timeout=10)
         assert wrong.returncode == 2
-        assert b"node rank 5 is not expected" in err
+        assert b"node rank 5 is out of range" in err
         # the node that had joined is released at once, not after its join timeout
         _, err = joined.communicate(timeout=5)
         assert joined.returncode == 2
         assert b"gave up before this node started" in err
 
+    def test_agents_that_cannot_be_admitted_are_told_why_at_once(self, agents: Agents) -> None:
+        port = find_free_port()
+        twins = [agents.start(port, stderr=subprocess.PIPE) for _ in range(2)]  # node rank 1
+        executor = create_executor(
+            conformance_config(
+                "mp",
+                world_size=2,
+                num_nodes=2,
+                backend_options={"node_port": port, "shutdown_grace_s": 1.0},
+            )
+        )
+        try:
+            # One twin joined; the other is refused as soon as the driver reads its join.
+            deadline = time.monotonic() + 10
+            while all(a.poll() is None for a in twins) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (duplicate,) = [a for a in twins if a.poll() is not None]
+            (serving,) = [a for a in twins if a is not duplicate]
+            assert duplicate.returncode == 2
+            assert executor.collective_rpc("get_rank") == [0, 1]
+            late: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+            for name, rank, extra in [
+                ("late", 1, ()),
+                ("out_of_range", 5, ()),
+                ("other_num_nodes", 1, ("--num-nodes", "3")),
+            ]:
+                started = time.monotonic()
+                agent = agents.start(
+                    port, rank, join_timeout=120, stderr=subprocess.PIPE, extra=extra
+                )
+                late[name] = agent, started
+            # The executor serves on while it answers them.
+            for i in range(20):
+                assert executor.collective_rpc("echo", args=(i,)) == [
+                    (0, (i,), {}),
+                    (1, (i,), {}),
+                ]
+            lines = {"duplicate": _refusal_line(duplicate)}
+            for name, (agent, started) in late.items():
+                lines[name] = _refusal_line(agent)
+                took = time.monotonic() - started
+                assert agent.returncode == 2, name
+                # Told at once (the time is mostly its start-up): its --join-timeout is 120 s.
+                assert took < 15, f"{name}: refused after {took:.1f} s"
+            serving_pid = serving.pid
+            assert f"has joined already (agent pid {serving_pid} on " in lines["duplicate"]
+            # Nothing else is awaited, whether the executor was starting or running by then.
+            assert (
+                "and awaits no agent; each node rank takes one agent, and every one has its "
+                "agent: stop this one"
+            ) in lines["duplicate"]
+            assert f"has joined already (agent pid {serving_pid} on " in lines["late"]
+            assert "the executor is running and awaits no agent" in lines["late"]
+            assert lines["late"].endswith("every one has its agent: stop this one")
+            assert (
+                "node rank 5 is out of range: this executor's agents have node rank(s) 1 "
+                "(num_nodes=2); start it with one of those node ranks (--node-rank)"
+            ) in lines["out_of_range"]
+            assert (
+                "node rank 1 was started for num_nodes=3, and this executor has num_nodes=2"
+            ) in lines["other_num_nodes"]
+            assert executor.collective_rpc("get_rank") == [0, 1]
+            assert serving.poll() is None
+        finally:
+            executor.shutdown()
+        serving.communicate(timeout=10)
+        assert serving.returncode == 0
+
     def test_world_size_must_divide(self, agents: Agents) -> None:
         with pytest.raises(ConfigError, match="multiple of num_nodes"):
             create_executor(conformance_config("mp", world_size=3, num_nodes=2))
+
+    def test_unfinished_messages_hold_bounded_memory(self, agents: Agents) -> None:
+        """Peers without the secret stream 256 MiB parts of messages they never finish, and
+        others garbage, at the driver's listener: the driver grows by at most tens of MiB
+        (docs/security.md) and calls go on."""
+        executor = _two_nodes(agents, world_size=2)
+        try:
+            port = executor.config.backend_options["node_port"]
+            result: list[dict[str, int]] = []
+            attack = threading.Thread(
+                target=lambda: result.append(
+                    flood_unauthenticated(f"tcp://127.0.0.1:{port}", 6.0, connections=6)
+                )
+            )
+            baseline = peak = _rss_bytes()
+            attack.start()
+            calls = 0
+            while attack.is_alive():
+                assert executor.collective_rpc("echo", args=(calls,), timeout=30) == [
+                    (0, (calls,), {}),
+                    (1, (calls,), {}),
+                ]
+                calls += 1
+                peak = max(peak, _rss_bytes())
+            attack.join(30)
+            assert result, "the attack did not finish"
+            assert result[0]["bytes"] > 64 << 20, result
+            assert calls > 10
+            # The attack's threads send from one 1 MiB block: what grows is the listener.
+            assert peak - baseline < 32 << 20, (peak - baseline) >> 20
+            assert executor.collective_rpc("get_rank") == [0, 1]
+        finally:
+            executor.shutdown()
 
     def test_garbage_at_the_listener_is_dropped_and_calls_go_on(self, agents: Agents) -> None:
         executor = _two_nodes(agents, world_size=2)
@@ -196,8 +297,8 @@ class TestNodes:
 
             caller = threading.Thread(target=calls)
             caller.start()
-            sent = throw_garbage(f"tcp://127.0.0.1:{port}", 10_000)
             listener = executor.transport._driver.hub._listener  # type: ignore[attr-defined]
+            sent = throw_garbage(f"tcp://127.0.0.1:{port}", gate_token(listener), 10_000)
             _wait_for_drops(listener, 10_000)
             stop.set()
             caller.join(30)
@@ -207,6 +308,22 @@ class TestNodes:
         finally:
             executor.shutdown()
         assert sent >= 10_000
+
+
+def _refusal_line(agent: subprocess.Popen[bytes]) -> str:
+    """The one line of stderr in which a refused agent says why (it must have exited or
+    exit within 10 s); no traceback."""
+    _, err = agent.communicate(timeout=10)
+    text = err.decode()
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if " refused node rank " in line]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _wait_for_drops(listener: Any, count: int) -> None:

@@ -1,7 +1,9 @@
 """``executor node``: the agent that runs one node's workers for a driver on another machine.
 
 The agent dials the driver's listener (authenticated with the shared secret), says which
-node it is, receives its :class:`~._node_protocol.NodeSpec`, starts that node's workers on a
+node it is, receives its :class:`~._node_protocol.NodeSpec` (or, at once, the driver's
+refusal: one line on stderr with the reason and what to do, exit status 2; no driver within
+the join timeout is one line too, status 3), starts that node's workers on a
 shared-memory channel of its own, and then relays: each call frame from the driver is
 written once into the node's ring (every local worker reads it), and each reply frame is
 sent back as it is, never unpickled here. One thread owns the link; it sleeps in one poll on
@@ -27,7 +29,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from executor_channel import ChannelError, ChannelTimeoutError, Connection, SecretError, load_secret
+from executor_channel import (
+    ChannelError,
+    ChannelTimeoutError,
+    Connection,
+    Secret,
+    SecretError,
+    load_secret,
+)
 from executor_channel import hub as wire
 from executor_channel.codec import KIND_STOP
 from executor_channel.shm import Doorbell, NodeRings, Received, Ring
@@ -42,32 +51,89 @@ __all__ = ["DRIVER_LOST_EXIT", "REFUSED_EXIT", "run_agent"]
 
 logger = logging.getLogger("executor_plugin_multiproc.agent")
 
-#: Exit status of an agent whose driver went silent, or that the driver refused.
+#: Exit status of an agent that found no driver, or whose driver went silent or failed.
 DRIVER_LOST_EXIT = 3
+#: Exit status of an agent the driver refused (or released before it started), and of a
+#: usage error.
 REFUSED_EXIT = 2
 
+#: What an agent refused for each reason should do (the driver's reason says why).
+_REMEDIES: dict[str, str] = {
+    wire.Refusal.MALFORMED: "install the same version of the executor packages on every machine",
+    wire.Refusal.VERSION: "then start this agent again",
+    wire.Refusal.MISMATCH: (
+        "start this agent with --num-nodes equal to the driver's num_nodes, or without it"
+    ),
+    wire.Refusal.OUT_OF_RANGE: "start it with one of those node ranks (--node-rank)",
+    wire.Refusal.NOT_AWAITED: (
+        "stop this agent; an agent joins a driver that is waiting for its node rank, so start "
+        "it again for the next executor"
+    ),
+}
 
-def run_agent(node_rank: int, master_addr: str, master_port: int, join_timeout: float) -> int:
+
+def _remedy(info: dict[str, Any]) -> str:
+    """What a refused agent should do, from the driver's REFUSED message ("" if unknown)."""
+    refusal = str(info.get("refusal", ""))
+    if refusal == wire.Refusal.TAKEN:
+        awaited = info.get("awaited")
+        if isinstance(awaited, list) and awaited:
+            ranks = ", ".join(str(rank) for rank in awaited)
+            return (
+                "each node rank takes one agent: stop this one, or start it with a node rank "
+                f"still awaited (--node-rank {ranks})"
+            )
+        return "each node rank takes one agent, and every one has its agent: stop this one"
+    return _REMEDIES.get(refusal, "")
+
+
+def run_agent(
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    join_timeout: float,
+    *,
+    num_nodes: int | None = None,
+    secret: Secret | None = None,
+) -> int:
     """Join the driver at ``master_addr:master_port`` as ``node_rank`` and serve until it
-    stops this node; returns the process's exit status."""
-    try:
-        secret = load_secret()
-    except SecretError as exc:
-        print(f"executor node: {exc}", file=sys.stderr)
-        return 2
+    stops this node; returns the process's exit status.
+
+    ``num_nodes``, if given, is what this agent expects of the driver's config (a driver
+    with another ``num_nodes`` refuses it). ``secret`` defaults to :func:`load_secret`'s.
+    Every failure to join is one line on stderr saying what to check, not a traceback.
+    """
+    if secret is None:
+        try:
+            secret = load_secret()
+        except SecretError as exc:
+            print(f"executor node: error: {exc}", file=sys.stderr)
+            return REFUSED_EXIT
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     address = f"tcp://{host}:{master_port}"
     logger.info("node %d: joining the driver at %s", node_rank, address)
     try:
         link = Connection(address, secret, timeout=join_timeout)
-    except ChannelTimeoutError as exc:
-        print(f"executor node: {exc}", file=sys.stderr)
+    except ChannelTimeoutError:
+        print(
+            f"executor node: no driver answered at {address} within --join-timeout="
+            f"{join_timeout:g} s. Check that an mp executor with num_nodes > {node_rank} is "
+            "starting there (--master-addr and --master-port are its distributed_host and "
+            "backend_options['node_port']), that this machine can reach that port, and that "
+            "both sides hold the same secret (fingerprint "
+            f"{secret.fingerprint} here; a driver refusing another secret logs a warning "
+            "with its own fingerprint).",
+            file=sys.stderr,
+        )
+        return DRIVER_LOST_EXIT
+    except ChannelError as exc:
+        print(f"executor node: could not dial the driver at {address}: {exc}", file=sys.stderr)
         return DRIVER_LOST_EXIT
     # SIGTERM (a scheduler stopping this job) ends the agent like Ctrl-C: workers stopped.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with link:
-            return _Agent(link, node_rank, join_timeout).run()
+            return _Agent(link, node_rank, join_timeout, num_nodes).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -77,10 +143,13 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 class _Agent:
-    def __init__(self, link: Connection, node_rank: int, join_timeout: float) -> None:
+    def __init__(
+        self, link: Connection, node_rank: int, join_timeout: float, num_nodes: int | None
+    ) -> None:
         self._link = link
         self._node_rank = node_rank
         self._join_timeout = join_timeout
+        self._num_nodes = num_nodes
         self._cleanups: list[Callable[[], None]] = []
         self._deaths: collections.deque[tuple[int, int]] = collections.deque()
         self._death_bell = Doorbell()
@@ -97,6 +166,7 @@ class _Agent:
         from . import __version__
 
         link = self._link
+        expects = {} if self._num_nodes is None else {"num_nodes": self._num_nodes}
         try:
             link.send(
                 wire.control(
@@ -106,13 +176,14 @@ class _Agent:
                         "hostname": socket.gethostname(),
                         "pid": os.getpid(),
                         "version": __version__,
+                        "expects": expects,
                     },
                 ),
                 timeout=self._join_timeout,
             )
             spec = self._receive_spec()
-            if spec is None:
-                return REFUSED_EXIT
+            if isinstance(spec, int):
+                return spec
             self._spec = spec
             try:
                 self._start(spec)
@@ -124,6 +195,14 @@ class _Agent:
                 )
                 return 1
             return self._relay(spec)
+        except ChannelError as exc:
+            # The link failed (a send that could not leave, a closed link): no traceback.
+            print(
+                f"executor node: node rank {self._node_rank}: the link to the driver at "
+                f"{link.address} failed: {exc}",
+                file=sys.stderr,
+            )
+            return DRIVER_LOST_EXIT
         except KeyboardInterrupt:
             logger.info("node %d: interrupted; stopping its workers", self._node_rank)
             with contextlib.suppress(ChannelError):
@@ -143,16 +222,41 @@ class _Agent:
                 with contextlib.suppress(Exception):
                     cleanup()
 
-    def _receive_spec(self) -> NodeSpec | None:
-        message = self._link.recv(self._join_timeout)
+    def _receive_spec(self) -> NodeSpec | int:
+        """This node's spec, or the exit status (said why on stderr) if the driver refused
+        this agent, gave up before it started, or did not answer within the join timeout."""
+        link = self._link
+        try:
+            message = link.recv(self._join_timeout)
+        except ChannelTimeoutError:
+            print(
+                f"executor node: the driver at {link.address} took this agent's connection but "
+                f"did not answer its join within --join-timeout={self._join_timeout:g} s. A "
+                "starting driver sends the agents their work once every node has joined: start "
+                "the other nodes' agents, or give a longer --join-timeout. A driver that failed "
+                "or is shutting down no longer answers: start this agent again for the next "
+                "executor.",
+                file=sys.stderr,
+            )
+            return DRIVER_LOST_EXIT
         op = bytes(message.parts[0]) if message.parts else b""
         if op == wire.REFUSED:
-            reason = wire.read_control(message.parts).get("reason", "?")
-            print(f"executor node: the driver refused this node: {reason}", file=sys.stderr)
-            return None
+            info = wire.read_control(message.parts)
+            reason = str(info.get("reason", "no reason given"))
+            remedy = _remedy(info)
+            print(
+                f"executor node: the driver at {link.address} refused node rank "
+                f"{self._node_rank}: {reason}" + (f"; {remedy}" if remedy else ""),
+                file=sys.stderr,
+            )
+            return REFUSED_EXIT
         if op == wire.KILL:
-            print("executor node: the driver gave up before this node started", file=sys.stderr)
-            return None
+            print(
+                f"executor node: the driver at {link.address} gave up before this node started "
+                "(its start failed: see its error); start this agent again for the next executor",
+                file=sys.stderr,
+            )
+            return REFUSED_EXIT
         if op != wire.SPEC or len(message.parts) != 2:
             raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
         # The link has authenticated the driver: only a holder of the secret sent this.

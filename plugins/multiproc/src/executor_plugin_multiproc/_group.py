@@ -4,6 +4,12 @@ A monitor thread starts the processes and then watches their sentinels. Starting
 that thread matters: PR_SET_PDEATHSIG fires when the *thread* that created a child exits,
 and the monitor lives exactly as long as the workers do, whichever thread created the
 executor.
+
+The monitor also gives back the process's idle receive memory (``executor_channel.shm.IdleTrim``):
+a driver reads replies only while a caller waits, so without it the memory of a large reply
+would stay until the next one came. It sleeps without a timeout unless the receive cache
+keeps memory, then wakes ``IDLE_S`` after the last large message (and every ``IDLE_S`` while
+a received object is still referenced) to give back what is free.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_for_ready
 from multiprocessing.process import BaseProcess
+
+from executor_channel.shm import IdleTrim, release_receive_buffers
 
 __all__ = ["WorkerGroup"]
 
@@ -70,12 +78,29 @@ class WorkerGroup:
             self._started.set()
             return
         self._started.set()
+        trim = IdleTrim()  # this thread's own: made, used and closed here
+        try:
+            self._watch(trim)
+        finally:
+            trim.close()
+            # The workers are gone: what this process kept warm for their messages is of no
+            # more use (another executor's next large message finds the heap as it would).
+            release_receive_buffers()
+
+    def _watch(self, trim: IdleTrim) -> None:
+        """Watch the sentinels until every worker ended or the group is closed; meanwhile
+        give back idle receive memory, until :meth:`stop` wakes this thread."""
         watched = {p.sentinel: rank for rank, p in enumerate(self._processes)}
-        wake: list[int] = [self._wake_r]
+        wake: list[int] = [self._wake_r, trim.fileno()]
+        trimming = True
         while watched:
-            ready = [fd for fd in wait_for_ready([*watched, *wake]) if isinstance(fd, int)]
+            timeout = trim.timeout() if trimming else None
+            ready = [fd for fd in wait_for_ready([*watched, *wake], timeout) if isinstance(fd, int)]
             if self._wake_r in ready:
                 wake = []  # it stays readable; from now on only sentinels matter
+                trimming = False
+            if trimming:
+                trim.run()  # after any wake: trims only if a trim is due
             for sentinel in ready:
                 rank = watched.pop(sentinel, None)
                 if rank is None:

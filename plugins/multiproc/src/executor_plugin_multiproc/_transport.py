@@ -141,7 +141,13 @@ class MultiprocTransport(Transport):
             "seen from there, with the same EXECUTOR_CHANNEL_SECRET (or "
             "EXECUTOR_CHANNEL_SECRET_FILE) as here"
         )
-        nodes.join(range(1, config.num_nodes), __version__, options.startup_timeout, hint)
+        nodes.join(
+            range(1, config.num_nodes),
+            __version__,
+            options.startup_timeout,
+            hint,
+            terms={"num_nodes": config.num_nodes},  # an agent's --num-nodes, if it gave one
+        )
         return nodes
 
     def _check_start(self, pending: set[int]) -> None:
