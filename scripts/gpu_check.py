@@ -18,22 +18,25 @@ What it checks (docs/gpu.md has the details and the criteria):
 * ``fork_after_cuda``: the mp backend refuses ``start_method="fork"`` once CUDA is initialised
   in the driver (a ``ConfigError``).
 
-Each check runs in a process of its own with its own time limit (the whole run has a budget,
-``--budget``); a check that overruns is stopped, with its workers, and fails. Without a GPU
-(or with ``--dry-run``) the checks that can run on the CPU do, and the CUDA-only ones are
-listed as SKIP. Exit status: 0 when no check failed, 1 otherwise, 2 on bad usage.
+Each check runs in a process of its own with its own time limit, and the whole run ends
+within its budget (``--budget``), the stop of a check that overran included; a check that
+overruns is stopped, with its workers, and fails. Without a GPU (or with ``--dry-run``) the
+checks that can run on the CPU do, and the CUDA-only ones are listed as SKIP. Exit status: 0
+when no check failed, 1 otherwise, 2 on bad usage.
 
 Run it with the project's environment (``bash scripts/run.sh`` creates ``.venv``)::
 
     .venv/bin/python scripts/gpu_check.py --require-gpu --json gpu_check.json
     .venv/bin/python scripts/gpu_check.py --dry-run         # on a machine without a GPU
+
+or, on a machine that reaches no package registry, from the offline bundle that
+``scripts/gpu_bundle.py`` builds (it prints the command; docs/gpu.md has it too).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import json
@@ -41,7 +44,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +52,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from _gpu_procs import become_subreaper, clean_strays, run_limited
+from _gpu_procs import tail as log_tail
+
 try:
     # Needed at module level: the checks that must fail before a worker starts use a worker
     # class defined here, which spawned worker processes find by re-importing this file.
@@ -57,7 +62,9 @@ try:
 except ImportError as _exc:  # the script is run with a Python that lacks the SDK
     sys.exit(
         f"gpu_check: cannot import executor_core ({_exc}); run it with the project's "
-        "environment: .venv/bin/python scripts/gpu_check.py (bash scripts/run.sh creates it)"
+        "environment: .venv/bin/python scripts/gpu_check.py (bash scripts/run.sh creates it), "
+        "or with PYTHONPATH naming the folder the offline bundle was installed into "
+        "(scripts/gpu_bundle.py prints the command)"
     )
 
 if TYPE_CHECKING:
@@ -76,6 +83,12 @@ TERM_GRACE_S = 10.0
 #: Seconds processes a finished check left behind get to exit by themselves (Ray's reaper
 #: lets its processes linger a few seconds) before they are killed.
 STRAY_GRACE_S = 8.0
+#: Seconds of the budget kept back from every check's limit for stopping it if it overruns
+#: (SIGTERM, the grace, the kill, then its strays): the whole run ends within the budget.
+STOP_RESERVE_S = TERM_GRACE_S + STRAY_GRACE_S + 2.0
+#: Why the Ray check says SKIP where Ray is missing, as on a machine set up from the offline
+#: bundle (scripts/gpu_bundle.py), which does not carry Ray.
+NO_RAY = "Ray is not installed (the offline GPU bundle leaves it out: too large to carry)"
 
 #: Seconds a single collective call may take inside a check (a hang fails the call, not the run).
 CALL_TIMEOUT_S = 60.0
@@ -598,7 +611,7 @@ def check_device_per_thread_ray(ctx: ChildContext) -> Outcome:
     try:
         import ray  # noqa: F401 - only asks whether Ray is installed
     except ImportError as exc:
-        return Outcome(SKIP, f"Ray is not installed ({exc})")
+        return Outcome(SKIP, f"{NO_RAY}: {exc}")
     from executor_core import create_executor
     from executor_reference import ensure_checkpoint
 
@@ -739,6 +752,8 @@ def probe(ctx: ChildContext) -> Outcome:
         "gpu_count": count,
         "gpus": gpus,
         "executor_core": executor_core.__version__,
+        # Where the SDK was imported from: the bundle's folder on a machine set up offline.
+        "executor_core_path": str(Path(executor_core.__file__).parent),
         "backends": sorted(spec.name for spec in default_registry().backends()),
         "ray_installed": importlib.util.find_spec("ray") is not None,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -751,7 +766,8 @@ def probe(ctx: ChildContext) -> Outcome:
     return Outcome(
         PASS,
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), {count} GPU(s): {names}; "
-        f"backends {', '.join(figures['backends'])}",
+        f"Python {figures['python']}; executor_core {executor_core.__version__} from "
+        f"{figures['executor_core_path']}; backends {', '.join(figures['backends'])}",
         figures,
     )
 
@@ -787,7 +803,7 @@ def _needs_two_gpus_or_dry(env: Env) -> str | None:
 
 
 def _needs_ray(env: Env) -> str | None:
-    return None if env.ray_installed else "Ray is not installed"
+    return None if env.ray_installed else NO_RAY
 
 
 PROBE = Check("probe", "the machine: versions, GPUs, backends", probe, 60.0, _anywhere)
@@ -882,95 +898,6 @@ def _child_main(name: str, mode: str, workdir: Path, result_path: Path) -> int:
 # --- the parent: runs each check in a child with a time limit ---------------------------------
 
 
-def _children_of(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-            fields = stat.rsplit(")", 1)[-1].split()
-            if len(fields) > 1 and int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in _children_of(todo.pop()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _become_subreaper() -> bool:
-    """Make this process inherit the orphans of its children's process trees (Linux), so
-    that workers a check left behind can be found and stopped."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_child_subreaper = 36
-        return int(libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _kill(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _reap(pids: Sequence[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
-
-
-def _clean_strays(grace_s: float) -> int:
-    """Wait up to ``grace_s`` for processes that a finished check left behind (inherited as
-    orphans) to exit, then kill the rest. Returns how many had to be killed."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        strays = _children_of(os.getpid())
-        _reap(strays)  # collects the ones that have exited (zombies)
-        alive = [pid for pid in _children_of(os.getpid()) if not _is_zombie(pid)]
-        if not alive:
-            return 0
-        if time.monotonic() >= deadline:
-            everything = alive + [d for pid in alive for d in _descendants(pid)]
-            _kill(everything, signal.SIGKILL)
-            time.sleep(0.2)
-            _reap(everything)
-            return len(everything)
-        time.sleep(0.2)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    fields = stat.rsplit(")", 1)[-1].split()
-    return bool(fields) and fields[0] == "Z"
-
-
-def _tail(path: Path, lines: int = 25) -> list[str]:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    return text.splitlines()[-lines:]
-
-
 def _run_child(check: Check, mode: str, workdir: Path, limit_s: float, reaping: bool) -> Result:
     result_path = workdir / f"{check.name}.json"
     log_path = workdir / f"{check.name}.log"
@@ -986,29 +913,16 @@ def _run_child(check: Check, mode: str, workdir: Path, limit_s: float, reaping: 
         "--result",
         str(result_path),
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    began = time.monotonic()
-    timed_out = False
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            process.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            process.send_signal(signal.SIGTERM)  # the child unwinds, shutting executors down
-            try:
-                process.wait(timeout=TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                tree = _descendants(process.pid)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                _kill([process.pid, *tree], signal.SIGKILL)
-                process.wait()
-    seconds = time.monotonic() - began
-    killed = _clean_strays(STRAY_GRACE_S) if reaping else 0
-    tail = _tail(log_path)
+    finished = run_limited(
+        command,
+        log_path=log_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        limit_s=limit_s,
+        term_grace_s=TERM_GRACE_S,
+    )
+    seconds, timed_out = finished.seconds, finished.timed_out
+    killed = clean_strays(STRAY_GRACE_S) if reaping else 0
+    tail = log_tail(log_path)
     if timed_out:
         result = Result(
             check.name,
@@ -1035,7 +949,7 @@ def _run_child(check: Check, mode: str, workdir: Path, limit_s: float, reaping: 
             result = Result(
                 check.name,
                 FAIL,
-                f"its process exited with status {process.returncode} and no result",
+                f"its process exited with status {finished.returncode} and no result",
                 {},
                 seconds,
                 limit_s,
@@ -1124,6 +1038,43 @@ def _workdir(path: str | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def _write_report(
+    path: str,
+    *,
+    env: Env,
+    dry_reason: str | None,
+    budget_s: float,
+    wall_s: float,
+    probe_result: Result,
+    results: Sequence[Result],
+    exit_status: int | None,
+) -> None:
+    """Write the ``--json`` report. Written again after every check, so that a run cut short
+    from outside (a machine taken back) leaves what it had found; ``complete`` is true only
+    in the last one, with the summary and the exit status."""
+    counts = {status: sum(r.status == status for r in results) for status in (PASS, FAIL, SKIP)}
+    report = {
+        "script": "scripts/gpu_check.py",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "mode": "gpu" if env.gpu else "dry-run",
+        "dry_run_reason": dry_reason,
+        "budget_s": budget_s,
+        "wall_s": wall_s,
+        "environment": probe_result.figures,
+        "checks": [dataclasses.asdict(r) for r in results],
+        "summary": counts,
+        "exit_status": exit_status,
+        "complete": exit_status is not None,
+    }
+    Path(path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def _limit(check: Check, deadline: float) -> float:
+    """The time ``check`` may take from now: its own limit, cut to what the budget has left
+    once the time to stop it is kept back."""
+    return min(check.limit_s, deadline - time.monotonic() - STOP_RESERVE_S)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.child is not None:
@@ -1134,10 +1085,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     started = time.monotonic()
     deadline = started + args.budget
-    reaping = _become_subreaper()
+    reaping = become_subreaper()
     results: list[Result] = []
     with _workdir(args.workdir) as workdir:
-        probe_result = _run_child(PROBE, "cpu", workdir, min(PROBE.limit_s, args.budget), reaping)
+        limit = _limit(PROBE, deadline)
+        if limit < 1.0:
+            probe_result = Result(
+                PROBE.name,
+                FAIL,
+                f"not run: a {args.budget:g} s budget leaves no time once {STOP_RESERVE_S:g} s "
+                "are kept for stopping a check",
+                {},
+                0.0,
+                None,
+            )
+        else:
+            probe_result = _run_child(PROBE, "cpu", workdir, limit, reaping)
         env, dry_reason = _env_from_probe(probe_result, args.dry_run)
         mode = "gpu" if env.gpu else "cpu"
         if env.gpu:
@@ -1161,21 +1124,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         for check in CHECKS:
             if args.only and check.name not in args.only:
                 continue
+            if args.json:
+                _write_report(
+                    args.json,
+                    env=env,
+                    dry_reason=dry_reason,
+                    budget_s=args.budget,
+                    wall_s=time.monotonic() - started,
+                    probe_result=probe_result,
+                    results=results,
+                    exit_status=None,
+                )
             reason = not_run or check.skip(env)
-            left = deadline - time.monotonic()
+            limit = _limit(check, deadline)
             if reason is not None:
                 result = Result(check.name, SKIP, reason, {}, 0.0, None)
-            elif left < MIN_CHECK_S:
+            elif limit < MIN_CHECK_S:
                 result = Result(
                     check.name,
                     FAIL,
-                    f"not run: {left:.0f} s of the {args.budget:g} s budget left",
+                    f"not run: {max(0.0, limit):.0f} s of the {args.budget:g} s budget left "
+                    f"(after {STOP_RESERVE_S:g} s kept for stopping it)",
                     {},
                     0.0,
                     None,
                 )
             else:
-                result = _run_child(check, mode, workdir, min(check.limit_s, left), reaping)
+                result = _run_child(check, mode, workdir, limit, reaping)
             results.append(result)
             _print_result(result)
     wall = time.monotonic() - started
@@ -1187,19 +1162,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     if args.json:
-        report = {
-            "script": "scripts/gpu_check.py",
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "mode": "gpu" if env.gpu else "dry-run",
-            "dry_run_reason": dry_reason,
-            "budget_s": args.budget,
-            "wall_s": wall,
-            "environment": probe_result.figures,
-            "checks": [dataclasses.asdict(r) for r in results],
-            "summary": counts,
-            "exit_status": exit_status,
-        }
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        _write_report(
+            args.json,
+            env=env,
+            dry_reason=dry_reason,
+            budget_s=args.budget,
+            wall_s=wall,
+            probe_result=probe_result,
+            results=results,
+            exit_status=exit_status,
+        )
     return exit_status
 
 

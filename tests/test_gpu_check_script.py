@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +90,24 @@ def test_dry_run_lists_every_check_and_passes(tmp_path: Path) -> None:
 
 
 def test_a_check_past_its_time_limit_fails_the_run(tmp_path: Path) -> None:
-    # A budget too short for anything: the probe is stopped at its limit (or, on a machine
-    # fast enough to finish it, the check finds no time left). Either way the run must fail.
-    proc, report = _run(tmp_path, "--dry-run", "--only", "timing", "--budget", "0.3")
+    # A budget too short for anything: once the time kept for stopping a check is set aside,
+    # the probe gets 1.5 s and is stopped at that limit (or, on a machine fast enough to
+    # finish it, the check finds no time left). Either way the run must fail, and in time.
+    began = time.monotonic()
+    proc, report = _run(tmp_path, "--dry-run", "--only", "timing", "--budget", "21.5")
+    assert time.monotonic() - began < 21.5 + 5  # the budget, and the interpreter's start
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert report["exit_status"] == 1
     statuses = [row["status"] for row in report["checks"]]
     assert "FAIL" in statuses, report
     assert "PASS" not in statuses, report
     assert re.search(r"^summary: .* exit status 1$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_a_budget_that_leaves_no_time_runs_nothing(tmp_path: Path) -> None:
+    proc, report = _run(tmp_path, "--dry-run", "--budget", "0.3")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [probe] = [row for row in report["checks"] if row["name"] == "probe"]
+    assert probe["status"] == "FAIL"
+    assert "leaves no time" in probe["summary"]
+    assert report["complete"]

@@ -60,7 +60,18 @@ def _dist_backend(device: torch.device) -> str:
     known = _DIST_BACKENDS.get(device.type)
     if known is not None:
         return known
-    return str(dist.get_default_backend_for_device(device))
+    lookup = getattr(dist, "get_default_backend_for_device", None)  # torch 2.6 and later
+    if lookup is not None:
+        return str(lookup(device))
+    # Earlier torch: the map that lookup reads, which a device's plugin fills when it
+    # registers its collective backend.
+    backend = dist.Backend.default_device_backend_map.get(device.type)
+    if backend is None:
+        raise ValueError(
+            f"no torch.distributed backend is registered for {device.type!r} devices "
+            f"(torch {torch.__version__}); import the device's torch plugin first"
+        )
+    return str(backend)
 
 
 def _available_cpus() -> int:
