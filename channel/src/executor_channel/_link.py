@@ -327,8 +327,8 @@ class _Link:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ChannelTimeoutError(f"no message within {timeout}s") from None
-                self._poller.poll(max(1, math.ceil(remaining * 1000)))
-                if self._gate is not None:
+                events = self._poller.poll(max(1, math.ceil(remaining * 1000)))
+                if self._gate is not None and any(sock is not self._socket for sock, _ in events):
                     self._gate.service()
                 continue
             message = handle(frames)
@@ -365,7 +365,7 @@ class _Link:
             events = dict(poller.poll(math.ceil(max(0.0, deadline - time.monotonic()) * 1000)))
             ready = [fd for fd in fds if events.get(fd)]
             frames_waiting = bool(events.get(self._socket))
-            if self._gate is not None:
+            if self._gate is not None and len(events) > frames_waiting + len(ready):
                 self._gate.service()
             # Woken only by the gate: the caller's wait is not over.
             if frames_waiting or ready or not events or time.monotonic() >= deadline:
