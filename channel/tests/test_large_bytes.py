@@ -193,6 +193,48 @@ def test_large_bytes_reuse_warm_heap_memory_until_released() -> None:
     assert wait == "None"
 
 
+@pytest.mark.skipif(not GLIBC, reason="the warm heap is glibc's")
+def test_a_large_bytes_freed_after_the_idle_trim_still_goes_back() -> None:
+    """In a process of its own: the cache holds each large ``bytes`` it made, so one still
+    referenced at the idle trim and freed later is let go and trimmed at the next trim, not
+    kept in the heap until another large message comes."""
+    script = textwrap.dedent(
+        """
+        import time
+        from executor_channel import _buffers
+
+        MIB = 1 << 20
+        cache = _buffers.BufferCache(idle_s=0.1)
+        source = bytearray(100 * MIB)
+
+        def resident_mib():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096 // MIB
+
+        base = resident_mib()
+        data = [cache.take_bytes(memoryview(source)) for _ in range(2)]
+        time.sleep(0.15)
+        cache.trim()  # idle: the heap is trimmed, but both are still referenced
+        held, kept = len(cache._held), resident_mib() - base
+        waits = [cache.trim_wait_s()]
+        del data  # freed by the caller only now
+        waits.append(cache.trim_wait_s())  # something to give back again
+        cache.trim()
+        print(held, kept, resident_mib() - base, len(cache._held), *waits)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    held, kept, left, held_after, wait_in_use, wait_freed = result.stdout.split()
+    assert held == "2"
+    assert int(kept) >= 190  # both in use: resident
+    assert wait_in_use == "None"  # nothing free: a waiting reader needs no timeout
+    assert wait_freed == "0.1"
+    assert held_after == "0"
+    assert int(left) < 20  # let go and trimmed: back to the kernel
+
+
 def test_small_and_huge_bytes_take_the_plain_path() -> None:
     assert _heap.allocate_bytes(b"abc", 256 * MIB) == b"abc"
     made = _heap.new_bytes(10, 256 * MIB)

@@ -321,6 +321,57 @@ def test_a_block_reused_before_it_idles_is_kept() -> None:
     cache.release()
 
 
+def test_once_idle_every_free_block_goes_at_the_next_trim() -> None:
+    cache = _buffers.BufferCache(idle_s=0.05)
+    kept = cache.take(2 * MIB)
+    time.sleep(0.06)  # no large message since: the process is idle
+    del kept  # freed only now, and seen free for the first time by this trim
+    assert cache.trim() == 2 * MIB
+    assert cache._blocks == []
+
+
+def test_idle_trim_wakes_once_after_the_last_large_message() -> None:
+    cache = _buffers.BufferCache(idle_s=0.3)
+    trim = _buffers.IdleTrim(cache)
+    try:
+        assert trim.timeout() is None  # nothing kept: sleep until the doorbell
+        view = cache.take(2 * MIB)
+        readable = _readable(trim.fileno())
+        assert readable  # the first large message rang it
+        trim.run()  # a wake for that: nothing due yet
+        assert not _readable(trim.fileno())
+        assert len(cache._blocks) == 1
+        wait = trim.timeout()
+        assert wait is not None
+        assert 0.15 < wait <= 0.3  # due idle_s after the message
+        cache.take(2 * MIB)  # another, dropped at once, while one is kept: no new ring
+        assert not _readable(trim.fileno())
+        assert len(cache._blocks) == 2
+        time.sleep(0.31)
+        trim.run()  # due: the dropped one goes; the one in use stays, so does the watch
+        assert len(cache._blocks) == 1
+        assert cache.stats() == (0, 2 * MIB)
+        assert trim.timeout() is not None
+        del view  # freed between two wakes: gone at the next
+        wait = trim.timeout()
+        assert wait is not None
+        time.sleep(wait + 0.01)
+        trim.run()
+        assert cache._blocks == []
+        assert trim.timeout() is None  # nothing kept: no timeout any more
+    finally:
+        trim.close()
+        cache.release()
+    cache.take(2 * MIB)  # a closed watch is not rung (its descriptor is closed)
+    cache.release()
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
+
+
 def test_a_waiting_reader_gives_cached_memory_back(
     rings: Callable[..., Rings], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,9 @@ steady stream of large messages is copied into pages that are already faulted in
 
 A ``bytes`` object keeps its data inline, so it cannot live in a block: for one of 32 MiB or
 more, :meth:`BufferCache.take_bytes` and :meth:`BufferCache.new_bytes` keep the process's heap
-warm instead (``_heap``), under the same bounds and the same idle trim.
+warm instead (``_heap``), under the same bounds and the same idle trim. The cache holds each
+such object too (at most :data:`MAX_BLOCKS`), so that it knows, as for a block, when nothing
+else refers to it any more: it then lets it go (into the warm heap) at its next trim or take.
 
 Ownership: :meth:`BufferCache.take` returns a memoryview of a block. Everything built on it
 (slices, ``PickleBuffer``\\ s, tensors, arrays) keeps the block's mapping alive through the
@@ -20,13 +22,17 @@ never shares memory with a later message, however long it is kept.
 
 Bounds: free blocks are kept up to :data:`MAX_IDLE_BYTES` in all (counting what was handed
 out of each: a block's capacity is rounded up, but pages never written cost no memory; least
-recently used go first), and a block free for :data:`IDLE_S` is unmapped by the next trim: every
-:meth:`~BufferCache.take`, a ring read once every ``IDLE_S`` (:meth:`~BufferCache.tick`), and a
-reader blocked on its ring while a free block is cached (see ``Ring.wait_readable``).
-:func:`release` unmaps every free block at once (for a process about to sleep, or a driver
-whose executor is closed). Blocks still in use are tracked only up to :data:`MAX_BLOCKS`;
-beyond that the oldest are forgotten, and their memory goes back to the kernel when their
-objects are freed, as without a cache.
+recently used go first). Once no large message has come for :data:`IDLE_S`, the next trim
+gives back everything free: it unmaps every free block and returns the free pages of the heap
+to the kernel (``malloc_trim``); while messages keep coming, a trim unmaps a block seen free
+for ``IDLE_S``. Trims run on every :meth:`~BufferCache.take`, on a ring read once every
+``IDLE_S`` (:meth:`~BufferCache.tick`), in a reader blocked on its ring while something is
+free to give back (see ``Ring.wait_readable``), and in a thread that watches the cache with an
+:class:`IdleTrim` (a driver's monitor of its workers: a driver receives replies only while a
+caller waits, and its caller drops them whenever it likes). :func:`release` gives everything
+free back at once (for a process about to sleep, or a driver whose executor is closed). Blocks
+still in use are tracked only up to :data:`MAX_BLOCKS`; beyond that the oldest are forgotten,
+and their memory goes back to the kernel when their objects are freed, as without a cache.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import _heap
@@ -46,9 +53,11 @@ __all__ = [
     "MAX_IDLE_BYTES",
     "MIN_BYTES",
     "BufferCache",
+    "IdleTrim",
     "cache",
     "release",
     "take",
+    "trim_if_due",
 ]
 
 #: Smaller requests are plain ``bytearray``\ s: the allocator keeps memory of that size warm
@@ -57,10 +66,12 @@ MIN_BYTES = 1 << 20
 #: Free memory kept for reuse, in all. Four times the default broadcast ring, so messages of a
 #: few ring sizes, alternating, all stay warm.
 MAX_IDLE_BYTES = 256 << 20
-#: A free block unused this long is unmapped: long enough to bridge the gap between the steps
-#: of a running job, short enough that an idle process soon gives the memory back.
+#: No large message for this long and the process gives back every free block and heap page
+#: (a block free this long is unmapped even while messages come): long enough to bridge the
+#: gap between the steps of a running job, short enough that an idle process soon gives the
+#: memory back.
 IDLE_S = 2.0
-#: Blocks tracked at most (free or in use): bounds the scan in :meth:`BufferCache.take`.
+#: Blocks tracked at most (free or in use), and as many large ``bytes``: bounds the scans.
 MAX_BLOCKS = 64
 #: Block sizes are rounded up to a quarter step of a power of two, in whole pages of this
 #: size, so that messages of nearly the same size share blocks and at most a fifth is unused.
@@ -98,6 +109,24 @@ def _free(block: _Block) -> bool:
     return _refs(block) == block.base
 
 
+class _Held:
+    """A large ``bytes`` made from the warm heap, held until nothing else refers to it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _held_refs(held: _Held) -> int:
+    # One function for every count, as for blocks (``_refs``).
+    return sys.getrefcount(held.data)
+
+
+#: What :func:`_held_refs` says of an object that only its holder refers to.
+_HELD_ALONE = _held_refs(_Held(bytes(64)))
+
+
 class BufferCache:
     """Blocks of warm memory handed out for received messages (see the module docstring).
 
@@ -119,9 +148,16 @@ class BufferCache:
         self._lock = threading.Lock()
         self._blocks: list[_Block] = []  # oldest use first
         self._trim_at = 0.0  # when :meth:`tick` next trims
-        # When a large ``bytes`` last took heap memory kept warm (see :meth:`take_bytes`);
-        # 0.0 once the heap has been trimmed since.
-        self._heap_used_at = 0.0
+        # When a block or warm heap memory was last handed out: the process is idle, and
+        # everything free goes back, once this is ``idle_s`` old.
+        self._used_at = 0.0
+        # The large ``bytes`` made from the warm heap that may still be referenced (oldest
+        # first); and whether the heap holds memory freed since its last trim, or may.
+        self._held: list[_Held] = []
+        self._heap_dirty = False
+        # Called, lock held, when the cache starts keeping memory while it kept none: a
+        # thread watching it (:class:`IdleTrim`) then stops sleeping without a timeout.
+        self._wakers: list[Callable[[], None]] = []
 
     def take(self, nbytes: int) -> memoryview:
         """``nbytes`` of writable memory the caller owns; its contents are undefined.
@@ -134,6 +170,7 @@ class BufferCache:
         limit = _capacity(nbytes)
         with self._lock:
             now = time.monotonic()
+            self._wake_watchers()
             best: _Block | None = None
             for block in self._blocks:
                 if (
@@ -152,59 +189,114 @@ class BufferCache:
             best.size = max(best.size, nbytes)
             self._blocks.append(best)
             view = memoryview(best.map)[:nbytes]  # in use from here on
+            self._used_at = now  # a message came: this trim is a busy one
             self._trim(now, self.idle_s)
         return view
 
     def take_bytes(self, view: Any) -> bytes:
         """``bytes(view)``, warm: one of :data:`_heap.MMAP_CEILING` or more comes from the
         process's heap, which keeps it after it is freed, up to :attr:`max_idle_bytes` and until
-        the heap has gone unused for :attr:`idle_s` (see :mod:`._heap`)."""
+        the process has gone :attr:`idle_s` without a large message (see :mod:`._heap`)."""
+        if memoryview(view).nbytes < _heap.MMAP_CEILING:
+            return bytes(view)
+        with self._lock:
+            self._let_go()  # first, so that their memory is the heap's to reuse
         data = _heap.allocate_bytes(view, self.max_idle_bytes)
-        if len(data) >= _heap.MMAP_CEILING and _heap.enabled():
-            self._heap_used_at = time.monotonic()
+        self._hold(data)
         return data
 
     def new_bytes(self, nbytes: int) -> tuple[bytes, memoryview] | None:
         """A new ``bytes`` of ``nbytes`` to fill through the returned view, warm as
         :meth:`take_bytes` makes it (see :func:`._heap.new_bytes`); None if not possible here."""
+        if nbytes >= _heap.MMAP_CEILING:
+            with self._lock:
+                self._let_go()
         made = _heap.new_bytes(nbytes, self.max_idle_bytes)
-        if made is not None and nbytes >= _heap.MMAP_CEILING and _heap.enabled():
-            self._heap_used_at = time.monotonic()
+        if made is not None:
+            self._hold(made[0])
         return made
 
-    def trim(self) -> int:
-        """Unmap blocks seen free at least :attr:`idle_s` ago; returns the bytes unmapped
-        (counted as :meth:`stats` counts them).
+    def _hold(self, data: bytes) -> None:
+        """Track ``data`` if it came from the warm heap."""
+        if not (_heap.MMAP_CEILING <= len(data) <= self.max_idle_bytes and _heap.enabled()):
+            return
+        with self._lock:
+            self._wake_watchers()
+            self._held.append(_Held(data))
+            if len(self._held) > self.max_blocks:
+                # Forget the oldest: its memory goes to the heap when it is freed, and back to
+                # the kernel at the heap's next trim.
+                del self._held[0]
+            self._heap_dirty = True
+            self._used_at = time.monotonic()
 
-        A block is seen free by a trim, so one is unmapped between one and two ``idle_s``
-        after it was freed, if trims come at least every ``idle_s``.
+    def trim(self) -> int:
+        """Give back what is free: every free block and the heap's free pages if no large
+        message came for :attr:`idle_s`, else the blocks seen free at least :attr:`idle_s`
+        ago; returns the bytes unmapped (counted as :meth:`stats` counts them).
+
+        A block is seen free by a trim, so one is unmapped at most ``idle_s`` after the last
+        large message or after it was freed, whichever is later, plus the time to the next
+        trim, if trims come at least every ``idle_s``.
         """
         with self._lock:
             return self._trim(time.monotonic(), self.idle_s)
 
     def tick(self) -> None:
-        """:meth:`trim` if blocks are tracked and the last trim is :attr:`idle_s` old: cheap
+        """:meth:`trim` if anything is kept and the last trim is :attr:`idle_s` old: cheap
         enough for every message a ring reads, so a busy reader that no longer receives large
         messages still gives their blocks back."""
-        if (self._blocks or self._heap_used_at) and time.monotonic() >= self._trim_at:
+        if self._keeps() and time.monotonic() >= self._trim_at:
             self.trim()
 
     def release(self) -> int:
-        """Unmap every free block now; returns the bytes unmapped."""
+        """Give back everything free now; returns the bytes unmapped."""
         with self._lock:
             return self._trim(time.monotonic(), 0.0)
 
     def trim_wait_s(self) -> float | None:
         """How long a reader with nothing else to do may sleep before it calls :meth:`trim`:
-        None while no block is free (no timeout is needed for the cache's sake; a block freed
-        meanwhile is seen by the next :meth:`tick` or :meth:`take`)."""
-        if self._heap_used_at:
+        None while nothing is free to give back (no timeout is needed for the cache's sake; a
+        block or ``bytes`` freed meanwhile is seen by the next :meth:`tick` or :meth:`take`).
+        For a reader whose own thread frees what it received before it waits (a worker)."""
+        if self._heap_dirty:
             return self.idle_s
-        if not self._blocks:
+        if not (self._blocks or self._held):
             return None
         with self._lock:
-            free = any(_free(block) for block in self._blocks)
+            free = any(_free(block) for block in self._blocks) or any(
+                _held_refs(held) == _HELD_ALONE for held in self._held
+            )
         return self.idle_s if free else None
+
+    def watch_wait_s(self) -> float | None:
+        """How long a thread that watches the cache for others (:class:`IdleTrim`) may sleep
+        before it calls :meth:`trim_if_due`: until :attr:`idle_s` after the last large message, then
+        every ``idle_s`` while the cache keeps or tracks anything (a received object still
+        referenced may be freed at any moment); None once it keeps nothing."""
+        with self._lock:  # not between a waker's call and the change it announces
+            if not self._keeps():
+                return None
+            due = max(self._used_at + self.idle_s, self._trim_at)
+        return max(0.0, due - time.monotonic())
+
+    def trim_if_due(self) -> None:
+        """:meth:`trim` if :meth:`watch_wait_s` says one is due now (the watch's trim)."""
+        wait = self.watch_wait_s()
+        if wait is not None and wait <= 0.0:
+            self.trim()
+
+    def add_waker(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` (from the receiving thread, with the cache's lock held: it must not
+        block) whenever the cache starts keeping memory while it kept none."""
+        with self._lock:
+            self._wakers.append(wake)
+
+    def remove_waker(self, wake: Callable[[], None]) -> None:
+        """Stop calling ``wake``; once this returns, it is not running either."""
+        with self._lock:
+            if wake in self._wakers:
+                self._wakers.remove(wake)
 
     def stats(self) -> tuple[int, int]:
         """``(free bytes kept, bytes in use)`` among the tracked blocks (as they count for
@@ -214,9 +306,32 @@ class BufferCache:
             used = sum(b.size for b in self._blocks if not _free(b))
         return free, used
 
+    def _keeps(self) -> bool:
+        """Whether a trim may have anything to give back, now or once an object is freed."""
+        return bool(self._blocks or self._held or self._heap_dirty)
+
+    def _wake_watchers(self) -> None:
+        """Before the cache takes memory: wake the watchers if it kept none. Lock held."""
+        if self._wakers and not self._keeps():
+            for wake in self._wakers:
+                wake()
+
+    def _let_go(self) -> None:
+        """Drop the held ``bytes`` nothing else refers to: their memory becomes the heap's
+        free memory. Lock held."""
+        held = self._held
+        if held:
+            kept = [h for h in held if _held_refs(h) != _HELD_ALONE]
+            if len(kept) < len(held):
+                self._held = kept
+                self._heap_dirty = True
+
     def _trim(self, now: float, idle_s: float) -> int:
-        """Unmap free blocks seen free for ``idle_s`` or beyond the byte bound (least recently
-        used first), and forget the oldest blocks beyond :attr:`max_blocks`. Lock held."""
+        """Unmap free blocks: all of them once no large message came for ``idle_s``, else
+        those seen free for ``idle_s`` or beyond the byte bound (least recently used first);
+        forget the oldest blocks beyond :attr:`max_blocks`; let go of the ``bytes`` held for
+        nothing, and trim the heap once idle. Lock held."""
+        idle = now - self._used_at >= idle_s
         released = 0
         keep_bytes = self.max_idle_bytes
         kept: list[_Block] = []
@@ -224,7 +339,7 @@ class BufferCache:
             if _free(block):
                 if block.free_since is None:
                     block.free_since = now
-                if now - block.free_since >= idle_s or block.size > keep_bytes:
+                if idle or now - block.free_since >= idle_s or block.size > keep_bytes:
                     try:
                         block.map.close()  # no view of it is left: nothing can see it go
                     except BufferError:  # exported after all: keep it, in use
@@ -243,16 +358,67 @@ class BufferCache:
             # in use when the objects built on it are freed, as without a cache.
             del kept[: len(kept) - self.max_blocks]
         self._blocks = kept
-        if self._heap_used_at and now - self._heap_used_at >= idle_s:
-            self._heap_used_at = 0.0
+        self._let_go()
+        if self._heap_dirty and idle:
+            self._heap_dirty = False
             _heap.trim()
         self._trim_at = now + self.idle_s
         return released
 
     def _after_fork(self) -> None:
         # The child is single-threaded: a lock another thread held at the fork would never
-        # be released. The blocks are copy-on-write copies, still the child's to reuse.
+        # be released. The blocks are copy-on-write copies, still the child's to reuse; the
+        # parent's watchers are not the child's.
         self._lock = threading.Lock()
+        self._wakers = []
+
+
+class IdleTrim:
+    """Gives the process's idle receive memory back from a loop that a thread already runs,
+    without a thread or a periodic wake of its own.
+
+    A driver receives replies only while a caller waits for them, and its caller may drop a
+    large one at any moment after, so no reader of its rings is there to trim. A thread that
+    sleeps anyway (a driver's monitor of its worker processes) adds :meth:`fileno` to what it
+    waits on, waits at most :meth:`timeout`, and calls :meth:`run` after every wake: it then
+    wakes :data:`IDLE_S` after the last large message, gives back what is free, and sleeps
+    without a timeout again once the cache keeps nothing, every ``IDLE_S`` until then (while a
+    received object is still referenced). Not thread-safe: one watching thread; :meth:`close`
+    once it has stopped.
+    """
+
+    def __init__(self, watched: BufferCache | None = None) -> None:
+        from ._doorbell import Doorbell  # os and select only
+
+        self._cache = cache if watched is None else watched
+        self._bell = Doorbell()
+        self._ring = self._bell.ring  # the one bound method: remove_waker finds it
+        self._closed = False
+        self._cache.add_waker(self._ring)
+
+    def fileno(self) -> int:
+        """The eventfd that becomes readable when the cache starts keeping memory."""
+        return self._bell.fd
+
+    def timeout(self) -> float | None:
+        """Seconds to sleep at most before :meth:`run`; None: until :meth:`fileno` is
+        readable."""
+        return self._cache.watch_wait_s()
+
+    def run(self) -> None:
+        """After a wake (for any reason): consume the doorbell, and trim if one is due (the
+        due time is worked out again: a large message may have come during the sleep)."""
+        self._bell.clear()
+        self._cache.trim_if_due()
+
+    def close(self) -> None:
+        """Stop watching; close the eventfd. Idempotent (the descriptor is closed once: its
+        number may be another's by a second call)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cache.remove_waker(self._ring)
+        self._bell.close()
 
 
 #: The process's cache, shared by every ring reader and the codec.
@@ -266,5 +432,12 @@ def take(nbytes: int) -> memoryview:
 
 
 def release() -> int:
-    """Unmap every free block of the process's cache now; returns the bytes unmapped."""
+    """Give back everything free in the process's cache now; returns the bytes unmapped."""
     return cache.release()
+
+
+def trim_if_due() -> None:
+    """The watch's trim on the process's cache (:meth:`BufferCache.trim_if_due`), for a loop
+    that wakes at least every :data:`IDLE_S` anyway: it then gives back what is free at most
+    that loop's period after the process went idle."""
+    cache.trim_if_due()

@@ -373,8 +373,8 @@ class Ring:
         """Wait until :meth:`poll` would be true; False if ``deadline`` passed first.
 
         Without ``deadline`` and ``abort``, a blocking doorbell is slept on without a cap,
-        except while the receive buffer cache holds a free block: then the sleep is cut
-        after ``_buffers.IDLE_S`` to give back what stayed unused.
+        except while the receive buffer cache holds something free to give back: then the
+        sleep is cut after ``_buffers.IDLE_S`` to give back what stayed unused.
         """
         buf = self._buf
         off = self._written_off
@@ -408,7 +408,7 @@ class Ring:
                     bell.wait(MAX_SLEEP_S)
                     continue
                 # Nothing to do until the next message: give back cached receive memory
-                # left unused meanwhile (a bounded sleep only while it holds a free block).
+                # left unused meanwhile (a bounded sleep only while something is free).
                 cache = _buffers.cache
                 trim_wait = cache.trim_wait_s()
                 bell.wait(trim_wait)

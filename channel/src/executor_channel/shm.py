@@ -6,12 +6,17 @@ and once out); a reader or writer that finds nothing to do spins briefly under a
 :class:`Spinner`, then sleeps on a :class:`Doorbell` (an eventfd), so idle processes use no
 CPU. What goes into a ring is a frame of :mod:`executor_channel.codec`. :class:`NodeRings`
 (the writer's) and :class:`WorkerRings` (a worker's) are one node's set: a broadcast ring of
-calls and a reply ring per worker; :func:`serve_rings` is a worker's loop over them.
+calls and a reply ring per worker; :func:`serve_rings` is a worker's loop over them. Large
+messages are received into warm memory that the process gives back once idle
+(:func:`release_receive_buffers` at once; from a thread that waits anyway, an :class:`IdleTrim`,
+or :func:`trim_receive_buffers` from a loop that wakes every second or so).
 """
 
 from __future__ import annotations
 
+from ._buffers import IdleTrim
 from ._buffers import release as release_receive_buffers
+from ._buffers import trim_if_due as trim_receive_buffers
 from ._doorbell import Doorbell
 from ._node_rings import (
     NodeRings,
@@ -32,6 +37,7 @@ __all__ = [
     "SHM_DIR",
     "Doorbell",
     "Handler",
+    "IdleTrim",
     "NodeRings",
     "Received",
     "Reply",
@@ -50,4 +56,5 @@ __all__ = [
     "release_receive_buffers",
     "reply_frame",
     "serve_rings",
+    "trim_receive_buffers",
 ]

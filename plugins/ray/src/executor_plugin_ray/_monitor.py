@@ -1,4 +1,9 @@
-"""The death monitor: one long-pending "watch" call per actor, resolved when the actor dies."""
+"""The death monitor: one long-pending "watch" call per actor, resolved when the actor dies.
+
+Its thread also gives back the driver's idle receive memory: the driver reads replies only
+while a caller waits, so nothing else in it would trim the memory of a large reply dropped
+afterwards (``executor_channel.shm.trim_receive_buffers``; it wakes every second anyway).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from collections.abc import Callable, Sequence
 
 import ray
 from ray import ObjectRef
+
+from executor_channel.shm import release_receive_buffers, trim_receive_buffers
 
 from ._ranks import WorkerPlacement
 
@@ -38,7 +45,16 @@ class DeathMonitor:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            # The workers are gone or going: what this process kept warm for their messages
+            # is of no more use.
+            release_receive_buffers()
+
+    def _watch(self) -> None:
         while self._pending and not self._stop.is_set():
+            trim_receive_buffers()  # nothing unless no large message came for IDLE_S
             try:
                 ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=_POLL_S)
             except Exception:  # Ray disconnected under us: nothing left to watch
