@@ -1,7 +1,8 @@
 """Worker-side hooks fire inside each worker process, on every installed backend.
 
-The observer is a real installed plugin (tests/fixture_dist, entry point ``fixture_observer``)
-so worker processes and actors load it through the same entry points as the driver.
+The observer is a real plugin (tests/fixture_dist, entry point ``fixture_observer``, exposed
+by the ``fixture_plugins`` fixture) so worker processes and actors load it through the same
+entry points as the driver.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ def _events(path: Path) -> list[dict[str, Any]]:
         for name in installed_backends()
     ],
 )
-def test_worker_hooks_see_lifecycle_and_every_rpc(backend: str, tmp_path: Path) -> None:
+def test_worker_hooks_see_lifecycle_and_every_rpc(
+    backend: str, tmp_path: Path, fixture_plugins: str
+) -> None:
     log = tmp_path / "hooks.jsonl"
     world_size = world_size_for(backend)
-    config = conformance_config(
-        backend, world_size=world_size, env={"EXECUTOR_FIXTURE_OBSERVER_LOG": str(log)}
-    )
+    # PYTHONPATH for Ray's actors, which start from the cluster's environment, not this one.
+    env = {"EXECUTOR_FIXTURE_OBSERVER_LOG": str(log), "PYTHONPATH": fixture_plugins}
+    config = conformance_config(backend, world_size=world_size, env=env)
     with create_executor(config) as executor:
         executor.collective_rpc("get_rank")
         with pytest.raises(WorkerError):

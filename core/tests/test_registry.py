@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import shlex
 import sys
 import textwrap
@@ -17,11 +18,13 @@ from executor_core import (
     BackendLoadError,
     Executor,
     ExecutorConfig,
+    ExecutorError,
     UnknownBackendError,
     WorkerBase,
     __version__,
     hookimpl,
 )
+from executor_core._registry import PluginRegistrationError
 from executor_core.backend import BackendSpec, Capabilities, Registry
 
 
@@ -126,68 +129,184 @@ def test_conflicts_are_reported_not_resolved() -> None:
     assert registry.get("other").plugin == "second"  # the non-conflicting name still works
 
 
-def test_unknown_backend_lists_available_broken_and_install_hint() -> None:
+def test_unknown_backend_lists_available_and_install_hint() -> None:
     registry = Registry()
     registry.register_plugin(_plugin(_spec("alpha", "a")), "alpha")
-
-    class BadHook:
-        @staticmethod
-        @hookimpl
-        def executor_select_backend(config: Any, nonsense: Any) -> None:
-            return None
-
-    assert registry.register_plugin(BadHook(), "bad", distribution="bad-dist") is False
     with pytest.raises(UnknownBackendError) as info:
         registry.get("ray")
     message = str(info.value)
     assert "unknown executor backend 'ray'" in message
     assert "Available backends: a, alpha." in message
     assert "pip install executor-plugin-ray" in message
-    assert "bad (bad-dist)" in message
-    assert "nonsense" in message
+    assert "failed to load" not in message  # nothing broken: registering never records
 
 
-def test_broken_plugins_do_not_hide_others() -> None:
+class _BadHook:
+    @staticmethod
+    @hookimpl
+    def executor_select_backend(config: Any, nonsense: Any) -> None:
+        return None
+
+
+class _UnknownHook:
+    @staticmethod
+    @hookimpl
+    def executor_no_such_hook() -> None:
+        return None
+
+
+class _Raises:
+    @staticmethod
+    @hookimpl
+    def executor_register_backends() -> list[BackendSpec]:
+        raise RuntimeError("cannot declare")
+
+
+class _WrongType:
+    @staticmethod
+    @hookimpl
+    def executor_register_backends() -> list[object]:
+        return ["not a spec"]
+
+
+class _NotIterable:
+    @staticmethod
+    @hookimpl
+    def executor_register_backends() -> None:
+        return None
+
+
+def _forgot_hookimpl() -> types.ModuleType:
+    forgot = types.ModuleType("forgot_hookimpl")
+
+    def executor_register_backends() -> list[BackendSpec]:
+        return [_spec("never-seen")]
+
+    forgot.executor_register_backends = executor_register_backends  # type: ignore[attr-defined]
+    return forgot
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        pytest.param(
+            _BadHook,
+            "PluginValidationError: Plugin 'bad' for hook 'executor_select_backend'",
+            id="argument-not-in-spec",
+        ),
+        pytest.param(
+            _UnknownHook,
+            "PluginValidationError: unknown hook 'executor_no_such_hook'",
+            id="unknown",
+        ),
+        pytest.param(
+            _Raises,
+            "executor_register_backends raised RuntimeError: cannot declare",
+            id="declaring-raises",
+        ),
+        pytest.param(
+            _WrongType,
+            "executor_register_backends must return BackendSpec objects, got str",
+            id="not-a-spec",
+        ),
+        pytest.param(
+            _NotIterable,
+            "executor_register_backends raised TypeError: 'NoneType' object is not iterable",
+            id="not-iterable",
+        ),
+        pytest.param(
+            _forgot_hookimpl,
+            "registers no hook implementation: did you forget @hookimpl on "
+            "executor_register_backends? (from executor_core import hookimpl)",
+            id="forgot-hookimpl",
+        ),
+        pytest.param(
+            object,
+            "registers no hook implementation: no function is decorated with "
+            "@executor_core.hookimpl",
+            id="no-hook-at-all",
+        ),
+    ],
+)
+def test_a_bad_plugin_is_refused_and_nothing_of_it_stays(make: Any, expected: str) -> None:
     registry = Registry()
-
-    class Raises:
-        @staticmethod
-        @hookimpl
-        def executor_register_backends() -> list[BackendSpec]:
-            raise RuntimeError("cannot declare")
-
-    class WrongType:
-        @staticmethod
-        @hookimpl
-        def executor_register_backends() -> list[object]:
-            return ["not a spec"]
-
-    class UnknownHook:
-        @staticmethod
-        @hookimpl
-        def executor_no_such_hook() -> None:
-            return None
-
-    registry.register_plugin(Raises(), "raises")
     registry.register_plugin(_plugin(_spec("good")), "good")
-    registry.register_plugin(WrongType(), "wrong-type")
-    assert registry.register_plugin(UnknownHook(), "unknown-hook") is False
+    bad = make()
+    with pytest.raises(PluginRegistrationError) as info:
+        registry.register_plugin(bad, "bad", distribution="bad-dist")
+    error = info.value
+    assert isinstance(error, ExecutorError)
+    assert isinstance(error, ValueError)  # as pluggy's error for a taken name
+    assert error.plugin_name == "bad"
+    assert error.reason.startswith(expected), error.reason
+    assert str(error) == f"cannot register plugin 'bad': {error.reason}"
+    assert not registry.plugin_manager.is_registered(bad)
+    assert registry.plugin_manager.get_plugin("bad") is None
+    assert registry.plugins == {"good": ("", "")}
     assert registry.names() == ["good"]
-    broken = {b.name: b.error for b in registry.broken}
-    assert set(broken) == {"raises", "wrong-type", "unknown-hook"}
-    assert "cannot declare" in broken["raises"]
-    assert "BackendSpec" in broken["wrong-type"]
-    assert "executor_no_such_hook" in broken["unknown-hook"]
-    # A rejected plugin is fully unregistered: later registrations still validate.
-    assert registry.register_plugin(_plugin(_spec("late")), "late")
+    assert registry.broken == []  # only loading entry points records a broken plugin
+    # Later registrations still validate, and the refused name is free.
+    assert registry.register_plugin(_plugin(_spec("late")), "bad") == "bad"
     assert registry.names() == ["good", "late"]
 
 
-def test_duplicate_plugin_name_is_recorded() -> None:
+def test_a_refused_plugin_error_chains_the_cause_and_pickles() -> None:
+    with pytest.raises(PluginRegistrationError) as info:
+        Registry().register_plugin(_Raises(), "raises")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert str(info.value.__cause__) == "cannot declare"
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert (copy.plugin_name, copy.reason, str(copy)) == (
+        "raises",
+        info.value.reason,
+        str(info.value),
+    )
+
+
+def test_a_taken_name_or_a_plugin_registered_twice_is_refused() -> None:
     registry = Registry()
-    assert registry.register_plugin(_plugin(_spec("one")), "same")
-    assert not registry.register_plugin(_plugin(_spec("two")), "same")
-    assert "already registered" in registry.broken[0].error
+    first = _plugin(_spec("one"))
+    assert registry.register_plugin(first, "same") == "same"
+    with pytest.raises(PluginRegistrationError, match="the name 'same' is taken by another plugin"):
+        registry.register_plugin(_plugin(_spec("two")), "same")
+    with pytest.raises(PluginRegistrationError, match="already registered, as 'same'"):
+        registry.register_plugin(first, "other")
+    # The name of the core's own selection rule is taken too.
+    with pytest.raises(PluginRegistrationError, match="is taken"):
+        registry.register_plugin(_plugin(_spec("x")), "executor_core.builtin_selection")
+    assert registry.names() == ["one"]
+    assert registry.get("one").plugin == "same"
+    assert registry.plugin_manager.get_plugin("same") is first
+
+
+def test_a_plugin_unregistered_through_pluggy_is_gone_and_its_name_free() -> None:
+    registry = Registry()
+    registry.register_plugin(_plugin(_spec("one")), "p")
+    registry.register_plugin(_plugin(_spec("two")), "q")
+    registry.plugin_manager.unregister(name="p")
+    assert registry.names() == ["two"]
+    assert set(registry.plugins) == {"q"}
+    registry.register_plugin(_plugin(_spec("three")), "p")
+    assert registry.names() == ["two", "three"]  # registration order
+
+
+def test_backends_are_declared_once_at_registration() -> None:
+    calls = []
+
+    class Counting:
+        @staticmethod
+        @hookimpl
+        def executor_register_backends() -> list[BackendSpec]:
+            calls.append(1)
+            return [_spec("counted")]
+
+    registry = Registry()
+    registry.register_plugin(Counting(), "counting")
+    assert len(calls) == 1
+    for _ in range(3):
+        assert registry.get("counted").plugin == "counting"
+        assert registry.names() == ["counted"]
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(
@@ -263,21 +382,6 @@ def test_backend_spec_validation() -> None:
     assert spec.capabilities.describe() == "pp, multi-node, cpu/cuda"
 
 
-def test_broken_plugin_recorded_once_across_recollection() -> None:
-    registry = Registry()
-
-    class Raises:
-        @staticmethod
-        @hookimpl
-        def executor_register_backends() -> list[BackendSpec]:
-            raise RuntimeError("cannot declare")
-
-    registry.register_plugin(Raises(), "raises")
-    assert len(registry.broken) == 1
-    registry.register_plugin(_plugin(_spec("x")), "x")  # forces a new collection
-    assert [b.name for b in registry.broken] == ["raises"]
-
-
 def test_requires_takes_pep508_specifiers(lazy_backend_module: str) -> None:
     executor = f"{lazy_backend_module}:LazyExecutor"
     registry = Registry()
@@ -317,29 +421,6 @@ def test_backend_spec_rejects_invalid_requirements() -> None:
     with pytest.raises(ValueError, match="'ray >= = 2' is not a PEP 508 requirement"):
         BackendSpec(name="x", executor="m:C", requires=("ray >= = 2",))
     assert BackendSpec(name="x", executor="m:C", requires="ray>=2.10").requires == ("ray>=2.10",)
-
-
-def test_plugin_without_any_hookimpl_is_broken() -> None:
-    registry = Registry()
-    forgot = types.ModuleType("forgot_hookimpl")
-
-    def executor_register_backends() -> list[BackendSpec]:
-        return [_spec("never-seen")]
-
-    forgot.executor_register_backends = executor_register_backends  # type: ignore[attr-defined]
-    assert registry.register_plugin(forgot, "forgot", distribution="forgot-dist") is False
-    assert registry.register_plugin(object(), "empty") is False
-    broken = {b.name: b for b in registry.broken}
-    assert broken["forgot"].distribution == "forgot-dist"
-    assert (
-        "registers no hook implementation: did you forget @hookimpl on "
-        "executor_register_backends?" in broken["forgot"].error
-    )
-    assert "no function is decorated with @executor_core.hookimpl" in broken["empty"].error
-    assert registry.backends() == []
-    # Nothing of theirs stays registered: later plugins still validate.
-    assert registry.register_plugin(_plugin(_spec("later")), "later")
-    assert registry.names() == ["later"]
 
 
 def test_plugin_for_another_core_is_listed_but_never_used() -> None:
@@ -410,3 +491,12 @@ def test_auto_with_only_a_third_party_backend_says_how_to_choose_it() -> None:
     message = str(info.value)
     assert "Installed: threads; none declares multi-node support." in message
     assert "pip install executor-plugin-ray" in message
+
+
+def test_a_bad_plugin_for_another_core_is_refused_with_both_reasons() -> None:
+    with pytest.raises(PluginRegistrationError) as info:
+        Registry().register_plugin(_Raises(), "raises", core_requirement="executor-core>=99")
+    assert info.value.reason == (
+        "executor_register_backends raised RuntimeError: cannot declare "
+        f"(requires executor-core>=99; installed {__version__})"
+    )

@@ -14,7 +14,11 @@ import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from ._registry import IN_TREE_BACKENDS, Registry, default_registry
+import attrs
+
+from . import _registry_messages as messages
+from ._registry import Registry, default_registry
+from ._registry_messages import IN_TREE_BACKENDS
 from ._version import __version__
 
 __all__ = ["IN_TREE_COMMANDS", "build_parser", "main"]
@@ -47,42 +51,12 @@ def _versions(registry: Registry) -> dict[str, str]:
     return versions
 
 
-def _plugin_problems(registry: Registry) -> list[str]:
-    """One entry per broken or incompatible plugin (``--version`` prints them after the
-    versions, so a bug report shows them too)."""
-    lines = [
-        f"broken plugin {b.name} ({b.distribution or '?'} {b.version or '?'}): {b.error}"
-        for b in registry.broken
-    ]
-    lines.extend(
-        f"incompatible plugin {name} ({dist or '?'} {version or '?'}): {reason}"
-        for name, (dist, version, reason) in registry.incompatible_plugins.items()
-    )
-    return [line.replace("\n", "\n    ") for line in lines]
-
-
 def _backends_payload(registry: Registry) -> dict[str, Any]:
+    """What ``executor backends --json`` prints: each backend's spec, and what is wrong."""
     conflicts = registry.conflicts()
     return {
         "backends": [
-            {
-                "name": spec.name,
-                "aliases": list(spec.aliases),
-                "plugin": spec.plugin,
-                "distribution": spec.distribution,
-                "version": spec.version,
-                "executor": spec.executor,
-                "description": spec.description,
-                "capabilities": {
-                    "pipeline_parallel": spec.capabilities.pipeline_parallel,
-                    "multi_node": spec.capabilities.multi_node,
-                    "devices": list(spec.capabilities.devices),
-                    "max_world_size": spec.capabilities.max_world_size,
-                },
-                "requires": list(spec.requires),
-                "conflict": spec.name in conflicts,
-                "incompatible": spec.incompatible,
-            }
+            {**attrs.asdict(spec), "conflict": spec.name in conflicts}
             for spec in registry.backends()
         ],
         "broken": [
@@ -122,40 +96,26 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
         return 0
     rows = [["NAME", "ALIASES", "DISTRIBUTION", "VERSION", "CAPABILITIES", "DESCRIPTION"]]
-    # The payload lists the registry's backends in order: read capabilities off the specs.
-    for spec, b in zip(registry.backends(), payload["backends"], strict=True):
-        if b["incompatible"]:
+    for spec in registry.backends():
+        if spec.incompatible:
             caps = "INCOMPATIBLE"
-        elif b["conflict"]:
+        elif spec.name in payload["conflicts"]:
             caps = "CONFLICT"
         else:
             caps = spec.capabilities.describe()
-        rows.append(
-            [
-                b["name"],
-                ",".join(b["aliases"]) or "-",
-                b["distribution"] or b["plugin"],
-                b["version"] or "-",
-                caps,
-                b["description"],
-            ]
-        )
+        aliases = ",".join(spec.aliases) or "-"
+        where = spec.distribution or spec.plugin
+        rows.append([spec.name, aliases, where, spec.version or "-", caps, spec.description])
     if len(rows) > 1:
         print(_table(rows))
     else:
         print("No backends installed. Install one: pip install executor-plugin-uniproc")
     for name, claimants in payload["conflicts"].items():
         print(f"\nconflict: backend name {name!r} is claimed by {', '.join(claimants)}")
-    if payload["broken"]:
-        print("\nPlugins that failed to load:")
-        for b in payload["broken"]:
-            error = b["error"].replace("\n", "\n      ")
-            print(f"  {b['plugin']} ({b['distribution'] or '?'} {b['version']}): {error}")
-    if payload["incompatible"]:
-        print("\nPlugins built for another executor-core (not used; upgrade or reinstall them):")
-        for p in payload["incompatible"]:
-            print(f"  {p['plugin']} ({p['distribution'] or '?'} {p['version']}): {p['reason']}")
-    known = {n for b in payload["backends"] for n in (b["name"], *b["aliases"])}
+    problems = messages.plugin_problems(registry)
+    if problems:
+        print("\n" + "\n".join(problems))
+    known = {n for spec in registry.backends() for n in (spec.name, *spec.aliases)}
     not_installed = _not_installed(IN_TREE_BACKENDS, known)
     if not_installed:
         print("\nAlso available:")
@@ -222,7 +182,7 @@ def _unknown_command_message(name: str, registry: Registry) -> str:
             f"The {name!r} command is provided by {dist}, installed ({version}) but its "
             "plugin is not loaded."
         )
-        lines.extend(registry._diagnostics())
+        lines.extend(messages.diagnostics(registry))
     return "\n".join(lines)
 
 
@@ -238,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.version:
         for dist, version in _versions(registry).items():
             print(f"{dist} {version}")
-        for line in _plugin_problems(registry):
+        for line in messages.plugin_problems(registry):
             print(line)
         return 0
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)

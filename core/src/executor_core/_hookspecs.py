@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from ._config import ExecutorConfig
     from ._errors import WorkerDiedError
-    from ._registry import BackendSpec
+    from ._specs import BackendSpec
     from ._worker import WorkerBase, WorkerContext
 
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
