@@ -20,7 +20,7 @@ from executor_core.backend import Call, RemoteFailure, TransportHost
 from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
-from ._ring import Ring, RingAbortedError
+from ._ring import Ring, RingAbortedError, RingStalledError
 from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["ChannelDriver"]
 
 _BROKEN = (
-    "a call was interrupted half-way through a transfer that spans several ring slots, so "
-    "the rings are out of step; shut this executor down and create a new one"
+    "a call was interrupted half-way through a transfer that spans several ring slots (or a "
+    "rank stopped reading it before the call's deadline), so the rings are out of step; shut "
+    "this executor down and create a new one"
 )
 
 
@@ -152,6 +153,11 @@ class ChannelDriver:
                 # before this thread's bookkeeping (see Spinner.handoff).
                 self._spinner.handoff(self._reply_waiting)
             return sent
+        except RingStalledError:
+            # The deadline passed mid-transfer: the executor fails (the rings are out of step)
+            # and the core raises that failure for this call.
+            self._check_rings()
+            return False
         except RingAbortedError:
             raise self._closed_error() from None
         except BaseException:
@@ -272,7 +278,7 @@ class ChannelDriver:
         parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
         deadline = time.monotonic() + grace_s
         sent = self._calls_ring is None
-        with contextlib.suppress(RingAbortedError):
+        with contextlib.suppress(RingAbortedError, RingStalledError):
             if self._calls_ring is not None:
                 sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
         if sent and self.hub is not None:

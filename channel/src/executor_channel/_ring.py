@@ -111,6 +111,12 @@ class RingAbortedError(Exception):
     """Raised inside ring waits when the ``abort`` check asks to stop waiting."""
 
 
+class RingStalledError(Exception):
+    """A message that spans several slots could not be finished by its deadline: a reader
+    stopped freeing slots part-way through it. Readers hold part of a message that will
+    never end, so the ring is :attr:`Ring.broken`."""
+
+
 @attrs.frozen
 class RingLayout:
     """Where a ring lives in the segment and how it is shaped."""
@@ -277,9 +283,10 @@ class Ring:
         """Publish the message made of ``parts`` (``nbytes`` in all) to every reader.
 
         Returns False, having published nothing, if the slots it needs did not free up
-        before ``deadline``. Once the first chunk is out, a streamed message is finished
-        regardless of the deadline (readers would otherwise wait for its end), bounded only
-        by ``abort``.
+        before ``deadline``. A message longer than the ring is streamed: if a reader has not
+        freed the slot the next chunk needs by ``deadline``, :class:`RingStalledError` is
+        raised with part of it published, and the ring is broken (a send returns by its
+        deadline, whatever the readers do).
         """
         buf = self._buf
         if nbytes <= self._slot_data:  # the common case, kept short (no extra calls)
@@ -308,7 +315,7 @@ class Ring:
         if self._free < needed and not self._wait_for_space(needed, deadline, abort):
             return False
         try:
-            self._stream(parts, nbytes, nchunks, abort)
+            self._stream(parts, nbytes, nchunks, deadline, abort)
         except BaseException:
             if self._streaming:  # readers hold part of a message that will never end
                 self.broken = True
@@ -320,6 +327,7 @@ class Ring:
         parts: Sequence[memoryview | bytes],
         nbytes: int,
         nchunks: int,
+        deadline: float | None,
         abort: Callable[[], None],
     ) -> None:
         # Each chunk is published as soon as it is written, so readers copy it out while
@@ -332,8 +340,12 @@ class Ring:
         views = [memoryview(p) for p in parts]
         self._streaming = False
         for chunk in range(nchunks):
-            if self._free < 1:  # write() made sure of the first ``nslots``
-                self._wait_for_space(1, None, abort)
+            # write() made sure of the first ``nslots``.
+            if self._free < 1 and not self._wait_for_space(1, deadline, abort):
+                raise RingStalledError(
+                    f"a message of {nbytes} bytes ({nchunks} slots, the ring has {nslots}) "
+                    f"could not be finished by its deadline: a reader stopped reading it"
+                )
             slot = self._slot_offs[self._count % nslots]
             size = min(slot_data, remaining)
             _CHUNK.pack_into(buf, slot, nbytes, size)

@@ -395,6 +395,28 @@ def test_send_interrupted_mid_transfer_fails_the_executor() -> None:
 
 
 @pytest.mark.usefixtures("shm_unchanged")
+def test_a_call_larger_than_the_ring_returns_by_its_deadline_with_a_rank_busy() -> None:
+    """With both ranks in a long call nobody reads the broadcast ring: a call longer than the
+    whole ring cannot be finished, and it must still return by its timeout (it used to wait
+    for ever), failing the executor since the rings are out of step."""
+    executor = make(backend_options={"slots": 2, "slot_bytes": 64 << 10, **FAST_STOP})
+    try:
+        busy = executor.collective_rpc("slow", args=(10.0,), non_block=True)
+        time.sleep(0.1)  # both workers are in the call
+        start = time.monotonic()
+        with pytest.raises(ExecutorFailedError, match="out of step"):
+            executor.collective_rpc("payload_size", args=(b"x" * (1 << 20),), timeout=0.5)
+        assert time.monotonic() - start < 3.0
+        assert executor.is_failed
+        with pytest.raises(ExecutorFailedError):
+            busy.result(timeout=5)
+    finally:
+        start = time.monotonic()
+        executor.shutdown()
+        assert time.monotonic() - start < 10.0
+
+
+@pytest.mark.usefixtures("shm_unchanged")
 def test_shutdown_during_a_call_fails_it_and_stops_workers() -> None:
     executor = make()
     pids = worker_pids(executor)
