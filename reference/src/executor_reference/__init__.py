@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     )
     from ._config import DTYPES, MODEL_SIZES, ModelConfig, stage_layers
     from ._generate import GenerationResult, StepRecord, generate, make_prompts
+    from ._main_job import add_run_arguments
     from ._model import KVCache, StageModel
     from ._worker import SPMD_BACKENDS, ReferenceWorker, StepInput, StepOutput
 
@@ -53,6 +54,7 @@ __all__ = [
     "StepOutput",
     "StepRecord",
     "__version__",
+    "add_run_arguments",
     "checkpoint_layout",
     "create_checkpoint",
     "ensure_checkpoint",
@@ -88,6 +90,7 @@ _LAZY: dict[str, str] = {
     "StepRecord": "._generate",
     "generate": "._generate",
     "make_prompts": "._generate",
+    "add_run_arguments": "._main_job",
     "KVCache": "._model",
     "StageModel": "._model",
     "SPMD_BACKENDS": "._worker",

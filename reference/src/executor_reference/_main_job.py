@@ -52,7 +52,12 @@ def add_run_command(commands: argparse._SubParsersAction[Any]) -> None:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``executor run``."""
+    """Add the options of ``executor run`` to ``parser``, with their defaults.
+
+    A tool that runs what the main job runs by default (``scripts/gpu_check.py`` does) reads
+    those from ``parser.parse_args([])``: ``model_size``, ``seed``, ``requests``,
+    ``prompt_len``, ``max_new_tokens``, ``batch_size`` and the rest.
+    """
     parser.add_argument(
         "--backend",
         default="auto",
