@@ -78,7 +78,7 @@ def last_line(stderr: str) -> str:
             ["--node-rank", "0"],
             "argument --node-rank: must be an integer >= 1 (node 0 is the driver's machine)",
         ),
-        (["--node-rank", "one"], "argument --node-rank: must be an integer >= 1, not 'one'"),
+        (["--node-rank", "one"], "--node-rank: must be an integer >= 1 (node 0 is the driver's "),
         (["--num-nodes", "1"], "argument --num-nodes: must be an integer >= 2"),
         (
             ["--num-nodes", "2", "--node-rank", "2"],
@@ -116,7 +116,7 @@ def test_bad_flags_are_usage_errors(args: list[str], message: str) -> None:
             "EXECUTOR_NODE_RANK",
             "x",
             "environment variable EXECUTOR_NODE_RANK (read as --node-rank): must be an "
-            "integer >= 1, not 'x'",
+            "integer >= 1 (node 0 is the driver's machine), not 'x'",
         ),
         (
             "EXECUTOR_NUM_NODES",

@@ -109,41 +109,26 @@ def add_node_command(commands: argparse._SubParsersAction[Any]) -> None:
 # --- the checks (argparse ``type=`` functions) ------------------------------------------------
 
 
-def _integer(text: str, what: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+def _integer(low: int, high: int | None, allowed: str) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer from ``low`` to ``high`` (no bound if None), else
+    an error saying it ``must be`` ``allowed``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, not {value}")
+        return value
+
+    return parse
 
 
-def _node_rank(text: str) -> int:
-    """``--node-rank``: an integer >= 1 (node 0 is the driver's machine)."""
-    value = _integer(text, "an integer >= 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 1 (node 0 is the driver's machine), not {value}"
-        )
-    return value
-
-
-def _num_nodes(text: str) -> int:
-    """``--num-nodes``: an integer >= 2 (one node needs no agent)."""
-    value = _integer(text, "an integer >= 2")
-    if value < 2:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 2 (a single node needs no agent), not {value}"
-        )
-    return value
-
-
-def _port(text: str) -> int:
-    """``--master-port``: a TCP port, 1 to 65535."""
-    value = _integer(text, "a TCP port, an integer from 1 to 65535")
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"must be a TCP port, an integer from 1 to 65535, not {value}"
-        )
-    return value
+#: ``--node-rank``, ``--num-nodes``, ``--master-port``.
+_node_rank = _integer(1, None, "an integer >= 1 (node 0 is the driver's machine)")
+_num_nodes = _integer(2, None, "an integer >= 2 (a single node needs no agent)")
+_port = _integer(1, 65535, "a TCP port, an integer from 1 to 65535")
 
 
 def _join_timeout(text: str) -> float:
