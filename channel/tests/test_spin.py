@@ -314,7 +314,9 @@ def test_the_driver_hands_the_cpu_off_after_a_small_call_only(
         driver = ChannelDriver(host, rings)  # type: ignore[arg-type]  # send uses only this
         handoffs: list[bool] = []
         monkeypatch.setattr(rings.spinner, "handoff", lambda answered: handoffs.append(True))
-        call = Call(1, "size_of", "size_of", (bytes(size),), None, None, (0,), 5.0, None)
+        call = Call(
+            seq=1, method="size_of", name="size_of", args=(bytes(size),), expected=(0,), timeout=5.0
+        )
         assert driver.send(call)
         assert handoffs == ([True] if handed_off else [])
 

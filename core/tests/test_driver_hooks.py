@@ -2,13 +2,15 @@
 ``executor_worker_died`` and ``executor_sleep_changed``, called by the core for every backend
 with the documented arguments, and not at all while no plugin implements them.
 
-The observer is the installed fixture plugin (tests/fixture_dist, entry point
-``fixture_observer``): it records the driver-side hooks in ``observer.driver_events``.
+The observer is a fixture plugin (tests/fixture_dist, entry point ``fixture_observer``, found
+through the ``fixture_plugins`` fixture): it records the driver-side hooks in
+``observer.driver_events``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -16,7 +18,6 @@ import time
 from typing import Any
 
 import pytest
-from executor_fixture_plugins import observer
 
 from executor_core import (
     Executor,
@@ -33,14 +34,18 @@ Events = list[tuple[str, dict[str, Any]]]
 
 
 @pytest.fixture
-def events(monkeypatch: pytest.MonkeyPatch) -> Events:
+def events(fixture_plugins: str, monkeypatch: pytest.MonkeyPatch) -> Events:
+    """What the observer records in this test (its plugin is found through entry points)."""
     recorded: Events = []
+    observer = importlib.import_module("executor_fixture_plugins.observer")
     monkeypatch.setattr(observer, "driver_events", recorded)
     return recorded
 
 
 def _registry(*plugins: str) -> Registry:
-    return Registry.from_entry_points(allow=list(plugins))
+    registry = Registry.from_entry_points(allow=list(plugins))
+    assert set(registry.plugins) == set(plugins), registry.broken
+    return registry
 
 
 def _calls(events: Events) -> list[dict[str, Any]]:
@@ -215,7 +220,7 @@ def test_without_an_implementation_nothing_is_called(monkeypatch: pytest.MonkeyP
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("an observer hook ran with no implementation")
 
-    monkeypatch.setattr(Executor, "_observed_rpc", refuse)
+    monkeypatch.setattr(Executor, "_observed", refuse)
     monkeypatch.setattr(_observe.CallObserver, "begin", refuse)
     registry = _registry("uniproc")  # no observer plugin
     with create_executor(conformance_config("uni"), registry) as executor:

@@ -1,4 +1,4 @@
-"""asyncio forms of the executor's calls: a thread that sends them, and the await.
+"""asyncio forms of the executor's calls: sent from a thread of their own, awaited on any loop.
 
 An ``await executor.collective_rpc_async(...)`` never blocks its event loop: the call is sent
 by :class:`AsyncSender`, one thread per executor (started on the first asyncio call), since
@@ -16,15 +16,17 @@ complete in submission order whatever was cancelled, so no result reaches anothe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from queue import SimpleQueue
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._errors import ExecutorClosedError
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["AsyncSender"]
 
@@ -113,6 +115,8 @@ class AsyncSender:
     async def call(self, send: Callable[[], Future[T]]) -> T:
         """Send ``send()`` (which submits a non-blocking call and returns its future) from the
         sender thread, and await the call's outcome without blocking the running loop."""
+        import asyncio  # here: every executor makes a sender, only asyncio callers need asyncio
+
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[T] = loop.create_future()
         request = _Request(send, loop, waiter)

@@ -1,4 +1,4 @@
-"""Calls in flight: what a call is, and the rules by which replies complete it.
+"""Calls in flight (:class:`Call`, :class:`CallTable`): the rules by which replies complete them.
 
 The rules, written once for every backend:
 
@@ -19,78 +19,59 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from ._errors import ExecutorError, WorkerError
 from ._wire import RemoteFailure, dumps_method
 
+if TYPE_CHECKING:
+    from ._observe import Observation
+
 __all__ = ["Call", "CallTable", "as_worker_error"]
 
 
+@attrs.define(kw_only=True, eq=False)
 class Call:
-    """One collective call, as the core hands it to a transport.
+    """One collective call, as the core hands it to a transport (built with keywords only).
 
     Transports read :attr:`seq`, :attr:`method` (or :attr:`wire_method` across a process
     boundary), :attr:`args`, :attr:`kwargs`, :attr:`reply_rank` and :attr:`deadline`; they
-    never complete a call themselves: replies go to :meth:`TransportHost.deliver`.
+    never complete a call themselves: replies go to :attr:`TransportHost.deliver`.
     """
 
-    __slots__ = (
-        "_wire",
-        "args",
-        "deadline",
-        "done",
-        "error",
-        "expected",
-        "future",
-        "kwargs",
-        "method",
-        "name",
-        "ok",
-        "reply_rank",
-        "results",
-        "seq",
-        "timeout",
-        "value",
-    )
+    #: Position of the call in the one order every rank sees (1, 2, ...).
+    seq: int
+    #: A worker method name, or a callable ``fn(worker, *args, **kwargs)``.
+    method: str | Callable[..., Any]
+    #: A readable name of the method (for errors).
+    name: str
+    args: tuple[Any, ...] = ()
+    #: Keyword arguments (``None`` when there are none).
+    kwargs: dict[str, Any] | None = None
+    #: The only rank whose result is wanted, or ``None`` for every rank.
+    reply_rank: int | None = None
+    #: The ranks that must answer.
+    expected: tuple[int, ...]
+    timeout: float | None = None
+    future: Future[list[Any]] | None = None
+    #: The core's, for an observed ``non_block`` call: told of the outcome before the future.
+    _observation: Observation | None = None
+    #: ``time.monotonic()`` by which the call must complete, or ``None``. A transport may
+    #: move it later inside :meth:`Transport.send` for one-time set-up that must not count
+    #: against the call (compiling a graph, say).
+    deadline: float | None = attrs.field(init=False)
+    results: dict[int, Any] = attrs.field(init=False, factory=dict)
+    error: ExecutorError | None = attrs.field(init=False, default=None)
+    done: bool = attrs.field(init=False, default=False)
+    ok: bool = attrs.field(init=False, default=False)
+    value: Any = attrs.field(init=False, default=None)
+    _wire: str | bytes | None = attrs.field(init=False, default=None)
 
-    def __init__(
-        self,
-        seq: int,
-        method: str | Callable[..., Any],
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        reply_rank: int | None,
-        expected: tuple[int, ...],
-        timeout: float | None,
-        future: Future[list[Any]] | None,
-    ) -> None:
-        #: Position of the call in the one order every rank sees (1, 2, ...).
-        self.seq = seq
-        #: A worker method name, or a callable ``fn(worker, *args, **kwargs)``.
-        self.method = method
-        #: A readable name of the method (for errors).
-        self.name = name
-        self.args = args
-        #: Keyword arguments (``None`` when there are none).
-        self.kwargs = kwargs
-        #: The only rank whose result is wanted, or ``None`` for every rank.
-        self.reply_rank = reply_rank
-        #: The ranks that must answer.
-        self.expected = expected
-        self.timeout = timeout
-        #: ``time.monotonic()`` by which the call must complete, or ``None``. A transport may
-        #: move it later inside :meth:`Transport.send` for one-time set-up that must not count
-        #: against the call (compiling a graph, say).
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.future = future
-        self.results: dict[int, Any] = {}
-        self.error: ExecutorError | None = None
-        self.done = False
-        self.ok = False
-        self.value: Any = None
-        self._wire: str | bytes | None = None
+    @deadline.default
+    def _deadline(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
 
     @property
     def wire_method(self) -> str | bytes:
@@ -109,6 +90,8 @@ class Call:
         if self.done:
             return
         self.ok, self.value, self.done = ok, value, True
+        if self._observation is not None:
+            self._observation.end(None if ok else value)
         future = self.future
         if future is None:
             return

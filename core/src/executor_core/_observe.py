@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._calls import Call
 from ._errors import WorkerDiedError
 from ._hothook import HotHook, live_impls
 
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
     from ._errors import ExecutorFailedError
 
-__all__ = ["CallObserver", "Observation", "ObservedCall", "death_reporter", "notify_sleep"]
+__all__ = ["CallObserver", "Observation", "death_reporter", "notify_sleep"]
 
 #: Call ids: unique in the process, so that a plugin pairs start and end with the id alone.
 _call_ids = itertools.count(1)
@@ -96,21 +95,6 @@ class Observation:
             return
         duration = time.perf_counter() - self.start
         self.observer.finished(self.method, self.call_id, duration, error)
-
-
-class ObservedCall(Call):
-    """A ``non_block`` call that reports its end before its future completes."""
-
-    __slots__ = ("observation",)
-
-    def __init__(self, observation: Observation, *args: Any) -> None:
-        super().__init__(*args)
-        self.observation = observation
-
-    def finish(self, ok: bool, value: Any) -> None:
-        if not self.done:
-            self.observation.end(None if ok else value)
-        super().finish(ok, value)
 
 
 def death_reporter(hooks: pluggy.HookRelay, backend: str) -> Callable[[ExecutorFailedError], None]:

@@ -5,7 +5,7 @@ A backend is an :class:`~executor_core.Executor` subclass that names a :class:`T
 - :meth:`Transport.start` starts the workers (with :meth:`TransportHost.contexts` and
   :meth:`TransportHost.wrapper`) and waits until each is ready;
 - :meth:`Transport.send` carries a :class:`Call` to every rank, where the worker's
-  :meth:`WorkerWrapper.handle` runs it; replies come back to :meth:`TransportHost.deliver`
+  :meth:`WorkerWrapper.handle` runs it; replies come back to :attr:`TransportHost.deliver`
   (from the transport's threads, or from :meth:`Transport.poll` when ``polls = True``);
 - :meth:`TransportHost.worker_died` reports a worker that is gone;
 - :meth:`Transport.close` stops the workers.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ._calls import Call
 from ._hookspecs import hookimpl
+from ._host import TransportHost
 from ._lazy import lazy_getattr
 from ._net import find_free_port, tcp_init_method
 from ._registry import (
@@ -33,7 +34,7 @@ from ._registry import (
     Registry,
     default_registry,
 )
-from ._transport import Transport, TransportHost
+from ._transport import Transport
 from ._wire import RemoteFailure, dumps_method, loads_method, method_name
 from ._worker import WorkerContext
 from ._wrapper import WorkerWrapper
