@@ -6,6 +6,8 @@ the issue that introduced the kit): the kit must fail every one of them, naming 
 
 from __future__ import annotations
 
+import queue
+import tempfile
 import threading
 import time
 from typing import Any, ClassVar
@@ -146,6 +148,96 @@ class _FirstFailureWins(_Variant):
         return super().send(call)
 
 
+class _MislabelledReplies(_Variant):
+    """Delivers each reply under another rank's number: swapped (``ws - 1 - rank``), or every
+    reply as rank 0's (a transport that forgot which rank's pipe it read)."""
+
+    def start(self) -> None:
+        host = self.host
+        world_size = host.config.world_size
+        swap = self.defect == "swapped_reply_ranks"
+
+        class Host(_WrapperHost):
+            def deliver(self, seq: int, rank: int, ok: bool, value: Any) -> None:
+                host.deliver(seq, world_size - 1 - rank if swap else 0, ok, value)
+
+        self.host = Host(host, host.wrapper)  # type: ignore[assignment]
+        super().start()
+
+
+class _LeavesTempDir(_Variant):
+    """Makes a scratch directory for its workers and never removes it."""
+
+    def start(self) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="executor-threads-scratch-")
+        super().start()
+
+
+class _OutboxPerCaller(_Variant):
+    """Gives each calling thread an outbox thread of its own, which puts the call on every
+    rank's queue, one rank after the other (a short pause between ranks), without one lock
+    around all of them: one thread's calls stay in order, but calls from several threads
+    reach the ranks in different orders."""
+
+    def start(self) -> None:
+        self.outboxes: dict[int, queue.SimpleQueue[Call | None]] = {}
+        self.outbox_threads: list[threading.Thread] = []
+        self.outbox_lock = threading.Lock()
+        super().start()
+
+    def _fan_out(self, outbox: queue.SimpleQueue[Call | None]) -> None:
+        while (call := outbox.get()) is not None:
+            for calls in self.queues:
+                calls.put(call)
+                time.sleep(0.0002)
+
+    def send(self, call: Call) -> bool:
+        caller = threading.get_ident()
+        with self.outbox_lock:
+            outbox = self.outboxes.get(caller)
+            if outbox is None:
+                outbox = self.outboxes[caller] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._fan_out, args=(outbox,), name="threads-outbox", daemon=True
+                )
+                self.outbox_threads.append(thread)
+                thread.start()
+        outbox.put(call)
+        return True
+
+    def close(self, graceful: bool) -> None:
+        for outbox in getattr(self, "outboxes", {}).values():
+            outbox.put(None)
+        for thread in getattr(self, "outbox_threads", []):
+            thread.join(2.0)
+        super().close(graceful)
+
+
+class _SendIgnoresDeadline(_Variant):
+    """Streams a call bigger than its 1 MiB "ring" to each rank, waiting until the rank has
+    taken it, ignoring ``call.deadline`` (it stops only when interrupted): with a rank hung,
+    such a call never returns by its deadline."""
+
+    ring_bytes: ClassVar[int] = 1 << 20
+
+    def start(self) -> None:
+        self.interrupted = threading.Event()
+        super().start()
+
+    def send(self, call: Call) -> bool:
+        size = sum(len(a) for a in call.args if isinstance(a, bytes | bytearray))
+        if size <= self.ring_bytes:
+            return super().send(call)
+        for calls in self.queues:
+            calls.put(call)
+            while calls.qsize() and not self.interrupted.is_set():
+                time.sleep(0.001)  # the defect: no check of call.deadline
+        return True
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
+
 def _executor(transport: type[ThreadTransport], **attrs_: Any) -> type[ThreadExecutor]:
     return type(
         f"Broken{transport.__name__}", (ThreadExecutor,), {"transport_cls": transport, **attrs_}
@@ -211,6 +303,34 @@ BROKEN: dict[str, tuple[type[ThreadExecutor], str]] = {
     "threads_never_stop": (_executor(_variant("never_stop")), "runs every worker's shutdown"),
     "stray_thread": (_executor(_variant("stray_thread")), "left behind after shutdown()"),
     "first_failure_wins": (_executor(_FirstFailureWins), "lowest failing rank"),
+    "swapped_reply_ranks": (
+        _executor(_variant("swapped_reply_ranks", _MislabelledReplies)),
+        "replies carry the rank they came from",
+    ),
+    "replies_all_from_rank_zero": (
+        _executor(_variant("replies_all_from_rank_zero", _MislabelledReplies)),
+        "replies carry the rank they came from",
+    ),
+    "leaves_temp_dir": (
+        _executor(_LeavesTempDir),
+        "temporary files and directories the backend creates are gone",
+    ),
+    "outbox_per_caller": (
+        _executor(_OutboxPerCaller),
+        "calls from several threads reach every rank in one order",
+    ),
+    "send_ignores_deadline": (
+        _executor(_SendIgnoresDeadline),
+        "a call that cannot be sent fails by its deadline",
+    ),
+}
+
+#: Rules of the kit that no variant of ``threads`` can break, and why.
+NOT_EXPRESSIBLE: dict[str, str] = {
+    "test_killed_worker_fails_the_call_in_flight": (
+        "its workers are threads of the driver's process: there is no worker process to kill, "
+        "so the kit skips the rule (workers_are_processes is False)"
+    ),
 }
 
 _ = Queue

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from executor_core.testing import ExecutorConformanceTests
 
 
 class TestMultiprocConformance(ExecutorConformanceTests):
     """Two tensor-parallel workers."""
+
+    #: A process per worker: the kit kills one and checks its death is reported.
+    workers_are_processes: ClassVar[bool] = True
 
     backend = "mp"
     world_size = 2
@@ -18,3 +23,4 @@ class TestMultiprocPipelineConformance(ExecutorConformanceTests):
     backend = "multiproc"
     world_size = 2
     pipeline_parallel_size = 2
+    workers_are_processes: ClassVar[bool] = True

@@ -21,6 +21,8 @@ class _RayKit(ExecutorConformanceTests):
     #: The process's Ray connection outlives each executor (the tests share one session) and
     #: opens sockets of its own on first use, so descriptors are not the executor's alone.
     check_fds = False
+    #: Every worker is an actor process: the kit kills one and checks its death is reported.
+    workers_are_processes = True
     #: Ray starts and stops actors in seconds.
     time_limit_s = 120.0
     #: Whether the workers of the class's executors are on the driver's node.

@@ -9,12 +9,13 @@ from typing import Any, ClassVar
 import pytest
 
 from .._config import ExecutorConfig
+from .._errors import RPCTimeoutError
 from .._executor import Executor, create_executor
 from .._registry import BackendSpec, Registry, default_registry
 from ._guard import time_limit
 from ._workers import ConformanceWorker
 
-__all__ = ["ExecutorFactory", "KitBase", "conformance_config"]
+__all__ = ["ExecutorFactory", "KitBase", "check_reply_ranks", "conformance_config"]
 
 #: Builds a started executor: ``make(registry=None, **config_overrides)``.
 ExecutorFactory = Callable[..., Executor]
@@ -31,6 +32,34 @@ def conformance_config(backend: str | type, **overrides: Any) -> ExecutorConfig:
         overrides["tensor_parallel_size"] = world_size // overrides.get("pipeline_parallel_size", 1)
     overrides.setdefault("worker_cls", ConformanceWorker)
     return ExecutorConfig(backend=backend, **overrides)
+
+
+def check_reply_ranks(executor: Executor, timeout: float) -> None:
+    """Fail, naming the rule, unless every rank's reply comes back labelled with its rank.
+
+    Each worker returns its own rank (``get_rank``), so a reply delivered under another
+    rank's number shows as a result out of place; one whose true rank never answers would
+    leave the call waiting: the call has a ``timeout`` so that this fails at once, saying
+    why, rather than as a hang in a later test.
+    """
+    try:
+        ranks = executor.collective_rpc("get_rank", timeout=timeout)
+    except RPCTimeoutError as exc:
+        raise AssertionError(
+            f"rule broken: replies carry the rank they came from; ranks {list(exc.ranks)} "
+            f"never answered get_rank as themselves within {timeout:g} s (a reply delivered "
+            "with another rank's number is not that rank's: deliver(seq, rank, ...) with the "
+            "rank that ran the call)"
+        ) from exc
+    wrong = [
+        f"the reply in rank {rank}'s place came from rank {got}"
+        for rank, got in enumerate(ranks)
+        if got != rank
+    ]
+    assert not wrong, (
+        f"rule broken: replies carry the rank they came from: {'; '.join(wrong)} (deliver "
+        "each reply with the rank that ran the call)"
+    )
 
 
 class KitBase:
@@ -58,6 +87,20 @@ class KitBase:
     #: False if the backend's session keeps descriptors across executors (a cluster
     #: client's sockets), so that descriptors cannot be attributed to one executor.
     check_fds: ClassVar[bool] = True
+    #: True if every worker runs in a process of its own (not the driver's), so that the kit
+    #: may kill one by the pid it reports (``ConformanceWorker.get_pid``) and check that its
+    #: death is reported. Process backends set it; thread and in-process backends leave it.
+    workers_are_processes: ClassVar[bool] = False
+    #: Seconds ``shutdown()`` may take with a rank hung in a call: the backend's own grace
+    #: periods before it stops the rank by force.
+    shutdown_s: ClassVar[float] = 30.0
+    #: Bytes of a call that no queue or ring of the backend holds whole (``mp``'s broadcast
+    #: ring holds 64 MiB at its defaults): with a rank hung, such a call cannot be sent, and
+    #: must still fail by its deadline. Raise it if your backend buffers more.
+    large_call_bytes: ClassVar[int] = 80 << 20
+    #: Name prefixes of entries in ``tempfile.gettempdir()`` that outlive an executor on
+    #: purpose (a cluster client's session directory); any other is a leak.
+    session_temp_files: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def make_config(cls, **overrides: Any) -> ExecutorConfig:
@@ -77,6 +120,11 @@ class KitBase:
             backend_options=options,
             **overrides,
         )
+
+    @classmethod
+    def reply_probe_s(cls) -> float:
+        """Seconds the kit gives a trivial call (``get_rank``) on a new executor."""
+        return min(30.0, cls.time_limit_s / 4)
 
     @classmethod
     def spec(cls) -> BackendSpec | None:
@@ -103,6 +151,7 @@ class KitBase:
         with time_limit(cls.time_limit_s, "creating the executor"):
             executor = executor_factory()
         try:
+            check_reply_ranks(executor, cls.reply_probe_s())
             yield executor
         finally:
             with time_limit(cls.time_limit_s, "shutdown()"):
@@ -116,6 +165,7 @@ class KitBase:
         def make(**overrides: Any) -> Executor:
             executor = executor_factory(**overrides)
             made.append(executor)
+            check_reply_ranks(executor, self.reply_probe_s())
             return executor
 
         try:

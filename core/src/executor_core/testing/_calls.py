@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import random
 import re
 import threading
+import time
 from collections import defaultdict
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
 from .._executor import Executor
-from ._base import KitBase
+from ._base import KitBase, check_reply_ranks
 from ._workers import ConformanceWorker
 
 __all__ = ["CallTests"]
@@ -22,6 +25,31 @@ def _square_plus(worker: ConformanceWorker, offset: int) -> int:
 
 class CallTests(KitBase):
     """Every rank runs every call; results come back in rank order."""
+
+    def test_replies_carry_the_rank_they_came_from(self, executor: Executor) -> None:
+        """Rule: each reply is delivered with the rank that ran the call, on every path (a
+        blocking call, a non-blocking one, and each rank as ``unique_reply_rank``); a
+        mislabelled reply fails here, within seconds, instead of hanging a later call."""
+        timeout = self.reply_probe_s()
+        check_reply_ranks(executor, timeout)
+        future = executor.collective_rpc("get_rank", timeout=timeout, non_block=True)
+        assert future.result(timeout=timeout * 2) == list(range(executor.world_size)), (
+            "rule broken: replies carry the rank they came from (a non-blocking call's "
+            "results are out of place)"
+        )
+        for rank in range(executor.world_size):
+            try:
+                got = executor.collective_rpc("get_rank", timeout=timeout, unique_reply_rank=rank)
+            except TimeoutError:
+                pytest.fail(
+                    f"rule broken: replies carry the rank they came from; with "
+                    f"unique_reply_rank={rank}, rank {rank}'s reply never arrived as its own "
+                    f"within {timeout:g} s"
+                )
+            assert got == [rank], (
+                f"rule broken: replies carry the rank they came from; with "
+                f"unique_reply_rank={rank} the reply came from rank {got}"
+            )
 
     def test_results_in_rank_order(self, executor: Executor) -> None:
         assert executor.collective_rpc("get_rank") == list(range(executor.world_size)), (
@@ -143,25 +171,66 @@ class CallTests(KitBase):
     def test_concurrent_callers_reach_every_rank_in_the_same_order(
         self, executor: Executor
     ) -> None:
-        # Worker methods may run collectives (all-reduce): every rank must see calls from
-        # several threads in one and the same order, or they would wait on each other.
+        """Rule: calls from several threads reach every rank in one and the same order
+        (worker methods may run collectives: ranks that saw calls in different orders would
+        wait on each other for ever), and each thread's calls in the order it made them.
+
+        Eight threads call at once, blocking and in bursts of non-blocking calls, with random
+        pauses of up to a millisecond between calls, so that a send that reaches the ranks
+        one after the other without one lock around all of them is interleaved."""
         executor.collective_rpc("clear_recorded")
+        threads_n, rounds = 8, 12
+        errors: list[BaseException] = []
+        sent: dict[int, list[tuple[int, int]]] = {i: [] for i in range(threads_n)}
 
         def caller(thread_index: int) -> None:
-            for call in range(20):
-                executor.collective_rpc("record", args=((thread_index, call),), timeout=60)
+            jitter = random.Random(thread_index)
+            try:
+                call = 0
+                for _ in range(rounds):
+                    time.sleep(jitter.random() / 1000)
+                    burst: list[Future[list[Any]]] = []
+                    for _ in range(jitter.randint(1, 3)):
+                        item = (thread_index, call)
+                        sent[thread_index].append(item)
+                        call += 1
+                        burst.append(
+                            executor.collective_rpc(
+                                "record", args=(item,), timeout=60, non_block=True
+                            )
+                        )
+                    item = (thread_index, call)
+                    sent[thread_index].append(item)
+                    call += 1
+                    executor.collective_rpc("record", args=(item,), timeout=60)
+                    for future in burst:
+                        future.result(timeout=60)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
+                errors.append(exc)
 
-        threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(threads_n)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=120)
         assert not any(t.is_alive() for t in threads), "a caller thread hung"
-        recorded = executor.collective_rpc("get_recorded")
-        assert len(recorded[0]) == 80
-        assert all(seen == recorded[0] for seen in recorded), (
-            "rule broken: calls from several threads reach every rank in one order"
+        assert not errors, errors[0]
+        recorded = executor.collective_rpc("get_recorded", timeout=60)
+        total = sum(len(items) for items in sent.values())
+        assert [len(seen) for seen in recorded] == [total] * executor.world_size, (
+            "rule broken: every rank runs every call"
         )
+        differ = [rank for rank, seen in enumerate(recorded) if seen != recorded[0]]
+        assert not differ, (
+            f"rule broken: calls from several threads reach every rank in one order; ranks "
+            f"{differ} saw them in another order than rank 0 (send a call to every rank under "
+            "one lock, or from one thread, before the next call)"
+        )
+        for index, items in sent.items():
+            assert [item for item in recorded[0] if item[0] == index] == items, (
+                f"rule broken: calls from several threads reach every rank in one order, each "
+                f"thread's in the order it made them (thread {index}'s are out of order)"
+            )
 
     def test_execute_model_returns_output_rank(self, executor: Executor) -> None:
         assert executor.output_rank == executor.world_size - executor.config.tensor_parallel_size

@@ -17,7 +17,7 @@ import pytest
 
 from .._executor import Executor
 from .._worker import WorkerContext
-from ._base import ExecutorFactory, KitBase
+from ._base import ExecutorFactory, KitBase, check_reply_ranks
 from ._guard import time_limit
 from ._workers import ConformanceWorker
 
@@ -140,6 +140,7 @@ class DeviceTests(KitBase):
         with time_limit(cls.time_limit_s, "creating the executor"):
             executor = executor_factory(worker_cls=DeviceProbeWorker)
         try:
+            check_reply_ranks(executor, cls.reply_probe_s())
             yield executor
         finally:
             with time_limit(cls.time_limit_s, "shutdown()"):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
-from .._errors import ExecutorError, RPCTimeoutError, WorkerError
+from .._errors import ExecutorError, ExecutorFailedError, RPCTimeoutError, WorkerError
 from .._executor import Executor
 from ._base import ExecutorFactory, KitBase
 
@@ -91,3 +92,54 @@ class ErrorTests(KitBase):
         finally:
             executor.collective_rpc("set_healthy", args=(True,))
         executor.check_health()
+
+    def test_unsendable_call_fails_by_its_deadline(self, fresh_executor: ExecutorFactory) -> None:
+        """Rule: with a rank hung in a call, a call that cannot be sent (``large_call_bytes``,
+        more than any queue or ring of the backend holds) still fails by its deadline
+        (``Transport.send`` returns False once ``call.deadline`` passed: wait for room with a
+        timeout), with :class:`RPCTimeoutError`, or with :class:`ExecutorFailedError` where a
+        call left half-sent puts the backend's queues out of step (``mp``'s rings); and
+        ``shutdown()`` returns within ``shutdown_s``."""
+        executor = fresh_executor()
+        hung = executor.world_size - 1
+        executor.collective_rpc("hang", args=(self.slow_call_s * 3, hung), non_block=True)
+        time.sleep(self.slow_call_s / 5)  # the rank is in the call
+        data = bytes(self.large_call_bytes)
+        timeout = self.slow_call_s / 2
+        margin = self.slow_call_s
+        outcome: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                executor.collective_rpc("payload_size", args=(data,), timeout=timeout)
+            except BaseException as exc:  # noqa: BLE001 - checked in the test's thread
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        caller = threading.Thread(target=call, name="conformance-large-call", daemon=True)
+        start = time.monotonic()
+        caller.start()
+        caller.join(timeout + margin)
+        took = time.monotonic() - start
+        if caller.is_alive():
+            # Unstick the send (fail() interrupts the transport) so that the test ends now.
+            executor.fail(ExecutorFailedError("conformance kit: a send ran past its deadline"))
+            caller.join(self.settle_s)
+            pytest.fail(
+                f"rule broken: with a rank hung, a call that cannot be sent fails by its "
+                f"deadline ({timeout:g} s); it still waited after {took:.1f} s (Transport.send "
+                "must return False once call.deadline passed)"
+            )
+        assert outcome, "the large call's thread ended without an outcome"
+        assert isinstance(outcome[0], RPCTimeoutError | ExecutorFailedError), (
+            f"rule broken: with a rank hung, a call that cannot be sent fails by its deadline "
+            f"with RPCTimeoutError (or ExecutorFailedError), not {outcome[0]!r}"
+        )
+        start = time.monotonic()
+        executor.shutdown()
+        took = time.monotonic() - start
+        assert took < self.shutdown_s, (
+            f"rule broken: shutdown() with a rank hung returns within {self.shutdown_s:g} s "
+            f"(took {took:.1f} s)"
+        )

@@ -5,8 +5,11 @@ hang into a failure naming the rule, and snapshots of threads, descriptors and s
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -15,7 +18,14 @@ from types import FrameType
 
 import attrs
 
-__all__ = ["ConformanceTimeout", "Snapshot", "pids_alive", "time_limit"]
+__all__ = [
+    "ConformanceTimeout",
+    "Snapshot",
+    "pids_alive",
+    "private_tempdir",
+    "temp_leftovers",
+    "time_limit",
+]
 
 
 class ConformanceTimeout(AssertionError):
@@ -145,3 +155,44 @@ def _running(pid: int) -> bool:
     except OSError:
         return True
     return "\nState:\tZ" not in status
+
+
+@contextlib.contextmanager
+def private_tempdir() -> Iterator[Path]:
+    """Point ``tempfile.gettempdir()`` at a fresh, empty directory for the block, in this
+    process (``tempfile.tempdir``) and in the processes it starts (``TMPDIR``), so that what
+    a backend leaves in the temporary directory can be told from what other programs put
+    there. Removed afterwards, with whatever is left in it.
+
+    This process's ``multiprocessing`` directory (``pymp-*``, kept until the process exits)
+    is made first, in the real temporary directory, so that it never lands here.
+    """
+    multiprocessing.util.get_temp_dir()
+    saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    path = Path(tempfile.mkdtemp(prefix="executor-kit-tmp-"))
+    tempfile.tempdir = str(path)
+    os.environ["TMPDIR"] = str(path)
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = saved_dir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def temp_leftovers(path: Path, within_s: float, allowed: Iterable[str] = ()) -> list[str]:
+    """The entries of ``path`` (but those whose name starts with one of ``allowed``) still
+    there after up to ``within_s``."""
+    prefixes = tuple(allowed)
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            left = sorted(p.name for p in path.iterdir() if not p.name.startswith(prefixes))
+        except OSError:
+            left = []
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 import uuid
 import weakref
@@ -12,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError
+from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError, WorkerDiedError
 from .._hookspecs import hookimpl
 from .._registry import Registry
 from .._worker import WorkerBase, WorkerContext
 from ._base import ExecutorFactory, KitBase
-from ._guard import Snapshot, pids_alive
+from ._guard import Snapshot, pids_alive, private_tempdir, temp_leftovers
 
 __all__ = ["LifecycleTests"]
 
@@ -207,3 +208,81 @@ class LifecycleTests(KitBase):
                     f"in the driver's process, but {event!r} was not seen (build wrappers with "
                     "TransportHost.wrapper)"
                 )
+
+    def test_shutdown_removes_temporary_files(self, executor_factory: ExecutorFactory) -> None:
+        """Rule: the temporary files and directories a backend creates (its own, or its
+        workers') are gone once ``shutdown()`` returned (within ``settle_s``).
+
+        The kit points ``tempfile.gettempdir()`` at an empty directory of its own while the
+        executor lives (``tempfile.tempdir`` in the driver, ``TMPDIR`` for the processes it
+        starts): make temporary paths with :mod:`tempfile` and remove them in ``close()`` or
+        with ``host.add_cleanup``. Names in ``session_temp_files`` may stay."""
+        with private_tempdir() as tmp:
+            executor = executor_factory()
+            try:
+                executor.collective_rpc("get_pid", timeout=30)
+                executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
+            finally:
+                executor.shutdown()
+            left = temp_leftovers(tmp, self.settle_s, self.session_temp_files)
+        assert not left, (
+            f"rule broken: temporary files and directories the backend creates are gone after "
+            f"shutdown(); left in tempfile.gettempdir(): {left} (remove them in close() or "
+            "with host.add_cleanup)"
+        )
+
+    def test_killed_worker_fails_the_call_in_flight(self, fresh_executor: ExecutorFactory) -> None:
+        """Rule: a worker process that dies (here killed with SIGKILL, by the pid it reports)
+        fails the call in flight with :class:`WorkerDiedError` naming its rank, within
+        ``settle_s``; the failure callbacks run once; later calls raise; ``shutdown()``
+        returns within ``shutdown_s`` and no worker process is left.
+
+        Runs only where ``workers_are_processes`` is True."""
+        if not self.workers_are_processes:
+            pytest.skip("workers_are_processes is False: no worker process to kill")
+        executor = fresh_executor()
+        failures: list[ExecutorFailedError] = []
+        executor.register_failure_callback(failures.append)
+        pids: list[int] = executor.collective_rpc("get_pid", timeout=30)
+        others = [rank for rank, pid in enumerate(pids) if pid != os.getpid()]
+        assert others, "workers_are_processes is True, but every worker reports the driver's pid"
+        victim = others[-1]
+        future = executor.collective_rpc("slow", args=(self.time_limit_s,), non_block=True)
+        time.sleep(min(0.2, self.slow_call_s / 5))  # the call reached the workers
+        os.kill(pids[victim], signal.SIGKILL)
+        try:
+            error = future.exception(timeout=self.settle_s)
+        except TimeoutError:
+            pytest.fail(
+                f"rule broken: a worker's death fails the call in flight; rank {victim}'s "
+                f"process was killed and the call still waits after {self.settle_s:g} s "
+                "(watch the workers and call host.worker_died)"
+            )
+        assert isinstance(error, WorkerDiedError), (
+            f"rule broken: a worker's death fails the call in flight with WorkerDiedError, "
+            f"not {error!r}"
+        )
+        assert error.rank == victim or victim in error.ranks, (
+            f"rule broken: the WorkerDiedError names the rank that died ({victim}), not "
+            f"{error.rank}"
+        )
+        deadline = time.monotonic() + self.settle_s
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # a second report would land now
+        assert len(failures) == 1, (
+            f"rule broken: after a worker's death the failure callbacks run once, not "
+            f"{len(failures)} times"
+        )
+        assert isinstance(failures[0], WorkerDiedError)
+        with pytest.raises(ExecutorFailedError):
+            executor.collective_rpc("get_rank", timeout=10)
+        start = time.monotonic()
+        executor.shutdown()
+        took = time.monotonic() - start
+        assert took < self.shutdown_s, (
+            f"rule broken: shutdown() after a worker's death returns within {self.shutdown_s:g}"
+            f" s (took {took:.1f} s)"
+        )
+        alive = pids_alive([p for p in pids if p != os.getpid()], self.settle_s)
+        assert not alive, f"rule broken: worker processes {alive} still run after shutdown()"

@@ -104,6 +104,12 @@ class ConformanceWorker(WorkerBase):
         time.sleep(seconds)
         return self.rank, value
 
+    def hang(self, seconds: float, on_rank: int) -> int:
+        """On ``on_rank``, sleep ``seconds`` (a rank hung in a call); return the rank."""
+        if self.rank == on_rank:
+            time.sleep(seconds)
+        return self.rank
+
     def fail(self, message: str, on_rank: int | None = None) -> int:
         """Raise ValueError (on every rank, or only on ``on_rank``)."""
         if on_rank is None or on_rank == self.rank:
