@@ -145,7 +145,8 @@ class ChannelDriver:
         try:
             sent = True
             if ring is not None:
-                sent = ring.write(parts, nbytes, call.deadline, self._while_sending)
+                deadline = call.deadline
+                sent = ring.write(parts, nbytes, deadline, self._while_sending, finish_by=deadline)
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)
             if sent and ring is not None and ring.fits_one_slot(nbytes):

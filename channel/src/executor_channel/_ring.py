@@ -279,14 +279,18 @@ class Ring:
         nbytes: int,
         deadline: float | None = None,
         abort: Callable[[], None] = _never,
+        *,
+        finish_by: float | None = None,
     ) -> bool:
         """Publish the message made of ``parts`` (``nbytes`` in all) to every reader.
 
         Returns False, having published nothing, if the slots it needs did not free up
-        before ``deadline``. A message longer than the ring is streamed: if a reader has not
-        freed the slot the next chunk needs by ``deadline``, :class:`RingStalledError` is
-        raised with part of it published, and the ring is broken (a send returns by its
-        deadline, whatever the readers do).
+        before ``deadline``. Once the first chunk of a message longer than the ring is out,
+        it is finished whatever ``deadline`` says (a try with a deadline of 0 is not
+        abandoned half-way), bounded by ``abort`` and ``finish_by``: if a reader has not
+        freed the slot the next chunk needs by ``finish_by``, :class:`RingStalledError` is
+        raised with part of the message published, and the ring is broken (so that a call's
+        send returns by its deadline, whatever the readers do).
         """
         buf = self._buf
         if nbytes <= self._slot_data:  # the common case, kept short (no extra calls)
@@ -315,7 +319,7 @@ class Ring:
         if self._free < needed and not self._wait_for_space(needed, deadline, abort):
             return False
         try:
-            self._stream(parts, nbytes, nchunks, deadline, abort)
+            self._stream(parts, nbytes, nchunks, finish_by, abort)
         except BaseException:
             if self._streaming:  # readers hold part of a message that will never end
                 self.broken = True
@@ -327,7 +331,7 @@ class Ring:
         parts: Sequence[memoryview | bytes],
         nbytes: int,
         nchunks: int,
-        deadline: float | None,
+        finish_by: float | None,
         abort: Callable[[], None],
     ) -> None:
         # Each chunk is published as soon as it is written, so readers copy it out while
@@ -341,7 +345,7 @@ class Ring:
         self._streaming = False
         for chunk in range(nchunks):
             # write() made sure of the first ``nslots``.
-            if self._free < 1 and not self._wait_for_space(1, deadline, abort):
+            if self._free < 1 and not self._wait_for_space(1, finish_by, abort):
                 raise RingStalledError(
                     f"a message of {nbytes} bytes ({nchunks} slots, the ring has {nslots}) "
                     f"could not be finished by its deadline: a reader stopped reading it"

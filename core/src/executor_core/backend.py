@@ -31,6 +31,7 @@ from ._registry import (
     BackendSpec,
     BrokenPlugin,
     Capabilities,
+    PluginRegistrationError,
     Registry,
     default_registry,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "BrokenPlugin",
     "Call",
     "Capabilities",
+    "PluginRegistrationError",
     "Registry",
     "RemoteFailure",
     "Transport",

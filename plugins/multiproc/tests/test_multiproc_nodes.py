@@ -36,6 +36,8 @@ class _TwoNodes(ExecutorConformanceTests):
 
     backend = "mp"
     world_size = 2
+    # The kit kills the highest rank: a worker of the agent, on the other node.
+    workers_are_processes = True
 
     @pytest.fixture(scope="class")
     @classmethod
