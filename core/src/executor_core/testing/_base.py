@@ -3,6 +3,7 @@ fixtures that build executors, and the time guard around each test."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -125,6 +126,16 @@ class KitBase:
     def reply_probe_s(cls) -> float:
         """Seconds the kit gives a trivial call (``get_rank``) on a new executor."""
         return min(30.0, cls.time_limit_s / 4)
+
+    def assert_prompt_shutdown(self, executor: Executor, when: str) -> None:
+        """Shut ``executor`` down; fail unless it returned within :attr:`shutdown_s`."""
+        start = time.monotonic()
+        executor.shutdown()
+        took = time.monotonic() - start
+        assert took < self.shutdown_s, (
+            f"rule broken: shutdown() {when} returns within {self.shutdown_s:g} s "
+            f"(took {took:.1f} s)"
+        )
 
     @classmethod
     def spec(cls) -> BackendSpec | None:
