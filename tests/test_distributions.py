@@ -17,6 +17,7 @@ DISTRIBUTIONS = {
     "plugins/multiproc": ("executor-plugin-multiproc", "executor_plugin_multiproc"),
     "plugins/ray": ("executor-plugin-ray", "executor_plugin_ray"),
     "examples/executor-threads": ("executor-threads", "executor_threads"),
+    "examples/executor-cluster": ("executor-cluster", "executor_cluster"),
     "bench": ("executor-bench", "executor_bench"),
     "reference": ("executor-reference", "executor_reference"),
     "plugins/otel": ("executor-plugin-otel", "executor_plugin_otel"),

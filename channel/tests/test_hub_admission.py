@@ -97,7 +97,7 @@ def test_refusals_while_the_hub_waits_for_its_members() -> None:
             refusal, reason, took = agents.refusal(1)
             assert refusal == Refusal.TAKEN
             assert reason == (
-                "node rank 1 has joined already (agent pid 101 on host-x); the executor "
+                "node rank 1 has joined already (member pid 101 on host-x); the executor "
                 "still awaits node rank(s) 2"
             )
             assert took < 2.0
@@ -105,7 +105,7 @@ def test_refusals_while_the_hub_waits_for_its_members() -> None:
             refusal, reason, _ = agents.refusal(7)
             assert refusal == Refusal.OUT_OF_RANGE
             assert reason == (
-                "node rank 7 is out of range: this executor's agents have node rank(s) 1 to 2 "
+                "node rank 7 is out of range: this executor's members have node rank(s) 1 to 2 "
                 "(num_nodes=3)"
             )
             refusal, reason, _ = agents.refusal(2, version="0.0.1")
@@ -144,15 +144,15 @@ def test_refusals_once_every_member_has_joined() -> None:
         assert bytes(message.parts[0]) == REFUSED
         assert read_control(message.parts) == {
             "refusal": "taken",
-            "reason": "node rank 2 has joined already (agent pid 102 on host-x); the executor "
-            "is starting its workers and awaits no agent",
+            "reason": "node rank 2 has joined already (member pid 102 on host-x); the executor "
+            "is starting its workers and awaits no member",
             "awaited": [],
         }
         hub.ready = True
         hub.wake()
         refusal, reason, took = agents.refusal(1)
         assert refusal == Refusal.TAKEN
-        assert reason.endswith("the executor is running and awaits no agent")
+        assert reason.endswith("the executor is running and awaits no member")
         assert took < 2.0
         refusal, _, _ = agents.refusal(0)
         assert refusal == Refusal.OUT_OF_RANGE
@@ -161,8 +161,8 @@ def test_refusals_once_every_member_has_joined() -> None:
         refusal, reason, _ = agents.refusal(1)
         assert refusal == Refusal.NOT_AWAITED
         assert reason == (
-            "node rank 1 is not awaited: its agent was lost, and the executor awaits no other "
-            "agent for it"
+            "node rank 1 is not awaited: its member was lost, and the executor awaits no other "
+            "member for it"
         )
         hub.nodes[1].done = True
         refusal, reason, _ = agents.refusal(2)

@@ -116,6 +116,11 @@ class ChannelDriver:
             # Short naps: a worker that dies before its handshake rings no doorbell.
             self._reply_bell.wait(min(deadline - now, 0.05))
 
+    @property
+    def is_ready(self) -> bool:
+        """Every rank has been ready (:meth:`ready` was called)."""
+        return self._ready
+
     def ready(self) -> None:
         """Every rank is ready: from now on a failure fails the executor, and the hub counts
         silences strictly. Raises a failure reported before this moment."""

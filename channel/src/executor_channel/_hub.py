@@ -33,7 +33,7 @@ __all__ = ["STARTUP_SILENCE_S", "Hub", "Member"]
 
 logger = logging.getLogger("executor_channel")
 
-#: Seconds of silence that lose a node (or, for an agent, the driver) while workers start.
+#: Seconds of silence that lose a node (or, for a member, the driver) while workers start.
 STARTUP_SILENCE_S = 10.0
 
 #: Called from the pump thread with the error that fails the executor.
@@ -44,11 +44,19 @@ FailureCallback = Callable[[ExecutorFailedError], None]
 class Member:
     """A joined member, as the hub sees it."""
 
+    #: The index it joined under (a node rank, or a rank for a member serving one).
     node_rank: int
     hostname: str
     pid: int
     peer: PeerId
+    #: The node's name: as the member stated it (``JOIN``'s ``node_id``), else its
+    #: hostname, until :meth:`Hub.send_spec` gives the backend's.
     node_id: str = ""
+    #: The member's address as it stated it (``JOIN``'s ``address``; "" if it gave none).
+    address: str = ""
+    #: A TCP port the member found free on its address (``JOIN``'s ``port``; 0 if none):
+    #: where a rendezvous hosted on its machine may listen.
+    port: int = 0
     ranks: tuple[int, ...] = ()
     last_seen: float = 0.0
     #: Its workers have stopped (it said BYE).
@@ -56,11 +64,13 @@ class Member:
     lost: bool = False
 
     def describe(self) -> str:
-        return f"{self.node_id} (node rank {self.node_rank}, agent pid {self.pid})"
+        """How errors name it: ``node-a at 10.0.0.5 (node rank 1, member pid 4242)``."""
+        where = f" at {self.address}" if self.address else ""
+        return f"{self.node_id}{where} (node rank {self.node_rank}, member pid {self.pid})"
 
 
 class Hub:
-    """The listener, the joined agents and the pump thread."""
+    """The listener, the joined members and the pump thread."""
 
     def __init__(
         self,
@@ -81,7 +91,7 @@ class Hub:
         self._awaited: set[int] = set()
         self._version = ""
         self._terms: dict[str, Any] = {}
-        #: Replies (and ready frames) from the agents, for the transport's poll.
+        #: Replies (and ready frames) from the members, for the transport's poll.
         self.inbox: collections.deque[Reply] = collections.deque()
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         self._wake = Doorbell()
@@ -108,7 +118,8 @@ class Hub:
         hint: str,
         *,
         terms: Mapping[str, Any] | None = None,
-    ) -> None:
+        check: Callable[[frozenset[int]], None] | None = None,
+    ) -> list[Member]:
         """Wait until a member has joined for every one of ``node_ranks``, the job's node
         ranks. ``hint`` ends the error if some never join (how to start them). ``terms`` are
         facts about the job (``{"num_nodes": 3}``) that a member may say it expects.
@@ -117,6 +128,10 @@ class Hub:
         ranks, those awaited now (:attr:`awaited`) and the members that hold the others. A
         member that cannot be admitted is answered ``REFUSED`` at once, with the reason (a
         :class:`~._hub_protocol.Refusal`): during this wait, and afterwards by the pump.
+
+        ``check(awaited)`` runs about once a second while members are awaited and raises if
+        one of them can no longer come (the backend saw its process end, say). Returns the
+        joined members in node rank order (also :attr:`nodes`).
         """
         self._node_ranks = frozenset(node_ranks)
         self._awaited = set(self._node_ranks)
@@ -134,11 +149,14 @@ class Hub:
             try:
                 message = listener.recv(min(remaining, 1.0))
             except ChannelTimeoutError:
+                if check is not None:
+                    check(frozenset(self._awaited))
                 continue
             if message.parts and bytes(message.parts[0]) == wire.JOIN:
                 self._on_join(message)
-            # anything else: a stray message of an agent from an earlier run
+            # anything else: a stray message of a member from an earlier run
         self.nodes.sort(key=lambda node: node.node_rank)
+        return list(self.nodes)
 
     @property
     def awaited(self) -> frozenset[int]:
@@ -158,12 +176,12 @@ class Hub:
         if refused is not None:
             refusal, reason = refused
             logger.warning(
-                "refused a node agent (pid %s on %s): %s",
+                "refused a member (pid %s on %s): %s",
                 info.get("pid", "?"),
                 info.get("hostname", "?"),
                 reason,
             )
-            # Best effort: an agent gone since it asked must not stop the executor.
+            # Best effort: a member gone since it asked must not stop the executor.
             with contextlib.suppress(ChannelError):
                 self._listener.send(
                     message.peer,
@@ -180,7 +198,16 @@ class Hub:
             return None
         rank = int(info["node_rank"])
         self._awaited.discard(rank)
-        node = Member(rank, str(info["hostname"]), int(info["pid"]), message.peer)
+        hostname = str(info["hostname"])
+        node = Member(
+            rank,
+            hostname,
+            int(info["pid"]),
+            message.peer,
+            node_id=str(info.get("node_id") or hostname),
+            address=str(info.get("address", "")),
+            port=int(info.get("port", 0)),
+        )
         self.nodes.append(node)
         self._by_peer[message.peer] = node
         return node
@@ -194,6 +221,9 @@ class Hub:
             or not isinstance(hostname, str)
             or type(pid) is not int
             or not isinstance(expects, dict)
+            or not isinstance(info.get("node_id", ""), str)
+            or not isinstance(info.get("address", ""), str)
+            or type(info.get("port", 0)) is not int
         ):
             shown = repr(info)
             shown = shown if len(shown) <= 200 else shown[:200] + "..."
@@ -217,7 +247,7 @@ class Hub:
         if rank not in self._node_ranks:
             job = ", ".join(f"{key}={value!r}" for key, value in self._terms.items())
             return wire.Refusal.OUT_OF_RANGE, (
-                f"node rank {rank} is out of range: this executor's agents have node rank(s) "
+                f"node rank {rank} is out of range: this executor's members have node rank(s) "
                 f"{_ranks_text(self._node_ranks)}" + (f" ({job})" if job else "")
             )
         if rank in self._awaited:
@@ -229,20 +259,20 @@ class Hub:
             if self._awaited:
                 state = f"the executor still awaits node rank(s) {_ranks_text(self._awaited)}"
             elif self.ready:
-                state = "the executor is running and awaits no agent"
+                state = "the executor is running and awaits no member"
             else:
-                state = "the executor is starting its workers and awaits no agent"
+                state = "the executor is starting its workers and awaits no member"
             return wire.Refusal.TAKEN, (
-                f"node rank {rank} has joined already (agent pid {holder.pid} on "
+                f"node rank {rank} has joined already (member pid {holder.pid} on "
                 f"{holder.hostname}); {state}"
             )
         gone = next((n for n in self.nodes if n.node_rank == rank), None)
         if gone is not None and gone.done:
-            why = "its agent has stopped its workers: the executor is shutting down"
+            why = "its member has stopped its workers: the executor is shutting down"
         elif gone is not None:
-            why = "its agent was lost, and the executor awaits no other agent for it"
+            why = "its member was lost, and the executor awaits no other member for it"
         else:
-            why = "the executor awaits no agent for it"
+            why = "the executor awaits no member for it"
         return wire.Refusal.NOT_AWAITED, f"node rank {rank} is not awaited: {why}"
 
     def send_spec(self, member: Member, node_id: str, ranks: Sequence[int], spec: bytes) -> None:
@@ -256,14 +286,14 @@ class Hub:
         try:
             self._listener.send(peer, parts, timeout=self._timeout)
         except ChannelError as exc:
-            raise ExecutorError(f"could not reach a node agent: {exc}") from exc
+            raise ExecutorError(f"could not reach a member: {exc}") from exc
 
     def start(self) -> None:
         """Hand the listener to the pump thread."""
         now = time.monotonic()
         for node in self.nodes:
             node.last_seen = now
-        self._thread = threading.Thread(target=self._run, name="executor-mp-nodes", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="executor-hub", daemon=True)
         self._thread.start()
 
     # --- any thread -------------------------------------------------------------------------
@@ -279,7 +309,7 @@ class Hub:
         self._wake.ring()
 
     def stop(self, graceful: bool, grace_s: float) -> None:
-        """Stop the pump: gracefully, once every agent said its workers stopped (at most
+        """Stop the pump: gracefully, once every member said its workers stopped (at most
         ``grace_s``; the stop frame must be queued already), else at once with KILL."""
         thread, self._thread = self._thread, None
         if thread is None:  # not started (start-up failed: release who joined), or stopped
@@ -313,8 +343,8 @@ class Hub:
         try:
             self._pump()
         except Exception as exc:
-            logger.exception("the mp node link failed")
-            self._on_failure(ExecutorFailedError(f"the link to the node agents failed: {exc}"))
+            logger.exception("the hub's links to its members failed")
+            self._on_failure(ExecutorFailedError(f"the links to the other nodes failed: {exc}"))
 
     def _pump(self) -> None:
         listener = self._listener
@@ -347,8 +377,8 @@ class Hub:
                 if now - node.last_seen > limit:
                     self._lose(
                         node,
-                        f"its agent sent nothing for {now - node.last_seen:.1f} s: the agent "
-                        "or its machine is gone",
+                        f"node {node.describe()} sent nothing for {now - node.last_seen:.1f} s: "
+                        "its member process or its machine is gone",
                     )
 
     def _live(self) -> list[Member]:
@@ -365,7 +395,7 @@ class Hub:
         try:
             self._listener.send(node.peer, parts, timeout=self._timeout)
         except ChannelError as exc:
-            self._lose(node, f"sending to its agent failed: {exc}")
+            self._lose(node, f"sending to node {node.describe()} failed: {exc}")
 
     def _receive(self) -> None:
         listener = self._listener
@@ -380,7 +410,7 @@ class Hub:
             op = bytes(message.parts[0])
             node = self._by_peer.get(message.peer)
             if node is None:
-                if op == wire.JOIN:  # a late or duplicate agent: it is told why at once
+                if op == wire.JOIN:  # a late or duplicate member: it is told why at once
                     self._on_join(message)
                 continue
             if node.lost:
@@ -402,7 +432,7 @@ class Hub:
                 info = wire.read_control(message.parts)
                 reason = str(info.get("reason", "?"))
                 if info.get("started"):  # its workers were running: they are gone
-                    self._lose(node, reason)
+                    self._lose(node, f"node {node.describe()}: {reason}")
                 else:
                     node.lost = True
                     self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
@@ -425,7 +455,7 @@ class Hub:
         )
 
     def _kill_all(self) -> None:
-        """Tell every agent not done yet to stop its workers now (best effort)."""
+        """Tell every member not done yet to stop its workers now (best effort)."""
         for node in self.nodes:
             if not node.lost and not node.done:
                 with contextlib.suppress(ChannelError):
@@ -447,7 +477,7 @@ def _died_on(node: Member, info: dict[str, Any]) -> WorkerDiedError:
     code = info.get("exitcode")
     detail = f"on node {node.node_id}"
     if info.get("parent_died"):
-        detail += ", it saw its node agent die"
+        detail += ", it saw its node's member process die"
     if not isinstance(rank, int):
         rank = min(node.ranks, default=-1)
     if isinstance(code, int) and code < 0:

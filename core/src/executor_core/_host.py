@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._calls import CallTable
@@ -101,6 +101,7 @@ class TransportHost:
         local_world_size: int,
         node_id: str,
         init_method: str,
+        node_address: str = "",
     ) -> WorkerContext:
         """The :class:`WorkerContext` of ``rank``; the config's fields and :attr:`name` are
         filled in here."""
@@ -115,15 +116,20 @@ class TransportHost:
             device=config.device,
             local_world_size=local_world_size,
             node_id=node_id,
+            node_address=node_address,
             backend=self.name,
         )
 
     def contexts(
-        self, node_ids: Sequence[str] | None = None, init_method: str | None = None
+        self,
+        node_ids: Sequence[str] | None = None,
+        init_method: str | None = None,
+        node_addresses: Mapping[str, str] | None = None,
     ) -> list[WorkerContext]:
         """Every rank's context, in rank order. ``node_ids[rank]`` names each rank's node
         (default: every rank on this host); local ranks count up per node in rank order.
-        ``init_method`` defaults to a free port on ``config.distributed_host``."""
+        ``init_method`` defaults to a free port on ``config.distributed_host``.
+        ``node_addresses`` maps a node id to its address (``WorkerContext.node_address``)."""
         world_size = self.config.world_size
         if node_ids is None:
             node_ids = [socket.gethostname()] * world_size
@@ -143,6 +149,7 @@ class TransportHost:
                 local_world_size=per_node[node],
                 node_id=node,
                 init_method=init_method,
+                node_address=(node_addresses or {}).get(node, ""),
             )
             for rank, node in enumerate(node_ids)
         ]

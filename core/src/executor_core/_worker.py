@@ -32,6 +32,9 @@ class WorkerContext:
     local_world_size: int = 1
     #: Identifier of the node (hostname, Ray node id, ...).
     node_id: str = ""
+    #: The node's address, as its agent states it (``executor node --address``); empty
+    #: where the backend does not know one (every rank on the driver's machine, say).
+    node_address: str = ""
     #: Name of the backend that started the worker.
     backend: str = ""
 

@@ -75,14 +75,16 @@ def last_line(stderr: str) -> str:
         (["--join-timeout", "inf"], "argument --join-timeout: must be a number of seconds"),
         (["--join-timeout", "soon"], "argument --join-timeout: must be a number of seconds"),
         (
-            ["--node-rank", "0"],
-            "argument --node-rank: must be an integer >= 1 (node 0 is the driver's machine)",
+            ["--node-rank", "-1"],
+            "argument --node-rank: must be an integer >= 0, not -1",
         ),
-        (["--node-rank", "one"], "--node-rank: must be an integer >= 1 (node 0 is the driver's "),
+        (["--node-rank", "one"], "--node-rank: must be an integer >= 0, not 'one'"),
         (["--num-nodes", "1"], "argument --num-nodes: must be an integer >= 2"),
+        (["--node-id", "a b"], "argument --node-id: must be a printable name without spaces"),
+        (["--address", "999.1.1.1"], "argument --address: '999.1.1.1' is not an IPv4 address"),
         (
             ["--num-nodes", "2", "--node-rank", "2"],
-            "--node-rank 2 is out of range for --num-nodes 2: the agents' node ranks are 1 to 1",
+            "--node-rank 2 is out of range for --num-nodes 2: node ranks go up to 1",
         ),
     ],
 )
@@ -116,7 +118,7 @@ def test_bad_flags_are_usage_errors(args: list[str], message: str) -> None:
             "EXECUTOR_NODE_RANK",
             "x",
             "environment variable EXECUTOR_NODE_RANK (read as --node-rank): must be an "
-            "integer >= 1 (node 0 is the driver's machine), not 'x'",
+            "integer >= 0, not 'x'",
         ),
         (
             "EXECUTOR_NUM_NODES",

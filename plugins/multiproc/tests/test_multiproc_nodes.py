@@ -219,17 +219,17 @@ class TestNodes:
                 # Told at once (the time is mostly its start-up): its --join-timeout is 120 s.
                 assert took < 15, f"{name}: refused after {took:.1f} s"
             serving_pid = serving.pid
-            assert f"has joined already (agent pid {serving_pid} on " in lines["duplicate"]
+            assert f"has joined already (member pid {serving_pid} on " in lines["duplicate"]
             # Nothing else is awaited, whether the executor was starting or running by then.
             assert (
-                "and awaits no agent; each node rank takes one agent, and every one has its "
+                "and awaits no member; each node rank takes one agent, and every one has its "
                 "agent: stop this one"
             ) in lines["duplicate"]
-            assert f"has joined already (agent pid {serving_pid} on " in lines["late"]
-            assert "the executor is running and awaits no agent" in lines["late"]
+            assert f"has joined already (member pid {serving_pid} on " in lines["late"]
+            assert "the executor is running and awaits no member" in lines["late"]
             assert lines["late"].endswith("every one has its agent: stop this one")
             assert (
-                "node rank 5 is out of range: this executor's agents have node rank(s) 1 "
+                "node rank 5 is out of range: this executor's members have node rank(s) 1 "
                 "(num_nodes=2); start it with one of those node ranks (--node-rank)"
             ) in lines["out_of_range"]
             assert (

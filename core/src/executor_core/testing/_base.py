@@ -73,6 +73,10 @@ class KitBase:
     world_size: ClassVar[int] = 2
     #: Pipeline stages of the shared executor (world_size must be a multiple).
     pipeline_parallel_size: ClassVar[int] = 1
+    #: Nodes of every executor whose world size is a multiple of it (the others run on
+    #: one): a backend that places its own nodes (``mp``'s launcher contract, say) runs the
+    #: whole kit across several with ``num_nodes = 2``.
+    num_nodes: ClassVar[int] = 1
     #: ``backend_options`` of every executor the kit builds.
     backend_options: ClassVar[dict[str, Any]] = {}
     #: Seconds one test may take, start-up and shutdown included: past it the test fails
@@ -113,6 +117,8 @@ class KitBase:
             )
         pp = overrides.pop("pipeline_parallel_size", cls.pipeline_parallel_size)
         world_size = overrides.pop("world_size", cls.world_size)
+        if "num_nodes" not in overrides and world_size % cls.num_nodes == 0:
+            overrides["num_nodes"] = cls.num_nodes
         options = {**cls.backend_options, **overrides.pop("backend_options", {})}
         return conformance_config(
             cls.backend,

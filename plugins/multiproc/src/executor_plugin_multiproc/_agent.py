@@ -95,12 +95,16 @@ def run_agent(
     *,
     num_nodes: int | None = None,
     secret: Secret | None = None,
+    node_id: str | None = None,
+    address: str | None = None,
 ) -> int:
     """Join the driver at ``master_addr:master_port`` as ``node_rank`` and serve until it
     stops this node; returns the process's exit status.
 
     ``num_nodes``, if given, is what this agent expects of the driver's config (a driver
     with another ``num_nodes`` refuses it). ``secret`` defaults to :func:`load_secret`'s.
+    ``node_id`` (default: the host name) and ``address`` (default: the address this machine
+    uses to reach the driver) are how the driver, the workers and errors name this node.
     Every failure to join is one line on stderr saying what to check, not a traceback.
     """
     if secret is None:
@@ -110,13 +114,13 @@ def run_agent(
             print(f"executor node: error: {exc}", file=sys.stderr)
             return REFUSED_EXIT
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
-    address = f"tcp://{host}:{master_port}"
-    logger.info("node %d: joining the driver at %s", node_rank, address)
+    driver = f"tcp://{host}:{master_port}"
+    logger.info("node %d: joining the driver at %s", node_rank, driver)
     try:
-        link = Connection(address, secret, timeout=join_timeout)
+        link = Connection(driver, secret, timeout=join_timeout)
     except ChannelTimeoutError:
         print(
-            f"executor node: no driver answered at {address} within --join-timeout="
+            f"executor node: no driver answered at {driver} within --join-timeout="
             f"{join_timeout:g} s. Check that an mp executor with num_nodes > {node_rank} is "
             "starting there (--master-addr and --master-port are its distributed_host and "
             "backend_options['node_port']), that this machine can reach that port, and that "
@@ -127,13 +131,16 @@ def run_agent(
         )
         return DRIVER_LOST_EXIT
     except ChannelError as exc:
-        print(f"executor node: could not dial the driver at {address}: {exc}", file=sys.stderr)
+        print(f"executor node: could not dial the driver at {driver}: {exc}", file=sys.stderr)
         return DRIVER_LOST_EXIT
+    if address is None:
+        address = _route_address(master_addr, master_port)
+    identity = {"node_id": node_id or socket.gethostname(), "address": address}
     # SIGTERM (a scheduler stopping this job) ends the agent like Ctrl-C: workers stopped.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with link:
-            return _Agent(link, node_rank, join_timeout, num_nodes).run()
+            return _Agent(link, node_rank, join_timeout, num_nodes, identity).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -142,11 +149,40 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _route_address(master_addr: str, master_port: int) -> str:
+    """The local address this machine uses to reach the driver (a UDP socket's route: no
+    packet is sent); "" if there is none."""
+    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, master_port))
+            return str(probe.getsockname()[0])
+    except OSError:  # a name that does not resolve yet: the driver shows no address
+        return ""
+
+
+def _free_port(address: str) -> int:
+    """A TCP port free on ``address`` a moment ago (0 if it cannot be bound here)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+            return int(sock.getsockname()[1])
+    except OSError:
+        return 0
+
+
 class _Agent:
     def __init__(
-        self, link: Connection, node_rank: int, join_timeout: float, num_nodes: int | None
+        self,
+        link: Connection,
+        node_rank: int,
+        join_timeout: float,
+        num_nodes: int | None,
+        identity: dict[str, str],
     ) -> None:
         self._link = link
+        self._identity = identity
         self._node_rank = node_rank
         self._join_timeout = join_timeout
         self._num_nodes = num_nodes
@@ -177,6 +213,9 @@ class _Agent:
                         "pid": os.getpid(),
                         "version": __version__,
                         "expects": expects,
+                        **self._identity,
+                        # Where node 0 hosts the torch rendezvous if the driver runs no ranks.
+                        "port": _free_port(self._identity["address"] or "0.0.0.0"),
                     },
                 ),
                 timeout=self._join_timeout,

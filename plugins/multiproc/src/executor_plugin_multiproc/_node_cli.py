@@ -20,9 +20,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = [
+    "ADDRESS_ENV",
     "MASTER_ADDR_ENV",
     "MASTER_PORT_ENV",
     "MAX_JOIN_TIMEOUT_S",
+    "NODE_ID_ENV",
     "NODE_RANK_ENV",
     "NUM_NODES_ENV",
     "add_node_command",
@@ -33,6 +35,8 @@ NODE_RANK_ENV = "EXECUTOR_NODE_RANK"
 NUM_NODES_ENV = "EXECUTOR_NUM_NODES"
 MASTER_ADDR_ENV = "EXECUTOR_MASTER_ADDR"
 MASTER_PORT_ENV = "EXECUTOR_MASTER_PORT"
+NODE_ID_ENV = "EXECUTOR_NODE_ID"
+ADDRESS_ENV = "EXECUTOR_NODE_ADDRESS"
 
 #: The longest ``--join-timeout``, in seconds (about 11.5 days; zmq's send timeouts are
 #: 32-bit milliseconds).
@@ -65,7 +69,29 @@ def add_node_command(commands: argparse._SubParsersAction[Any]) -> None:
         "--node-rank",
         type=_node_rank,
         default=None,
-        help=f"this node's rank, 1 .. num_nodes-1 (env {NODE_RANK_ENV}); node 0 is the driver's",
+        help=(
+            f"this node's rank (env {NODE_RANK_ENV}): 1 .. num_nodes-1, node 0 being the "
+            "driver's machine; 0 .. num_nodes-1 for a driver that runs no ranks itself"
+        ),
+    )
+    parser.add_argument(
+        "--node-id",
+        type=_node_id,
+        default=None,
+        help=(
+            f"this node's name, as WorkerContext.node_id and errors give it (env {NODE_ID_ENV}; "
+            "default: this machine's host name)"
+        ),
+    )
+    parser.add_argument(
+        "--address",
+        type=_master_addr,
+        default=None,
+        help=(
+            f"this node's address as the others reach it (env {ADDRESS_ENV}; default: the "
+            "address this machine uses to reach the driver). WorkerContext.node_address gives "
+            "it, and node 0 hosts the torch rendezvous there when the driver runs no ranks"
+        ),
     )
     parser.add_argument(
         "--num-nodes",
@@ -126,9 +152,19 @@ def _integer(low: int, high: int | None, allowed: str) -> Callable[[str], int]:
 
 
 #: ``--node-rank``, ``--num-nodes``, ``--master-port``.
-_node_rank = _integer(1, None, "an integer >= 1 (node 0 is the driver's machine)")
+_node_rank = _integer(0, None, "an integer >= 0")
 _num_nodes = _integer(2, None, "an integer >= 2 (a single node needs no agent)")
 _port = _integer(1, 65535, "a TCP port, an integer from 1 to 65535")
+
+
+def _node_id(text: str) -> str:
+    """``--node-id``: a printable name without spaces, at most 255 characters."""
+    value = text.strip()
+    if not value or len(value) > 255 or not value.isprintable() or " " in value:
+        raise argparse.ArgumentTypeError(
+            f"must be a printable name without spaces, 1 to 255 characters, not {text!r}"
+        )
+    return value
 
 
 def _join_timeout(text: str) -> float:
@@ -217,15 +253,17 @@ def _node_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     nodes = _from_env(parser, args.num_nodes, NUM_NODES_ENV, _num_nodes, "--num-nodes")
     addr = _from_env(parser, args.master_addr, MASTER_ADDR_ENV, _master_addr, "--master-addr")
     master_port = _from_env(parser, args.master_port, MASTER_PORT_ENV, _port, "--master-port")
+    node_id = _from_env(parser, args.node_id, NODE_ID_ENV, _node_id, "--node-id")
+    address = _from_env(parser, args.address, ADDRESS_ENV, _master_addr, "--address")
     if rank is None:
         parser.error(
             f"give --node-rank (or {NODE_RANK_ENV}), an integer >= 1; node 0 is the "
-            "driver's machine"
+            "driver's machine unless the driver runs no ranks"
         )
     if nodes is not None and rank >= nodes:
         parser.error(
-            f"--node-rank {rank} is out of range for --num-nodes {nodes}: the agents' node "
-            f"ranks are 1 to {nodes - 1}"
+            f"--node-rank {rank} is out of range for --num-nodes {nodes}: node ranks go up "
+            f"to {nodes - 1}"
         )
     # The secret, before anything is dialled; executor_channel's top level imports no zmq.
     from executor_channel import SecretError, load_secret
@@ -244,4 +282,6 @@ def _node_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         args.join_timeout,
         num_nodes=nodes,
         secret=secret,
+        node_id=node_id,
+        address=address,
     )

@@ -8,21 +8,23 @@ about a call (ordering, reply gathering, timeouts, failure) is the core's.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import socket
 import sys
 from typing import ClassVar
 
 from executor_channel.driver import ChannelDriver
-from executor_channel.shm import NodeRings
-from executor_core import ConfigError, WorkerDiedError
-from executor_core.backend import Call, Transport, TransportHost
+from executor_channel.shm import Doorbell, NodeRings
+from executor_core import ConfigError, ExecutorError, WorkerDiedError
+from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
 
 from ._group import WorkerGroup
 from ._local import WorkerLaunch, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT
+from .launcher import AgentLaunch, ManualPlacement, Placement, agent_argv
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
 TYPE_CHECKING = False
@@ -43,13 +45,16 @@ class MultiprocTransport(Transport):
 
     polls: ClassVar[bool] = True
 
-    def __init__(self, host: TransportHost) -> None:
+    def __init__(
+        self, host: TransportHost, placement_cls: type[Placement] = ManualPlacement
+    ) -> None:
         super().__init__(host)
+        self._placement_cls = placement_cls
         self._options: MultiprocOptions | None = None
         #: Carries calls and replies: this node's rings, and the hub of the other nodes.
         self._driver: ChannelDriver | None = None
         self._group: WorkerGroup | None = None
-        #: Ranks on this node (0 .. _local - 1).
+        #: Ranks on this node (0 .. _local - 1); 0 where the driver runs no ranks.
         self._local = 0
 
     # --- start-up ----------------------------------------------------------------------
@@ -60,102 +65,150 @@ class MultiprocTransport(Transport):
         options = MultiprocOptions.from_backend_options(config.backend_options)
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
-        check_devices(options, config.device, per_node, host.worker_env)
-        self._local = per_node
-        channel = NodeRings(per_node, options.ring_sizes, host.add_cleanup)
-        self._driver = ChannelDriver(host, channel)
+        placement = self._placement_cls(config, options) if config.num_nodes > 1 else None
+        local = per_node if placement is None or placement.driver_runs_ranks else 0
+        if local:
+            check_devices(options, config.device, per_node, host.worker_env)
+            channel: NodeRings | None = NodeRings(per_node, options.ring_sizes, host.add_cleanup)
+            self._driver = ChannelDriver(host, channel)
+        else:  # every rank on placed nodes: the hub's doorbell wakes the driver
+            channel = None
+            bell = Doorbell()
+            host.add_cleanup(bell.close)
+            self._driver = ChannelDriver(host, None, reply_bell=bell)
+        self._local = local
         nodes = None
-        if config.num_nodes > 1:
-            nodes = self._join_nodes(options, self._driver)
-            node_ids = [socket.gethostname()] + [node.hostname for node in nodes.nodes]
+        if placement is None:
+            contexts = host.contexts()
+        else:
+            nodes = self._join_nodes(placement, options, self._driver, first_node=int(bool(local)))
+            members = nodes.nodes
+            node_ids = [socket.gethostname()] * bool(local) + [node.node_id for node in members]
             if len(set(node_ids)) < len(node_ids):  # several agents on one machine
                 node_ids = [f"{name}#{i}" for i, name in enumerate(node_ids)]
+            for node, node_id in zip(members, node_ids[bool(local) :], strict=True):
+                node.node_id = node_id
+            init_method = None
+            if not local:  # node 0's agent hosts the rendezvous, where it said it is
+                first = members[0]
+                if not first.address or not first.port:
+                    raise ExecutorError(
+                        f"node {first.describe()} gave no address and free port for the torch "
+                        "rendezvous: start its agent with --address ADDRESS"
+                    )
+                init_method = tcp_init_method(first.address, first.port)
             contexts = host.contexts(
-                [node_ids[rank // per_node] for rank in range(config.world_size)]
+                [node_ids[rank // per_node] for rank in range(config.world_size)],
+                init_method,
+                {node.node_id: node.address for node in members},
             )
-        else:
-            contexts = host.contexts()
         launches = [WorkerLaunch.of(host.wrapper(context), config.env) for context in contexts]
-        group = start_workers(
-            channel, launches[:per_node], options, host.add_cleanup, self._on_worker_death
-        )
+        group = None
+        if channel is not None:
+            group = start_workers(
+                channel, launches[:per_node], options, host.add_cleanup, self._on_worker_death
+            )
         self._group = group
         if nodes is not None:
             for node in nodes.nodes:
-                first = node.node_rank * per_node
+                first_rank = node.node_rank * per_node
                 spec = NodeSpec(
                     node_rank=node.node_rank,
-                    node_id=node_ids[node.node_rank],
-                    launches=tuple(launches[first : first + per_node]),
+                    node_id=node.node_id,
+                    launches=tuple(launches[first_rank : first_rank + per_node]),
                     options=options,
                     device=config.device,
                     worker_env=host.worker_env,
                 )
-                ranks = range(first, first + per_node)
+                ranks = range(first_rank, first_rank + per_node)
                 nodes.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
             nodes.start()
             self._driver.hub = nodes
         self._driver.wait_until_ready(
             range(config.world_size), options.startup_timeout, self._check_start
         )
-        group.armed = True
+        if group is not None:
+            group.armed = True
         self._driver.ready()
         # A worker may have died between its handshake and arming the monitor.
-        for rank in range(per_node):
+        for rank in range(local):
+            assert group is not None
             code = group.exit_code(rank)
             if code is not None:
                 raise _died(rank, code, "right after start-up")
 
-    def _join_nodes(self, options: MultiprocOptions, driver: ChannelDriver) -> Hub:
-        """Listen for the agents of nodes 1.. and wait until each has joined."""
+    def _join_nodes(
+        self,
+        placement: Placement,
+        options: MultiprocOptions,
+        driver: ChannelDriver,
+        first_node: int,
+    ) -> Hub:
+        """Listen for the agents of nodes ``first_node``.., have the placement start them,
+        and wait until each has joined."""
         # zmq: imported by multi-node executors only
-        from executor_channel import ChannelError, Listener, SecretError, load_secret
+        from executor_channel import ChannelError, Listener
         from executor_channel.hub import Hub
 
         from . import __version__
 
-        config = self.host.config
+        host = self.host
+        config = host.config
+        secret = placement.secret()
+        port = placement.port()
         try:
-            secret = load_secret()
-        except SecretError as exc:
-            raise ConfigError(
-                "num_nodes",
-                config.num_nodes,
-                f"the node agents authenticate with a shared secret: {exc}",
-            ) from None
-        try:
-            listener = Listener(secret, host=config.distributed_host, port=options.node_port)
+            listener = Listener(secret, host=config.distributed_host, port=port)
         except ChannelError as exc:  # the port is taken
             raise ConfigError(
                 "backend_options",
-                {"node_port": options.node_port},
+                {"node_port": port},
                 f"{exc}; pick a free port with backend_options['node_port'] (and the agents' "
                 "--master-port)",
             ) from None
-        self.host.add_cleanup(listener.close)
-        nodes = Hub(listener, options.node_timeout_s, driver.reply_bell, driver.report_failure)
-        self.host.add_cleanup(lambda: nodes.stop(False, 0.0))
-        hint = (
-            "on each of those machines run 'executor node --node-rank N --master-addr HOST "
-            f"--master-port {listener.port}', where HOST is this machine's distributed_host as "
-            "seen from there, with the same EXECUTOR_CHANNEL_SECRET (or "
-            "EXECUTOR_CHANNEL_SECRET_FILE) as here"
+        host.add_cleanup(listener.close)
+        master = config.distributed_host
+        if master in ("0.0.0.0", "::"):  # listening everywhere: agents dial this host's name
+            master = socket.gethostname()
+        launches = tuple(
+            AgentLaunch(
+                node_rank=node_rank,
+                argv=agent_argv(
+                    node_rank, config.num_nodes, master, listener.port, options.startup_timeout
+                ),
+                env=secret.to_env(),
+                secret=secret,
+                address=listener.address,
+            )
+            for node_rank in range(first_node, config.num_nodes)
         )
+        nodes = Hub(listener, options.node_timeout_s, driver.reply_bell, driver.report_failure)
+        # Cleanups run last in, first out: the hub tells the agents to stop, then the
+        # placement reaps them.
+        for launch in launches:
+            placement.start(launch)
+            host.add_cleanup(functools.partial(placement.stop, launch))
+        host.add_cleanup(lambda: nodes.stop(False, 0.0))
+        by_rank = {launch.node_rank: launch for launch in launches}
+
+        def check(awaited: frozenset[int]) -> None:
+            for node_rank in sorted(awaited):
+                placement.check(by_rank[node_rank])
+
         nodes.join(
-            range(1, config.num_nodes),
+            list(by_rank),
             __version__,
             options.startup_timeout,
-            hint,
+            placement.hint(launches),
             terms={"num_nodes": config.num_nodes},  # an agent's --num-nodes, if it gave one
+            check=check,
         )
         return nodes
 
     def _check_start(self, pending: set[int]) -> None:
         """Between waits for the ready frames: a local worker that died ends the start."""
         group = self._group
-        assert group is not None
         for rank in sorted(pending):
-            if rank >= self._local:
+            if rank >= self._local or group is None:
                 continue
             code = group.exit_code(rank)
             if code is not None and not self._channel_rings().replies[rank].poll():
@@ -191,16 +244,19 @@ class MultiprocTransport(Transport):
 
     def close(self, graceful: bool) -> None:
         group, options, driver = self._group, self._options, self._driver
-        if group is None or options is None or driver is None:
+        if options is None or driver is None:
             return  # start-up failed before any process was made
-        group.closing = True
-        if graceful and group.armed and not driver.aborted:
+        if group is not None:
+            group.closing = True
+        if graceful and driver.is_ready and not driver.aborted:
             driver.send_stop(options.shutdown_grace_s)
-            group.stop(options.shutdown_grace_s, options.shutdown_grace_s)
+            if group is not None:
+                group.stop(options.shutdown_grace_s, options.shutdown_grace_s)
             driver.stop_hub(True, options.shutdown_grace_s)
         else:
             driver.stop_hub(False, 0.0)
-            group.kill_now()
+            if group is not None:
+                group.kill_now()
 
 
 def check_devices(

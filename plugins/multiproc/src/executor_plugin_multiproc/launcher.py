@@ -1,0 +1,168 @@
+"""The launcher contract: where a multi-node ``mp`` executor's node agents run.
+
+A backend that places work through its own scheduler (Slurm, Kubernetes, an in-house one)
+supplies a :class:`Placement`: "start the agent for node N with this command and
+environment" (:meth:`Placement.start`) and "stop and reap it" (:meth:`Placement.stop`).
+Everything else is the SDK's: the command line and its environment (:class:`AgentLaunch`),
+a fresh secret and a free port per executor, the admission of agents (a wrong, late or
+duplicate one is refused with the reason), heartbeats, the rings of each node and every rule
+of a call. A backend names its placement on a subclass of the ``mp`` executor::
+
+    class ClusterExecutor(MultiprocExecutor):
+        placement_cls = ClusterPlacement
+
+``mp`` itself uses :class:`ManualPlacement`: someone else (a person, systemd, a job script)
+starts ``executor node`` on each machine, with the secret of the driver's environment and
+the port of ``backend_options['node_port']``.
+
+The order, for one executor: the placement is built with the config and the options; the
+driver listens (on ``config.distributed_host``, at :meth:`Placement.port`); for each node the
+agent awaited, :meth:`Placement.start` is called once, from the thread that creates the
+executor; :meth:`Placement.check` runs about once a second until every agent has joined;
+:meth:`Placement.stop` is called once for each started agent after the executor has told the
+agents to stop (at shutdown, after a failed start, or from the finalizer of an executor
+dropped without shutdown).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import ClassVar
+
+import attrs
+
+from executor_channel import Secret, SecretError, load_secret
+from executor_core import ConfigError, ExecutorConfig
+
+from ._options import MultiprocOptions
+
+__all__ = ["AgentLaunch", "ManualPlacement", "Placement"]
+
+
+@attrs.frozen(kw_only=True)
+class AgentLaunch:
+    """How to start one node's agent: run :attr:`argv` with :attr:`env` added to the
+    environment, on the machine that is to be node :attr:`node_rank`."""
+
+    #: The node this agent is for (``executor node --node-rank``).
+    node_rank: int
+    #: The command line: ``python -m executor_core node --node-rank N --num-nodes M
+    #: --master-addr HOST --master-port PORT --join-timeout S``, with the driver's Python.
+    #: Append ``--node-id NAME`` and ``--address ADDR`` to say what the machine is called
+    #: and how the other nodes reach it; run another interpreter path on machines where
+    #: Python lives elsewhere (``argv[1:]`` is the same for any).
+    argv: tuple[str, ...]
+    #: What the agent's environment must hold on top of its own: the secret
+    #: (``EXECUTOR_CHANNEL_SECRET``). Pass it the way the scheduler keeps it private (its
+    #: environment, or a file of mode 0600 named by ``EXECUTOR_CHANNEL_SECRET_FILE``).
+    env: Mapping[str, str]
+    #: The executor's secret itself, for a placement that writes it into a file.
+    secret: Secret = attrs.field(repr=False)
+    #: Where the driver listens: ``tcp://HOST:PORT``.
+    address: str
+
+
+class Placement:
+    """Where a multi-node executor's agents run: subclass it and give :meth:`start` and
+    :meth:`stop`. One instance per executor; its methods are called from the threads that
+    create and shut down the executor, never at the same time."""
+
+    #: True: the driver's machine runs node 0's ranks and the agents are nodes 1 ..
+    #: ``num_nodes - 1`` (``mp``'s way). False: the driver runs no ranks (it may be a login
+    #: node) and the agents are nodes 0 .. ``num_nodes - 1``; node 0's agent hosts the torch
+    #: rendezvous at its address.
+    driver_runs_ranks: ClassVar[bool] = True
+
+    def __init__(self, config: ExecutorConfig, options: MultiprocOptions) -> None:
+        self.config = config
+        self.options = options
+
+    def secret(self) -> Secret:
+        """The executor's secret: a fresh one (each executor its own, never the driver's
+        environment)."""
+        return Secret.generate()
+
+    def port(self) -> int:
+        """The port the driver listens on for the agents: 0, a free one chosen per
+        executor (several executors in one process never collide)."""
+        return 0
+
+    def start(self, launch: AgentLaunch) -> None:
+        """Start the agent for ``launch.node_rank`` (submit it to the scheduler). Return once
+        it is on its way; its join is awaited for ``startup_timeout``. Raise to fail the
+        start (the agents started before are stopped)."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define start(launch)")
+
+    def check(self, launch: AgentLaunch) -> None:
+        """While ``launch``'s agent has not joined: raise (an ``ExecutorError`` saying why)
+        if it can no longer join, its process ended, say. The default cannot tell."""
+
+    def stop(self, launch: AgentLaunch) -> None:
+        """Stop and reap the agent of ``launch`` (called once per started agent, after the
+        executor told the agents to stop: a well agent is exiting already). Return within
+        a few seconds; kill what does not exit."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define stop(launch)")
+
+    def hint(self, launches: tuple[AgentLaunch, ...]) -> str:
+        """What to check when agents did not join in time (ends the start's error)."""
+        return (
+            f"{type(self).__qualname__} started their agents: check that each one runs and "
+            f"can reach {launches[0].address} (their output says why one exits)"
+        )
+
+
+class ManualPlacement(Placement):
+    """``mp``'s own: agents are started by someone else (``executor node`` on each machine,
+    by a person, systemd or a job script) with the driver's secret, read from this process's
+    environment, and ``backend_options['node_port']``."""
+
+    def secret(self) -> Secret:
+        try:
+            return load_secret()
+        except SecretError as exc:
+            raise ConfigError(
+                "num_nodes",
+                self.config.num_nodes,
+                f"the node agents authenticate with a shared secret: {exc}",
+            ) from None
+
+    def port(self) -> int:
+        return self.options.node_port
+
+    def start(self, launch: AgentLaunch) -> None:
+        """Nothing to start: the agents are someone else's (see :meth:`hint`)."""
+
+    def stop(self, launch: AgentLaunch) -> None:
+        """Nothing to reap: an agent told to stop exits by itself."""
+
+    def hint(self, launches: tuple[AgentLaunch, ...]) -> str:
+        port = launches[0].address.rsplit(":", 1)[1]
+        return (
+            "on each of those machines run 'executor node --node-rank N --master-addr HOST "
+            f"--master-port {port}', where HOST is this machine's distributed_host as "
+            "seen from there, with the same EXECUTOR_CHANNEL_SECRET (or "
+            "EXECUTOR_CHANNEL_SECRET_FILE) as here"
+        )
+
+
+def agent_argv(
+    node_rank: int, num_nodes: int, master_addr: str, port: int, join_timeout: float
+) -> tuple[str, ...]:
+    """The agent's command line (:attr:`AgentLaunch.argv`)."""
+    return (
+        sys.executable,
+        "-m",
+        "executor_core",
+        "node",
+        "--node-rank",
+        str(node_rank),
+        "--num-nodes",
+        str(num_nodes),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(port),
+        "--join-timeout",
+        f"{join_timeout:g}",
+    )
