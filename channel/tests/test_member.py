@@ -363,3 +363,38 @@ def test_no_driver() -> None:
             node_timeout_s=1.0,
             join_timeout=0.3,
         )
+
+
+def test_a_member_reports_its_start_up_failure_with_its_traceback() -> None:
+    """``prepare`` raising: the hub's ready wait gets the failure (as a worker's start-up
+    failure in another process), and the constructor raises."""
+    secret = Secret.generate()
+    failures: list[ExecutorFailedError] = []
+
+    def prepare() -> None:
+        raise RuntimeError("no device for this rank")
+
+    with Listener(secret) as listener:
+        bell = Doorbell()
+        hub = Hub(listener, 2.0, bell, failures.append)
+        try:
+            thread, box = start_member(listener.address, secret, prepare=prepare)
+            members = hub.join([RANK], VERSION, WAIT, "start the member")
+            assert [m.node_rank for m in members] == [RANK]
+            hub.send_spec(members[0], "node-x", [RANK], b"")
+            thread.join(WAIT)
+            assert "member" not in box
+            assert isinstance(box["error"], ChannelError)
+            assert "RuntimeError: no device for this rank" in str(box["error"])
+            hub.start()
+            d = Driver(hub, None, failures)  # type: ignore[arg-type]
+            (ready,) = d.replies(1)
+            kind, _, rank, ok, failure = ready
+            assert (kind, rank, ok) == (KIND_READY, RANK, False)
+            error = failure.to_error()
+            assert error.method == "prepare"
+            assert "no device for this rank" in error.remote_traceback
+            assert "in prepare" in error.remote_traceback  # the member's own frame
+        finally:
+            hub.stop(False, 0)
+            bell.close()

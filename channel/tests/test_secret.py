@@ -11,11 +11,11 @@ import pytest
 from executor_channel import (
     ENV_SECRET,
     ENV_SECRET_FILE,
-    MIN_SECRET_BYTES,
     Secret,
     SecretError,
     load_secret,
 )
+from executor_channel._secret import MIN_SECRET_BYTES
 
 GOOD_HEX = secrets.token_hex(MIN_SECRET_BYTES)
 

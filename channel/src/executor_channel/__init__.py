@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from ._secret import (
         ENV_SECRET,
         ENV_SECRET_FILE,
-        MIN_SECRET_BYTES,
         Secret,
         SecretError,
         load_secret,
@@ -63,7 +62,6 @@ _LAZY: dict[str, str] = {
         for name in (
             "ENV_SECRET",
             "ENV_SECRET_FILE",
-            "MIN_SECRET_BYTES",
             "Secret",
             "SecretError",
             "load_secret",
@@ -75,7 +73,6 @@ __all__ = [
     "ENV_SECRET",
     "ENV_SECRET_FILE",
     "LOOPBACK",
-    "MIN_SECRET_BYTES",
     "BytesLike",
     "ChannelError",
     "ChannelTimeoutError",

@@ -30,7 +30,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -63,6 +63,12 @@ class MemberServer:
     :class:`~executor_channel.ChannelError` if the hub cannot be reached, refuses this
     member, or gives up (``KILL``) before sending the spec.
 
+    ``prepare``, if given, runs once the hub has admitted this member and before it announces
+    the rank ready (the place for a worker's ``init_device`` and ``load_model``): if it
+    raises, the hub's start fails with that error and its traceback (a
+    :class:`~executor_core.backend.RemoteFailure`), and the constructor raises
+    :class:`~executor_channel.ChannelError`.
+
     Each call runs through ``handle(method, args, kwargs, reply_rank)``, exactly as
     :meth:`WorkerWrapper.handle <executor_core.backend.WorkerWrapper.handle>`: None (this
     rank does not answer) or ``(ok, value)``, sent back as this rank's reply. A handler that
@@ -86,6 +92,7 @@ class MemberServer:
         version: str,
         node_timeout_s: float,
         join_timeout: float,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         if not node_timeout_s > 0:
             raise ValueError(f"node_timeout_s must be > 0, got {node_timeout_s!r}")
@@ -121,7 +128,7 @@ class MemberServer:
             self._bell.close()
             raise
         try:
-            self._join(version, join_timeout)
+            self._join(version, join_timeout, prepare)
         except BaseException:
             self._link.close()
             self._bell.close()
@@ -171,7 +178,7 @@ class MemberServer:
 
     # --- start-up (the constructor's thread owns the link) --------------------------------
 
-    def _join(self, version: str, join_timeout: float) -> None:
+    def _join(self, version: str, join_timeout: float, prepare: Callable[[], None] | None) -> None:
         link = self._link
         link.send(
             wire.control(
@@ -201,7 +208,19 @@ class MemberServer:
         if op != wire.SPEC:
             raise ChannelError(f"the driver sent {op!r} instead of rank {self._rank}'s spec")
         # The spec's content is for node agents; a member serves the rank it joined as.
-        self._send_frame(encode(KIND_READY, True, self._rank, 0, os.getpid()), join_timeout)
+        failure: RemoteFailure | None = None
+        if prepare is not None:
+            try:
+                prepare()
+            except Exception as exc:  # noqa: BLE001 - reported to the driver, then raised
+                failure = RemoteFailure.capture(self._rank, "prepare", exc)
+        ready = (True, os.getpid()) if failure is None else (False, failure)
+        self._send_frame(encode(KIND_READY, ready[0], self._rank, 0, ready[1]), join_timeout)
+        if failure is not None:
+            raise ChannelError(
+                f"rank {self._rank} failed to start (the driver was told): "
+                f"{failure.exc_type}: {failure.message}"
+            )
 
     # --- the link thread --------------------------------------------------------------------
 

@@ -17,6 +17,26 @@ freed slots), so no payload is too big and none is truncated. Readers copy out w
 before releasing its slots; a message of several chunks goes into memory the reader owns,
 warm memory from the receive buffer cache (``_buffers``) when it is large.
 
+The counter protocol, per message (a message of ``n`` chunks; reader ``i``):
+
+======================  ==========================  =======================================
+who                     step                        counter (order)
+======================  ==========================  =======================================
+writer                  waits until every reader    loads every ``consumed[i]`` (acquire):
+                        freed the slots it needs    ``written - min(consumed) + n <= slots``
+                        (all of them, ``n > slots``  (or one at a time while it streams)
+                        streams)
+writer                  copies chunk ``c`` into     stores ``written += 1`` (release) after
+                        slot ``c % slots``          each chunk; rings every data doorbell
+reader ``i``            sees a chunk                loads ``written`` (acquire) ``>`` its
+                                                    own count
+reader ``i``            copies it out, frees it     stores ``consumed[i] += 1`` (release);
+                                                    rings the space doorbell only if
+                                                    ``writer_waiting`` (full fence first)
+writer, ring full       sets ``writer_waiting``     full fence, then loads ``consumed`` again
+                        and sleeps                  before sleeping on the space doorbell
+======================  ==========================  =======================================
+
 Memory order (the argument is in docs/memory-ordering.md): every access to ``written``,
 ``consumed[i]`` and ``writer_waiting`` goes through :mod:`._fence`. The writer stores a
 slot, then publishes ``written`` with release order; a reader loads ``written`` with acquire

@@ -1,5 +1,34 @@
 """Bounded spinning that backs off when other processes want the CPU.
 
+The waiting policy of the rings, on one page. A process has one :class:`Spinner`; every
+wait of a ring reader or writer, and the driver's wait for replies, goes through these
+states (``spin_s`` and ``idle_spin_s`` are ``ChannelOptions``):
+
+=========  =================================  ========================================
+state      what the waiter does               leaves it when
+=========  =================================  ========================================
+LOOK       checks its counter once (no        data or space is there: done; else SPIN
+           system call)                       if the budget allows, else SLEEP
+SPIN       yields the CPU (``sched_yield``)   data came: done. ``spin_s`` passed (a
+           and looks again, for at most       worker after a reply: ``idle_spin_s``):
+           ``spin_s``                         SLEEP. A yield lost the CPU for a time
+                                              slice (``LOST_CPU_S``): SLEEP, and QUIET
+                                              if the data came meanwhile
+SLEEP      waits on its eventfd doorbell      woken (the peer rings after publishing),
+           (a deadline, or ``MAX_SLEEP_S``    deadline passed, or the re-check time:
+           re-checks where an abort check     LOOK
+           must run)
+QUIET      (per process) no wait may spin     ``QUIET_MIN_S``, doubling up to
+           for a while: LOOK goes straight    ``QUIET_MAX_S`` while losses keep coming
+           to SLEEP                           soon after the last quiet period
+=========  =================================  ========================================
+
+Two more rules act around the waits. **Hand-off**: right after publishing a small message
+that expects an answer, a process not QUIET yields once (:meth:`Spinner.handoff`), so that
+a reader on its core runs now. **Bulk**: while a message of several slots moves
+(:attr:`Spinner.bulk`), a lost yield does not count towards QUIET. Which of these rules a
+benchmark row at default options needs is in docs/benchmarks.md ("The waiting policy").
+
 A waiter that expects an answer within microseconds spins for a moment (calling
 ``sched_yield`` each round) before it sleeps: that saves two context switches per call
 when every process has a core. But ``sched_yield`` hands the CPU to any other runnable

@@ -8,27 +8,19 @@ ring or a network link carries as they are. See :func:`encode` and :func:`decode
 from __future__ import annotations
 
 from ._codec import (
-    KIND_CALL,
     KIND_READY,
-    KIND_REPLY,
     KIND_STOP,
-    OOB_BYTES_THRESHOLD,
     DecodeError,
     Frame,
     decode,
     encode,
-    encode_call,
 )
 
 __all__ = [
-    "KIND_CALL",
     "KIND_READY",
-    "KIND_REPLY",
     "KIND_STOP",
-    "OOB_BYTES_THRESHOLD",
     "DecodeError",
     "Frame",
     "decode",
     "encode",
-    "encode_call",
 ]

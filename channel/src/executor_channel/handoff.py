@@ -8,9 +8,6 @@ same user, receives them (SCM_RIGHTS) with :func:`receive_fds`. Nothing is unpic
 from __future__ import annotations
 
 from ._handoff import (
-    CHECK_INTERVAL_S,
-    HANDSHAKE_TIMEOUT_S,
-    MIN_KEY_BYTES,
     HandoffError,
     HandoffTimeoutError,
     RingHandoff,
@@ -18,9 +15,6 @@ from ._handoff import (
 )
 
 __all__ = [
-    "CHECK_INTERVAL_S",
-    "HANDSHAKE_TIMEOUT_S",
-    "MIN_KEY_BYTES",
     "HandoffError",
     "HandoffTimeoutError",
     "RingHandoff",

@@ -20,27 +20,22 @@ from ._buffers import trim_if_due as trim_receive_buffers
 from ._doorbell import Doorbell
 from ._node_rings import (
     NodeRings,
-    Reply,
     RingSizes,
     SegmentLayout,
     WorkerFds,
     WorkerRings,
-    decode_reply,
 )
-from ._ring import MAX_SLEEP_S, Received, Ring, RingAbortedError, RingLayout
-from ._segment import SHM_DIR, SharedSegment, check_free_space
-from ._serve import Handler, decode_call, reply_frame, serve_rings
+from ._ring import Received, Ring, RingAbortedError, RingLayout
+from ._segment import SharedSegment
+from ._serve import Handler, serve_rings
 from ._spin import Spinner
 
 __all__ = [
-    "MAX_SLEEP_S",
-    "SHM_DIR",
     "Doorbell",
     "Handler",
     "IdleTrim",
     "NodeRings",
     "Received",
-    "Reply",
     "Ring",
     "RingAbortedError",
     "RingLayout",
@@ -50,11 +45,7 @@ __all__ = [
     "Spinner",
     "WorkerFds",
     "WorkerRings",
-    "check_free_space",
-    "decode_call",
-    "decode_reply",
     "release_receive_buffers",
-    "reply_frame",
     "serve_rings",
     "trim_receive_buffers",
 ]
