@@ -5,7 +5,8 @@
 #   bash benchmarks/before_after.sh REV [OUT_DIR]
 #
 # REV is checked out into a temporary git worktree; its sources are put first on PYTHONPATH
-# (the installed entry points name the same modules). Results: OUT_DIR/<bench>-{old,new}.md.
+# (the installed entry points name the same modules), after this tree's executor-bench: the
+# harness stays this tree's, the code under test is REV's. Results: OUT_DIR/<bench>-{old,new}.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=${1:?usage: bash benchmarks/before_after.sh REV [OUT_DIR]}
@@ -16,7 +17,9 @@ trap 'git worktree remove --force "$base" >/dev/null 2>&1 || rm -rf "$base"' EXI
 git worktree add --detach "$base" "$rev" >/dev/null
 # Every distribution's sources in REV (core, channel, the plugins, ...), so that no module of
 # this tree's stands in for one of REV's.
-old_path=$(find "$base" -mindepth 2 -maxdepth 4 -type d -name src -not -path "*/tests/*" | paste -sd:)
+old_path=$(find "$base" -mindepth 2 -maxdepth 4 -type d -name src -not -path "*/tests/*" \
+  -not -path "$base/bench/*" | paste -sd:)
+old_path="$PWD/bench/src:$old_path"
 py=.venv/bin/python
 run() { # name side args...
   local name=$1 side=$2
@@ -28,7 +31,10 @@ run() { # name side args...
     "$py" "$@" >"$out/$name-$side.md"
   fi
 }
-for side in old new; do run core "$side" benchmarks/bench_core.py --repeats 9; done
+for side in old new; do
+  run core "$side" -m executor_core bench --no-progress --workloads imports,overhead \
+    --output-dir "$out/core-$side"
+done
 for side in old new; do run mp "$side" benchmarks/bench_multiproc.py --workers 1 2 --startup-repeats 2 --blocks 6; done
 for side in new old; do run mp2 "$side" benchmarks/bench_multiproc.py --workers 1 2 --startup-repeats 2 --blocks 6; done
 for side in old new; do run ray "$side" benchmarks/bench_ray.py --rounds 10 --calls 20 --phases 6; done

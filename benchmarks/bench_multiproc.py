@@ -3,32 +3,16 @@
     .venv/bin/python benchmarks/bench_multiproc.py [--workers 1 2 4] [--calls 2000]
         [--blocks 4] [--startup-repeats 5] [--noop-rounds 0] [--busy 0]
 
-For 1, 2 and 4 workers, in one run, each workload is measured on the ``mp`` executor and on
-two baselines that do the same request/reply with the same number of worker processes:
-``mp.Pipe`` (a ``multiprocessing.Pipe`` per worker carrying pickle protocol 5 bytes) and
-``zmq ipc`` (a pyzmq PAIR socket over ipc per worker, pickle protocol 5). The transports are
-interleaved in ``--blocks`` blocks so that load from other processes hits them alike.
-Reported: median and p99 in µs, and the ratio of the mp median to each baseline's. Also, in
-the same run: the noop on mp with ``spin_s=0``, and the 16MB tensor over
-``Connection.send`` (torch's shared-memory reducer, no copy).
-
-Only the plugin under test is loaded (``EXECUTOR_PLUGINS=multiproc``): the development
-install also registers test fixtures, among them an observer hook that runs on every call.
-
-Workloads: ``noop`` (a method that returns None), ``1MB bytes`` (an argument every worker
-receives), ``16MB tensor`` (a CPU float32 tensor argument), ``16MB result`` (rank 0 returns
-16 MiB of bytes; ``unique_reply_rank=0`` on mp, the other baseline workers answer None).
-
-``--noop-rounds R``: the no-op against ``mp.Pipe`` again in R rounds, each with fresh
-processes (the creation order alternating), reporting the median and range of the per-round
-ratios. On a shared 2-core machine one set of processes can land on the cores well or badly
-for the whole of its life, so a single run's no-op ratio swings far more than its noise
-within the run suggests. ``--busy N`` runs those rounds a second time next to N processes
-that spin on the CPU (other jobs on a shared machine).
-
-Then: CPU time used by idle mp workers over 1 s, starting 50 ms after the last call; and the
-time from ``create_executor`` to ready with 2 workers that import torch, against spawning 2
-bare processes that import torch and report back.
+For each worker count, ``mp`` (tuned: 32 MiB slots, so the 16 MiB payloads fit one) against
+``executor bench``'s ``Pipe`` and ``zmq`` baselines with as many worker processes, in
+``--blocks`` interleaved blocks: a no-op, a 1 MiB ``bytes`` argument, a 16 MiB tensor
+argument and a 16 MiB result from rank 0 (``unique_reply_rank=0`` on mp). Median and p99 in
+µs and mp's ratio to each. Same run: the no-op on mp with ``spin_s=0``, and the tensor over
+``Connection.send`` (torch's reducer shares its storage). ``--noop-rounds R``: the no-op
+against the Pipe in R rounds of fresh processes (one set of processes can land on a shared
+machine's cores well or badly for its whole life), ``--busy N`` again next to N spinning
+processes. Then idle workers' CPU over 1 s from 50 ms after the last call, and the time to
+ready with 2 workers importing torch against 2 bare spawned processes importing it.
 """
 
 from __future__ import annotations
@@ -36,288 +20,85 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import pickle
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from executor_bench import BackendSide, PipeSide, ZmqSide, interleave, markdown_table, percentile
 from executor_core import ExecutorConfig, WorkerBase, create_executor
 
 MB = 1 << 20
-TENSOR_BYTES = 16 * MB
-RESULT_BYTES = 16 * MB
-#: Slots big enough for the 16 MiB payloads in one piece (the default is 16 MiB).
-BACKEND_OPTIONS = {"slot_bytes": 32 * MB, "reply_slot_bytes": 32 * MB}
-
-
-class Target:
-    """What every transport calls: the same methods on the same kind of object."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    def noop(self) -> None:
-        return None
-
-    def size(self, data: Any) -> int:
-        return int(data.nbytes) if hasattr(data, "nbytes") else len(data)
-
-    def make(self, nbytes: int, on_rank: int) -> bytes | None:
-        return b"r" * nbytes if self.rank == on_rank else None
-
-
-class BenchWorker(WorkerBase):
-    """The mp executor's worker: delegates to :class:`Target`."""
-
-    def init_device(self) -> None:
-        self.target = Target(self.rank)
-
-    def noop(self) -> None:
-        return None
-
-    def size(self, data: Any) -> int:
-        return self.target.size(data)
-
-    def make(self, nbytes: int, on_rank: int) -> bytes | None:
-        return self.target.make(nbytes, on_rank)
+TUNED = {"slot_bytes": 32 * MB, "reply_slot_bytes": 32 * MB}
+SPAWN = multiprocessing.get_context("spawn")
 
 
 class TorchWorker(WorkerBase):
     """A worker whose start-up imports torch (for the ready-time comparison)."""
 
     def init_device(self) -> None:
-        import torch
-
-        self.version = torch.__version__
+        import torch  # noqa: F401
 
 
-# --- baselines ---------------------------------------------------------------------------
-
-
-def pipe_server(conn: Connection, rank: int, plain: bool) -> None:
-    target = Target(rank)
-    while True:
-        message = pickle.loads(conn.recv_bytes()) if plain else conn.recv()
-        if message is None:
-            return
-        method, args = message
-        result = getattr(target, method)(*args)
-        if plain:
-            conn.send_bytes(pickle.dumps(result, protocol=5))
-        else:
-            conn.send(result)
-
-
-def zmq_server(address: str, rank: int) -> None:
-    import zmq
-
-    target = Target(rank)
-    sock: Any = zmq.Context.instance().socket(zmq.PAIR)
-    sock.connect(address)
-    while True:
-        message = pickle.loads(sock.recv(copy=False).buffer)
-        if message is None:
-            break
-        method, args = message
-        sock.send(pickle.dumps(getattr(target, method)(*args), protocol=5), copy=False)
-    sock.close(linger=0)
-
-
-class PipeBaseline:
-    """A Pipe per worker. ``plain``: pickle protocol 5 bytes (``send_bytes``); otherwise
-    ``Connection.send``, whose ForkingPickler has torch's reducers once torch is imported:
-    those move a tensor's storage into shared memory and send only a handle."""
-
-    name = "mp.Pipe"
-
-    def __init__(self, workers: int, plain: bool = True) -> None:
-        self.plain = plain
-        if not plain:
-            self.name = "mp.Pipe send (torch shares storage)"
-        ctx = multiprocessing.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.procs = []
-        for rank in range(workers):
-            here, there = ctx.Pipe()
-            proc = ctx.Process(target=pipe_server, args=(there, rank, plain), daemon=True)
-            proc.start()
-            there.close()
-            self.conns.append(here)
-            self.procs.append(proc)
-
-    def call(self, method: str, args: tuple[Any, ...], only_rank: int | None = None) -> Any:
-        if self.plain:
-            for conn in self.conns:
-                conn.send_bytes(pickle.dumps((method, args), protocol=5))
-            results = [pickle.loads(conn.recv_bytes()) for conn in self.conns]
-        else:
-            for conn in self.conns:
-                conn.send((method, args))
-            results = [conn.recv() for conn in self.conns]
-        return results if only_rank is None else [results[only_rank]]
-
-    def close(self) -> None:
-        for conn in self.conns:
-            if self.plain:
-                conn.send_bytes(pickle.dumps(None))
-            else:
-                conn.send(None)
-        for proc in self.procs:
-            proc.join(10)
-
-
-class ZmqBaseline:
-    name = "zmq ipc"
-
-    def __init__(self, workers: int) -> None:
-        import zmq
-
-        self.tmp = tempfile.TemporaryDirectory()
-        self.ctx = zmq.Context()
-        self.socks: list[Any] = []
-        self.procs = []
-        mp_ctx = multiprocessing.get_context("spawn")
-        for rank in range(workers):
-            address = f"ipc://{self.tmp.name}/w{rank}"
-            sock = self.ctx.socket(zmq.PAIR)
-            sock.bind(address)
-            proc = mp_ctx.Process(target=zmq_server, args=(address, rank), daemon=True)
-            proc.start()
-            self.socks.append(sock)
-            self.procs.append(proc)
-
-    def call(self, method: str, args: tuple[Any, ...], only_rank: int | None = None) -> Any:
-        payload = pickle.dumps((method, args), protocol=5)
-        for sock in self.socks:
-            sock.send(payload, copy=False)
-        results = [pickle.loads(sock.recv(copy=False).buffer) for sock in self.socks]
-        return results if only_rank is None else [results[only_rank]]
-
-    def close(self) -> None:
-        for sock in self.socks:
-            sock.send(pickle.dumps(None))
-        for proc in self.procs:
-            proc.join(10)
-        for sock in self.socks:
-            sock.close(linger=0)
-        self.ctx.term()
-        self.tmp.cleanup()
-
-
-class MpTransport:
-    name = "mp"
-
-    def __init__(self, workers: int, spin_s: float | None = None) -> None:
-        options: dict[str, Any] = dict(BACKEND_OPTIONS)
-        if spin_s is not None:
-            options["spin_s"] = spin_s
-            self.name = f"mp spin_s={spin_s:g}"
-        self.executor = create_executor(
-            ExecutorConfig(
-                worker_cls=BenchWorker,
-                backend="mp",
-                tensor_parallel_size=workers,
-                backend_options=options,
-            )
-        )
-
-    def call(self, method: str, args: tuple[Any, ...], only_rank: int | None = None) -> Any:
-        return self.executor.collective_rpc(method, args=args, unique_reply_rank=only_rank)
-
-    def close(self) -> None:
-        self.executor.shutdown()
-
-
-# --- measuring ---------------------------------------------------------------------------
-
-
-def workloads() -> dict[str, tuple[str, tuple[Any, ...], int | None, int]]:
-    """name -> (method, args, only_rank, calls divisor)."""
+def workloads(mp: BackendSide) -> dict[str, tuple[Callable[[Any], Any], int]]:
+    """name -> (a call of a side, calls divisor)."""
     import torch
 
-    tensor = torch.ones(TENSOR_BYTES // 4, dtype=torch.float32)
+    tensor, one_mb = torch.ones(16 * MB // 4, dtype=torch.float32), b"x" * MB
+    result = (16 * MB, 0)
+
+    def make(side: Any) -> Any:
+        if side is mp:
+            return mp.executor.collective_rpc("make", args=result, unique_reply_rank=0)
+        return side.call("make", result)
+
     return {
-        "noop": ("noop", (), None, 1),
-        "1MB bytes": ("size", (b"x" * MB,), None, 4),
-        "16MB tensor": ("size", (tensor,), None, 20),
-        "16MB result": ("make", (RESULT_BYTES, 0), 0, 20),
+        "noop": (lambda side: side.call("noop", ()), 1),
+        "1 MB bytes": (lambda side: side.call("size_of", (one_mb,)), 4),
+        "16 MB tensor": (lambda side: side.call("size_of", (tensor,)), 20),
+        "16 MB result": (make, 20),
     }
 
 
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def measure(sides: dict[str, Any], load: tuple[Callable[[Any], Any], int], calls: int, blocks: int):
+    call, divisor = load
+    per_block = max(5, calls // divisor // blocks)
+    return interleave(
+        {n: (lambda s=s: call(s)) for n, s in sides.items()}, blocks, per_block, warmup=6
+    )
 
 
-def measure(
-    transports: list[Any],
-    calls: int,
-    blocks: int,
-    only: str | None = None,
-    noop_only: tuple[Any, ...] = (),
-) -> dict[str, dict[str, list[float]]]:
-    """Samples by workload and transport; ``noop_only`` transports run the noop only."""
-    samples: dict[str, dict[str, list[float]]] = {}
-    for name, (method, args, only_rank, divisor) in workloads().items():
-        if only is not None and name != only:
-            continue
-        per_block = max(5, calls // divisor // blocks)
-        here = [*transports, *noop_only] if name == "noop" else transports
-        samples[name] = {t.name: [] for t in here}
-        for transport in here:  # warm-up (imports torch in the workers, fills slots)
-            for _ in range(6):
-                transport.call(method, args, only_rank)
-        for _ in range(blocks):
-            for transport in here:
-                out = samples[name][transport.name]
-                for _ in range(per_block):
-                    start = time.perf_counter()
-                    transport.call(method, args, only_rank)
-                    out.append(time.perf_counter() - start)
-    return samples
-
-
-def busy_loop() -> None:
-    while True:
-        pass
-
-
-def noop_rounds(workers: int, rounds: int, calls: int) -> list[tuple[float, float]]:
-    """(mp p50, Pipe p50) of the no-op in ``rounds`` rounds of fresh processes."""
-    results = []
-    for round_ in range(rounds):
-        makers: list[Callable[[int], Any]] = [MpTransport, PipeBaseline]
-        if round_ % 2:
-            makers.reverse()
-        transports = [make(workers) for make in makers]
+def fresh_rounds(workers: int, rounds: int, calls: int) -> tuple[list[float], list[float]]:
+    """The no-op's p50 on mp and on the Pipe in ``rounds`` rounds of fresh processes."""
+    mps, pipes = [], []
+    for turn in range(rounds):
+        names = ("mp", "Pipe") if turn % 2 == 0 else ("Pipe", "mp")  # the creation order
+        sides = {
+            n: BackendSide("mp", workers, options=TUNED) if n == "mp" else PipeSide(workers)
+            for n in names
+        }
         try:
-            samples = measure(transports, calls, 6, only="noop")["noop"]
+            got = measure(sides, (lambda side: side.call("noop", ()), 1), calls, 6)
         finally:
-            for transport in transports:
-                transport.close()
-        results.append((statistics.median(samples["mp"]), statistics.median(samples["mp.Pipe"])))
-    return results
+            for side in sides.values():
+                side.close()
+        mps.append(statistics.median(got["mp"]))
+        pipes.append(statistics.median(got["Pipe"]))
+    return mps, pipes
 
 
-def idle_cpu_percent(executor: Any) -> list[float]:
-    import psutil
+def idle_cpu_percent(side: BackendSide) -> list[float]:
+    import psutil  # type: ignore[import-untyped]
 
-    # The worker group: on the executor before the core's Transport contract, on its
-    # transport since.
-    group = getattr(executor, "_group", None) or executor.transport._group
-    pids = [p for p in group.pids if p is not None]
-    executor.collective_rpc("noop")
+    procs = [psutil.Process(pid) for pid in side.call("pid", ())]
     time.sleep(0.05)
-    procs = [psutil.Process(pid) for pid in pids]
-    before = [sum(p.cpu_times()[:2]) for p in procs]
-    start = time.monotonic()
+    before, start = [sum(p.cpu_times()[:2]) for p in procs], time.monotonic()
     time.sleep(1.0)
     elapsed = time.monotonic() - start
-    after = [sum(p.cpu_times()[:2]) for p in procs]
-    return [100.0 * (a - b) / elapsed for a, b in zip(after, before, strict=True)]
+    return [
+        100 * (sum(p.cpu_times()[:2]) - b) / elapsed for p, b in zip(procs, before, strict=True)
+    ]
 
 
 def bare_torch_process(conn: Connection) -> None:
@@ -327,153 +108,120 @@ def bare_torch_process(conn: Connection) -> None:
     conn.recv()
 
 
-def bare_spawn_seconds(workers: int) -> float:
-    ctx = multiprocessing.get_context("spawn")
+def bare_spawn_s(workers: int) -> float:
     start = time.perf_counter()
-    pairs = []
-    for _ in range(workers):
-        here, there = ctx.Pipe()
-        proc = ctx.Process(target=bare_torch_process, args=(there,), daemon=True)
+    pairs = [SPAWN.Pipe() for _ in range(workers)]
+    procs = [SPAWN.Process(target=bare_torch_process, args=(b,), daemon=True) for _, b in pairs]
+    for proc in procs:
         proc.start()
-        pairs.append((here, proc))
     for here, _ in pairs:
         here.recv()
     elapsed = time.perf_counter() - start
-    for here, proc in pairs:
+    for (here, _), proc in zip(pairs, procs, strict=True):
         here.send(None)
         proc.join(10)
     return elapsed
 
 
-def executor_ready_seconds(workers: int) -> float:
+def ready_s(workers: int) -> float:
     start = time.perf_counter()
-    executor = create_executor(
-        ExecutorConfig(worker_cls=TorchWorker, backend="mp", tensor_parallel_size=workers)
-    )
+    config = ExecutorConfig(worker_cls=TorchWorker, backend="mp", tensor_parallel_size=workers)
+    executor = create_executor(config)
     elapsed = time.perf_counter() - start
     executor.shutdown()
     return elapsed
 
 
-def fmt(seconds: float) -> str:
+def busy_loop() -> None:
+    while True:
+        pass
+
+
+def p99(samples: list[float]) -> float:
+    return percentile(samples, 0.99)
+
+
+def us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f}"
 
 
 def main() -> None:
-    # Load only the plugin under test in the driver and the workers: the dev install also
-    # has test fixtures (an observer hook that runs on every call).
-    os.environ["EXECUTOR_PLUGINS"] = "multiproc"
+    os.environ["EXECUTOR_PLUGINS"] = "multiproc"  # only the plugin under test, here and in workers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--calls", type=int, default=2000, help="no-op calls per transport")
+    parser.add_argument("--calls", type=int, default=2000, help="no-op calls per side")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--startup-repeats", type=int, default=5)
-    parser.add_argument(
-        "--noop-rounds", type=int, default=0, help="extra no-op rounds with fresh processes"
-    )
-    parser.add_argument(
-        "--busy", type=int, default=0, help="repeat the no-op rounds next to N busy processes"
-    )
+    parser.add_argument("--noop-rounds", type=int, default=0, help="no-op rounds, fresh processes")
+    parser.add_argument("--busy", type=int, default=0, help="and again next to N busy processes")
     args = parser.parse_args()
-
-    print(f"cores: {os.cpu_count()}; times in µs; ratio = mp median / baseline median")
-    tuned = ", ".join(f"{key}={value // MB} MiB" for key, value in BACKEND_OPTIONS.items())
-    print(f"mp rows are tuned: {tuned} (every other option at its default)\n")
-    print(
-        "| workers | workload | mp p50 | mp p99 | mp.Pipe p50 | mp.Pipe p99 | zmq p50 "
-        "| zmq p99 | mp/Pipe | mp/zmq |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    idle: dict[int, list[float]] = {}
-    shared: dict[int, list[float]] = {}
-    no_spin: dict[int, list[float]] = {}
+    print(f"cores: {os.cpu_count()}; µs; mp tuned: {TUNED} (every other option at its default)\n")
+    rows, notes = [], []
     for workers in args.workers:
-        makers: list[Callable[[int], Any]] = [MpTransport, PipeBaseline, ZmqBaseline]
-        transports = [make(workers) for make in makers]
-        without_spin = MpTransport(workers, spin_s=0.0)
+        sides = {"mp": BackendSide("mp", workers, options=TUNED), "Pipe": PipeSide(workers)}
+        sides["zmq"] = ZmqSide(workers)
+        extra = {"spin_s=0": BackendSide("mp", workers, options={**TUNED, "spin_s": 0.0})}
+        extra["Connection.send"] = PipeSide(workers, shared=True)
         try:
-            samples = measure(transports, args.calls, args.blocks, noop_only=(without_spin,))
-            idle[workers] = idle_cpu_percent(transports[0].executor)
-        finally:
-            for transport in [*transports, without_spin]:
-                transport.close()
-        no_spin[workers] = samples["noop"].pop(without_spin.name)
-        sharing = PipeBaseline(workers, plain=False)
-        try:
-            shared[workers] = measure([sharing], args.calls, args.blocks, "16MB tensor")[
-                "16MB tensor"
-            ][sharing.name]
-        finally:
-            sharing.close()
-        for name, by_transport in samples.items():
-            mp, pipe, zmq = (by_transport[t] for t in ("mp", "mp.Pipe", "zmq ipc"))
-            m, p, z = (statistics.median(s) for s in (mp, pipe, zmq))
-            print(
-                f"| {workers} | {name} | {fmt(m)} | {fmt(percentile(mp, 0.99))} | {fmt(p)} "
-                f"| {fmt(percentile(pipe, 0.99))} | {fmt(z)} | {fmt(percentile(zmq, 0.99))} "
-                f"| {m / p:.2f} | {m / z:.2f} |",
-                flush=True,
+            for name, load in workloads(sides["mp"]).items():
+                noted = {"noop": "spin_s=0", "16 MB tensor": "Connection.send"}.get(name)
+                got = measure(
+                    {**sides, **({noted: extra[noted]} if noted else {})},
+                    load,
+                    args.calls,
+                    args.blocks,
+                )
+                if noted:
+                    times = got.pop(noted)
+                    p50, tail = us(statistics.median(times)), us(p99(times))
+                    notes.append(f"{workers} worker(s), {name} over {noted}: p50 {p50}, p99 {tail}")
+                m, p, z = (statistics.median(got[n]) for n in ("mp", "Pipe", "zmq"))
+                cells = [us(f(t)) for t in got.values() for f in (statistics.median, p99)]
+                rows.append([workers, name, *cells, f"{m / p:.2f}", f"{m / z:.2f}"])
+                print(f"| {' | '.join(map(str, rows[-1]))} |", flush=True)
+            idle = idle_cpu_percent(sides["mp"])
+            notes.append(
+                f"idle mp workers' CPU over 1 s, {workers} worker(s): "
+                + ", ".join(f"{x:.2f}%" for x in idle)
             )
-    print(
-        "\n16MB tensor over Connection.send, where torch's ForkingPickler reducer moves the"
-        "\nstorage into shared memory once and then sends only a handle (no copy; the workers"
-        "\nalias the driver's tensor, unlike mp and the baselines above):"
-    )
-    for workers, times in shared.items():
-        print(
-            f"  {workers} worker(s): p50 {fmt(statistics.median(times))} µs, "
-            f"p99 {fmt(percentile(times, 0.99))} µs"
-        )
-    print("\nnoop with spin_s=0 (never spin, always sleep on the eventfd), same run:")
-    for workers, times in no_spin.items():
-        print(
-            f"  {workers} worker(s): p50 {fmt(statistics.median(times))} µs, "
-            f"p99 {fmt(percentile(times, 0.99))} µs"
-        )
-    print("\nidle mp worker CPU over 1 s (from 50 ms after the last call):")
-    for workers, percents in idle.items():
-        print(f"  {workers} worker(s): " + ", ".join(f"{p:.2f}%" for p in percents))
-
+        finally:
+            for side in [*sides.values(), *extra.values()]:
+                side.close()
+    header = ["workers", "workload"] + [
+        f"{n} {q}" for n in ("mp", "Pipe", "zmq") for q in ("p50", "p99")
+    ]
+    print("\n" + markdown_table([*header, "mp/Pipe", "mp/zmq"], rows) + "\n")
+    print("\n".join(f"* {note}" for note in notes))
     for busy in sorted({0, args.busy}) if args.noop_rounds else []:
-        print(
-            f"\nnoop in {args.noop_rounds} rounds of fresh processes next to {busy} busy "
-            "process(es) (mp p50 / Pipe p50):"
-        )
-        hogs = [
-            multiprocessing.get_context("spawn").Process(target=busy_loop, daemon=True)
-            for _ in range(busy)
-        ]
+        hogs = [SPAWN.Process(target=busy_loop, daemon=True) for _ in range(busy)]
         for hog in hogs:
             hog.start()
         try:
             for workers in args.workers:
-                rounds = noop_rounds(workers, args.noop_rounds, args.calls)
-                ratios = sorted(m / p for m, p in rounds)
+                mps, pipes = fresh_rounds(workers, args.noop_rounds, args.calls)
+                ratios = sorted(m / p for m, p in zip(mps, pipes, strict=True))
                 print(
-                    f"  {workers} worker(s): median ratio {statistics.median(ratios):.2f} "
-                    f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); median p50 mp "
-                    f"{fmt(statistics.median(m for m, _ in rounds))} µs, Pipe "
-                    f"{fmt(statistics.median(p for _, p in rounds))} µs",
+                    f"no-op, {args.noop_rounds} rounds of fresh processes, {busy} busy "
+                    f"process(es), {workers} worker(s): median mp/Pipe "
+                    f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}); median "
+                    f"p50 mp {us(statistics.median(mps))}, Pipe {us(statistics.median(pipes))}",
                     flush=True,
                 )
         finally:
             for hog in hogs:
                 hog.kill()
                 hog.join(10)
-
-    bare_spawn_seconds(2)  # warm the page cache for torch's files, untimed
+    bare_spawn_s(2)  # warm the page cache for torch's files, untimed
     bare, ready = [], []
-    for repeat in range(args.startup_repeats):  # alternate which goes first
-        if repeat % 2:
-            ready.append(executor_ready_seconds(2))
-            bare.append(bare_spawn_seconds(2))
-        else:
-            bare.append(bare_spawn_seconds(2))
-            ready.append(executor_ready_seconds(2))
+    for repeat in range(args.startup_repeats):  # which goes first alternates
+        first, second = (ready_s, bare_spawn_s) if repeat % 2 else (bare_spawn_s, ready_s)
+        results = {f: f(2) for f in (first, second)}
+        bare.append(results[bare_spawn_s])
+        ready.append(results[ready_s])
     b, r = statistics.median(bare), statistics.median(ready)
     print(
-        f"\nready with 2 torch-importing workers: create_executor {r:.2f} s, "
-        f"bare spawn {b:.2f} s, ratio {r / b:.2f} (medians of {args.startup_repeats})"
+        f"\nready with 2 torch-importing workers: create_executor {r:.2f} s, bare spawn "
+        f"{b:.2f} s, ratio {r / b:.2f} (medians of {args.startup_repeats})"
     )
 
 

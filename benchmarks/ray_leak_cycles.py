@@ -35,10 +35,9 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
+from executor_bench import RaySession
 from executor_core import create_executor
 from executor_core.testing import conformance_config
-from executor_plugin_ray._cluster import acquire_ray
-from executor_plugin_ray._options import RayOptions
 
 #: Only the plugin under test is loaded, as in bench_ray.py: the development install also
 #: registers test fixtures, which must not add threads of their own.
@@ -280,11 +279,12 @@ def main() -> None:
     else:
         # One local session for the whole run, started the way the backend starts one; each
         # executor takes a lease on it, so none of them starts or stops Ray.
-        lease = acquire_ray(RayOptions(local_num_cpus=4, log_to_driver=False), world_size=2)
+        session = RaySession()
+        session.start(2, local_num_cpus=4, log_to_driver=False)
         try:
             figures = run(args.cycles, args.settle, kind=kind)
         finally:
-            lease.release()
+            session.close()
     before = "no Ray" if args.session_per_executor else "the Ray session alone"
     _print_diff(f"left by the first cycle, beyond {before}:", figures["first_cycle_left"])
     _print_diff(

@@ -62,9 +62,17 @@ def test_adding_the_command_imports_nothing_heavy() -> None:
     [
         ("--sizes", "4X", "accepted: comma-separated sizes"),
         ("--sizes", "6", "not a positive multiple of 4 bytes"),
-        ("--baselines", "pipe,zmq", "'zmq': accepted are pipe, ray, vllm, vllm-own"),
+        (
+            "--baselines",
+            "pipe,mpi",
+            "'mpi': accepted are pipe, ray, vllm, vllm-own, vllm-16m, zmq",
+        ),
         ("--kinds", "float", "'float': accepted are bytes, tensor"),
-        ("--workloads", "warm", "'warm': accepted are overhead, hot, cold, payload, startup"),
+        (
+            "--workloads",
+            "warm",
+            "'warm': accepted are imports, overhead, hot, cold, payload, startup",
+        ),
         ("--repeats", "0", "'0' is not a positive integer"),
         ("--workers", "two", "'two' is not a positive integer"),
         ("--idle-ms", "-1", "'-1' is not a positive number"),

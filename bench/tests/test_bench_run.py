@@ -201,9 +201,12 @@ def test_the_core_cost_per_call_is_measured_against_a_direct_call(
     assert set(ways) == {
         "direct",
         "collective_rpc",
+        "callable collective_rpc",
         "execute_model",
+        "non_block collective_rpc + result()",
         "observed collective_rpc",
         "observed execute_model",
+        "driver-observed collective_rpc",
     }
     assert all(us > 0 for us in ways.values())
     # Through the executor costs more than the method alone, and the figures add up.
@@ -215,3 +218,15 @@ def test_the_core_cost_per_call_is_measured_against_a_direct_call(
     assert all(t["met"] == (t["us_over_direct"] <= t["limit_us"]) for t in targets.values())
     markdown = (small_run["out"] / "results.md").read_text()
     assert "## The core's cost per call (uni, in one process)" in markdown
+
+
+def test_import_times_are_measured_in_fresh_interpreters(small_run: dict[str, Any]) -> None:
+    imports = small_run["json"]["imports"]
+    assert set(imports) == {
+        "import executor_core",
+        "the users' API (Executor, ExecutorConfig, hookimpl, create_executor)",
+        "baseline: import attrs",
+        "baseline: import pluggy",
+    }
+    assert all(ms > 0 for ms in imports.values())
+    assert "## Import time" in (small_run["out"] / "results.md").read_text()

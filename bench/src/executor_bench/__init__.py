@@ -5,12 +5,15 @@ imported here (a ``multiprocessing.Pipe`` round trip, raw Ray actors, vLLM's sha
 ``MessageQueue``), and writes a markdown table, a JSON file and a plot. See README.md.
 
 This module is the plugin the registry imports in every process that loads plugins: it only
-adds the subcommand. The benchmark's code is imported when the command runs.
+adds the subcommand. The benchmark's code is imported when the command runs, or when a
+script in ``benchmarks/`` composes its public pieces below (sides, baselines, the timing
+loop, summaries), which load on first use.
 """
 
 from __future__ import annotations
 
 from executor_core import hookimpl
+from executor_core.backend import lazy_getattr
 
 # Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
 # constant of this name as true.
@@ -19,7 +22,55 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-__all__ = ["__version__", "executor_register_commands"]
+    from ._baselines import PipeSide, RayActorsSide, VllmQueueSide, ZmqSide, import_vllm
+    from ._overhead import CallObserver, RpcObserver, import_ms, per_call_us
+    from ._ray_session import RaySession
+    from ._sides import BackendSide
+    from ._worker import BenchWorker
+    from ._workloads import format_time, interleave, make_payload, markdown_table, percentile
+
+__all__ = [
+    "BackendSide",
+    "BenchWorker",
+    "CallObserver",
+    "PipeSide",
+    "RayActorsSide",
+    "RaySession",
+    "RpcObserver",
+    "VllmQueueSide",
+    "ZmqSide",
+    "__version__",
+    "executor_register_commands",
+    "format_time",
+    "import_ms",
+    "import_vllm",
+    "interleave",
+    "make_payload",
+    "markdown_table",
+    "per_call_us",
+    "percentile",
+]
+
+#: The pieces ``benchmarks/`` composes, imported on first use (see each one's docstring).
+_LAZY: dict[str, str] = {
+    "BackendSide": "._sides",
+    "BenchWorker": "._worker",
+    "CallObserver": "._overhead",
+    "PipeSide": "._baselines",
+    "RayActorsSide": "._baselines",
+    "RaySession": "._ray_session",
+    "RpcObserver": "._overhead",
+    "VllmQueueSide": "._baselines",
+    "ZmqSide": "._baselines",
+    "format_time": "._workloads",
+    "import_ms": "._overhead",
+    "import_vllm": "._baselines",
+    "interleave": "._workloads",
+    "make_payload": "._workloads",
+    "markdown_table": "._workloads",
+    "per_call_us": "._overhead",
+    "percentile": "._workloads",
+}
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
@@ -30,3 +81,8 @@ def executor_register_commands(commands: argparse._SubParsersAction[Any]) -> Non
     from ._cli import add_bench_command
 
     add_bench_command(commands)
+
+
+# Hidden from type checkers, which then check every imported name against the table above.
+if not TYPE_CHECKING:
+    __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -15,6 +15,10 @@
   settle before timing another side.
 * ``vLLM MQ, own replies``: the same, laid out as vLLM's multiprocess executor lays it out:
   each reader replies through a ``MessageQueue`` of its own, back to this process.
+* ``vLLM MQ, 16 MiB chunk``: as ``vLLM MQ``, with the 16 MiB chunk vLLM's executor sets
+  (``VLLM_MQ_MAX_CHUNK_BYTES_MB``): a 16 MiB tensor overflows to its zmq socket.
+* ``zmq``: a pyzmq PAIR socket over ipc to each of N spawned processes, pickle protocol 5
+  (not in the default run).
 """
 
 from __future__ import annotations
@@ -32,20 +36,22 @@ import platform
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ._options import BASELINES
+from ._options import BASELINES, MIB
 from ._sides import Side, SideSpec, Skipped
-from ._worker import answer, size_of
+from ._worker import answer, make, size_of
 
 __all__ = [
     "SHM_MODULE",
     "PipeSide",
+    "RawActor",
     "RayActorsSide",
     "VllmQueueSide",
+    "ZmqSide",
     "describe_vllm",
     "import_vllm",
     "select_baselines",
@@ -75,25 +81,32 @@ def _stop_processes(procs: list[BaseProcess]) -> None:
 # --- Pipe --------------------------------------------------------------------------------
 
 
-def _pipe_reader(conn: Connection) -> None:
+def _pipe_reader(conn: Connection, rank: int, shared: bool) -> None:
     """A Pipe worker: answer each call until the empty message."""
     while True:
-        data = conn.recv_bytes()
+        data: Any = conn.recv() if shared else conn.recv_bytes()
         if not data:
             return
-        method, args = pickle.loads(data)
-        conn.send_bytes(pickle.dumps(answer(method, args), protocol=5))
+        method, args = data if shared else pickle.loads(data)
+        result = answer(method, args, rank)
+        if shared:
+            conn.send(result)
+        else:
+            conn.send_bytes(pickle.dumps(result, protocol=5))
 
 
 class PipeSide:
-    """``multiprocessing.Pipe`` round trips to ``workers`` spawned processes."""
+    """``multiprocessing.Pipe`` round trips to ``workers`` spawned processes. ``shared``:
+    ``Connection.send`` instead of pickle-5 bytes, whose pickler has torch's reducers once
+    torch is imported (a tensor's storage moves to shared memory once; a handle is sent)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, shared: bool = False) -> None:
+        self._shared = shared
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
-        for _ in range(workers):
+        for rank in range(workers):
             here, there = _SPAWN.Pipe()
-            proc = _SPAWN.Process(target=_pipe_reader, args=(there,), daemon=True)
+            proc = _SPAWN.Process(target=_pipe_reader, args=(there, rank, shared), daemon=True)
             proc.start()
             there.close()
             self._conns.append(here)
@@ -101,6 +114,10 @@ class PipeSide:
 
     def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         """Send the pickled call to each worker in turn, then read every reply."""
+        if self._shared:
+            for conn in self._conns:
+                conn.send((method, args))
+            return [conn.recv() for conn in self._conns]
         data = pickle.dumps((method, args), protocol=5)
         for conn in self._conns:
             conn.send_bytes(data)
@@ -116,47 +133,135 @@ class PipeSide:
             conn.close()
 
 
+# --- zmq -------------------------------------------------------------------------------------
+
+
+def _zmq_reader(address: str, rank: int) -> None:
+    """A zmq worker: answer each call until the empty message."""
+    import zmq
+
+    sock: Any = zmq.Context.instance().socket(zmq.PAIR)
+    sock.connect(address)
+    while data := sock.recv(copy=False).buffer:
+        method, args = pickle.loads(data)
+        sock.send(pickle.dumps(answer(method, args, rank), protocol=5), copy=False)
+    sock.close(linger=0)
+
+
+class ZmqSide:
+    """A pyzmq PAIR socket over ipc to each of ``workers`` spawned processes, pickle 5."""
+
+    def __init__(self, workers: int) -> None:
+        import zmq
+
+        self._dir = tempfile.mkdtemp(prefix="executor-bench-zmq-")
+        self._context = zmq.Context()
+        self._socks: list[Any] = []
+        self._procs: list[BaseProcess] = []
+        for rank in range(workers):
+            address = f"ipc://{self._dir}/w{rank}"
+            sock = self._context.socket(zmq.PAIR)
+            sock.bind(address)
+            proc = _SPAWN.Process(target=_zmq_reader, args=(address, rank), daemon=True)
+            proc.start()
+            self._socks.append(sock)
+            self._procs.append(proc)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """Send the pickled call on each socket in turn, then read every reply."""
+        data = pickle.dumps((method, args), protocol=5)
+        for sock in self._socks:
+            sock.send(data, copy=False)
+        return [pickle.loads(sock.recv(copy=False).buffer) for sock in self._socks]
+
+    def close(self) -> None:
+        """Stop the workers; the sockets go with the directory."""
+        for sock in self._socks:
+            sock.send(b"")
+        _stop_processes(self._procs)
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 # --- raw Ray actors ------------------------------------------------------------------------
 
 
 class RawActor:
-    """The Ray baseline's actor: the worker's two methods, no executor in between."""
+    """The Ray baseline's actor: the worker's methods, no executor in between."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
 
     def noop(self) -> None:
         """Return at once."""
         return None
 
     def size_of(self, payload: Any) -> int:
-        """The payload's size (Ray has resolved the ref to the value)."""
+        """The payload's size."""
         return size_of(payload)
+
+    def make(self, nbytes: int, on_rank: int) -> bytes | None:
+        """``nbytes`` bytes from rank ``on_rank``, None from the others."""
+        return make(self.rank, nbytes, on_rank)
+
+    def execute_model(self, batch: Any) -> Any:
+        """Return ``batch``."""
+        return batch
+
+    def node_id(self) -> str:
+        """The Ray node the actor runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
 
 class RayActorsSide:
-    """``workers`` plain Ray actors, in the Ray session this run holds."""
+    """``workers`` plain Ray actors, in the Ray session this process holds.
 
-    def __init__(self, workers: int) -> None:
+    ``put_once``: a payload is ``ray.put`` once per call and its ref passed to every actor;
+    otherwise the value is passed to each (Ray puts one over 100 KiB per actor call).
+    ``options``: ``ray.remote`` options, for every actor or (a list) one dict per actor.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        put_once: bool = True,
+        options: dict[str, Any] | Sequence[dict[str, Any]] = (),
+    ) -> None:
         import ray
 
-        # No CPU reserved: the run's Ray instance is sized for the ray backend's workers,
-        # which reserve theirs, and both sides' processes are alive at once. A reservation
-        # is bookkeeping; it does not change how fast an actor runs.
-        actor_cls: Any = ray.remote(num_cpus=0)(RawActor)
-        self._actors = [actor_cls.remote() for _ in range(workers)]
+        self._put_once = put_once
+        each = [options] * workers if isinstance(options, dict) else list(options)
+        # No CPU reserved by default: the run's Ray instance is sized for the ray backend's
+        # workers, which reserve theirs, and both sides' processes are alive at once.
+        each = [{"num_cpus": 0, **(each[rank] if each else {})} for rank in range(workers)]
+        # Concurrency groups are the class's: ray.remote takes them, .options() does not.
+        groups = {k: v for k, v in each[0].items() if k == "concurrency_groups"}
+        actor_cls: Any = ray.remote(**groups)(RawActor) if groups else ray.remote(RawActor)
+        self.actors = [
+            actor_cls.options(**{k: v for k, v in opts.items() if k not in groups}).remote(rank)
+            for rank, opts in enumerate(each)
+        ]
+        ray.get([actor.noop.remote() for actor in self.actors])
 
     def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        """``ray.get`` of each actor's ``method.remote``; arguments are ``ray.put`` once."""
+        """``ray.get`` of each actor's ``method.remote(*args)``."""
         import ray
 
-        refs = [ray.put(arg) for arg in args]
-        return list(ray.get([getattr(actor, method).remote(*refs) for actor in self._actors]))
+        if self._put_once:
+            args = tuple(ray.put(arg) for arg in args)
+        return list(ray.get([getattr(actor, method).remote(*args) for actor in self.actors]))
 
     def close(self) -> None:
         """Kill the actors (Ray's own processes stay: the run's Ray session owns them)."""
         import ray
 
-        for actor in self._actors:
+        for actor in self.actors:
             ray.kill(actor)
-        self._actors.clear()
+        self.actors.clear()
 
 
 # --- vLLM's MessageQueue -------------------------------------------------------------------
@@ -215,7 +320,7 @@ def _vllm_reader(handle: Any, rank: int, conn: Connection, own_replies: bool) ->
             if message is None:
                 return
             method, args = message
-            result = answer(method, args)
+            result = answer(method, args, rank)
             del message, args
             if replies is not None:
                 replies.enqueue(result)
@@ -346,6 +451,20 @@ def select_baselines(
                     version=f"ray {importlib.metadata.version('ray')}",
                 )
             )
+        elif key == "zmq":
+            if importlib.util.find_spec("zmq") is None:
+                skipped.append(Skipped(name, "baseline", "pyzmq is not installed"))
+                continue
+            sides.append(
+                SideSpec(
+                    name,
+                    "baseline",
+                    workers,
+                    _ZMQ_NOTE,
+                    _starter(ZmqSide, workers),
+                    version=f"pyzmq {importlib.metadata.version('pyzmq')}",
+                )
+            )
         else:
             try:
                 module = import_vllm(vllm_path)
@@ -353,13 +472,14 @@ def select_baselines(
                 skipped.append(Skipped(name, "baseline", str(exc)))
                 continue
             own_replies = key == "vllm-own"
+            chunk = 16 * MIB if key == "vllm-16m" else None
             sides.append(
                 SideSpec(
                     name,
                     "baseline",
                     workers,
-                    _VLLM_OWN_NOTE if own_replies else _VLLM_NOTE,
-                    functools.partial(VllmQueueSide, workers, own_replies),
+                    _VLLM_NOTES[key],
+                    functools.partial(VllmQueueSide, workers, own_replies, chunk),
                     spins=True,
                     version=describe_vllm(module),
                 )
@@ -372,11 +492,14 @@ _RAY_NOTE = (
     "actor.method.remote() + ray.get; a payload is ray.put once, its ref to each actor; "
     "shutdown is ray.kill, which returns before the actors have exited"
 )
-_VLLM_NOTE = "constructor defaults; readers reply through a Pipe; they spin 1 s after a read"
-_VLLM_OWN_NOTE = (
-    "constructor defaults; readers reply through a MessageQueue each, as in vLLM's "
-    "executor; they spin 1 s after a read"
-)
+_ZMQ_NOTE = "a PAIR socket over ipc to each worker, pickle protocol 5"
+_VLLM_NOTES = {
+    "vllm": "constructor defaults; readers reply through a Pipe; they spin 1 s after a read",
+    "vllm-own": "constructor defaults; readers reply through a MessageQueue each, as in "
+    "vLLM's executor; they spin 1 s after a read",
+    "vllm-16m": "16 MiB chunks, as vLLM's executor sets them (a larger message overflows "
+    "to its zmq socket); readers reply through a Pipe; they spin 1 s after a read",
+}
 
 
 def _starter(cls: Callable[[int], Side], workers: int) -> Callable[[], Side]:

@@ -15,7 +15,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._options import BASELINES, DEFAULT_SIZES, KIB, MIB, PAYLOAD_KINDS, WORKLOADS, parse_size
+from ._options import (
+    BASELINES,
+    DEFAULT_BASELINES,
+    DEFAULT_SIZES,
+    KIB,
+    MIB,
+    PAYLOAD_KINDS,
+    WORKLOADS,
+    parse_size,
+)
 
 __all__ = ["add_bench_command"]
 
@@ -23,13 +32,15 @@ _DESCRIPTION = """\
 Measure every installed backend side by side, in one run, against the baselines that can
 run here, and report each row's median and p99 with the ratio to each baseline.
 
-Rows: a no-op collective_rpc back to back ("hot"), the same after --idle-ms of idle
+Rows: import times in fresh interpreters ("imports"), the core's cost per call on uni
+("overhead"), a no-op collective_rpc back to back ("hot"), the same after --idle-ms of idle
 ("cold"), one argument of each --sizes and --kinds ("payload"), and start-up (create to
 first call returned) and shutdown ("startup"). Baselines: a multiprocessing.Pipe round trip
 to N processes ("pipe"), raw Ray actors with ray.put once + refs ("ray", if ray imports),
 vLLM's shared-memory MessageQueue ("vllm", if vllm imports or --vllm-path points at it;
-readers reply through a Pipe), and the same with a MessageQueue back from each reader, as
-vLLM's executor has it ("vllm-own").
+readers reply through a Pipe), the same with a MessageQueue back from each reader, as
+vLLM's executor has it ("vllm-own"), or with its executor's 16 MiB chunk ("vllm-16m"), and
+a pyzmq PAIR socket to each of N processes ("zmq"; the last two only when asked for).
 Writes results.md, results.json and latency.png to --output-dir and prints the table.
 """
 
@@ -108,10 +119,11 @@ def add_bench_command(commands: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument(
         "--baselines",
         type=_csv(tuple(BASELINES)),
-        default=list(BASELINES),
+        default=list(DEFAULT_BASELINES),
         metavar="NAMES",
-        help=f"baselines, comma-separated, of {','.join(BASELINES)} (default: every one "
-        "that can run here; the others are reported as skipped)",
+        help=f"baselines, comma-separated, of {','.join(BASELINES)} (default: "
+        f"{','.join(DEFAULT_BASELINES)}, each that can run here; the others are reported as "
+        "skipped)",
     )
     parser.add_argument(
         "--sizes",

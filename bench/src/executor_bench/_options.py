@@ -9,6 +9,7 @@ import re
 
 __all__ = [
     "BASELINES",
+    "DEFAULT_BASELINES",
     "DEFAULT_SIZES",
     "PAYLOAD_KINDS",
     "WORKLOADS",
@@ -20,9 +21,9 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 
-#: The workloads, in the order they are reported (``overhead``: the core's own cost per call,
-#: in one process, on ``uni``).
-WORKLOADS = ("overhead", "hot", "cold", "payload", "startup")
+#: The workloads, in the order they are reported (``imports``: import times in fresh
+#: interpreters; ``overhead``: the core's own cost per call, in one process, on ``uni``).
+WORKLOADS = ("imports", "overhead", "hot", "cold", "payload", "startup")
 #: What a payload argument is: ``bytes``, or a CPU float32 tensor (needs torch).
 PAYLOAD_KINDS = ("bytes", "tensor")
 #: Payload sizes of the default run: from a small message to several ring slots.
@@ -33,7 +34,11 @@ BASELINES = {
     "ray": "Ray actors",
     "vllm": "vLLM MQ",
     "vllm-own": "vLLM MQ, own replies",
+    "vllm-16m": "vLLM MQ, 16 MiB chunk",
+    "zmq": "zmq",
 }
+#: The baselines of a run that names none (the others only when asked for).
+DEFAULT_BASELINES = ("pipe", "ray", "vllm", "vllm-own")
 
 _UNITS = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB}
 _UNITS |= {"G": GIB, "GB": GIB, "GIB": GIB}

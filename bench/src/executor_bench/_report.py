@@ -11,7 +11,7 @@ from typing import Any
 
 from ._overhead import OVERHEAD_LIMITS
 from ._run import BenchResult
-from ._workloads import Row, Summary
+from ._workloads import Row, Summary, format_time
 
 __all__ = ["TARGETS", "Target", "describe_machine", "to_json", "to_markdown"]
 
@@ -87,14 +87,6 @@ def describe_machine() -> dict[str, Any]:
         "versions": {name: v for name in _VERSIONED if (v := _version(name)) is not None},
         "load_average_start": list(os.getloadavg()),
     }
-
-
-def _time(seconds: float) -> str:
-    """Three significant figures in a unit that suits: µs, ms or s."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e6:.3g} µs"
 
 
 def _count(n: int, thing: str) -> str:
@@ -197,6 +189,7 @@ def to_json(result: BenchResult, machine: dict[str, Any], command: str) -> dict[
         ],
         "targets": _targets(result, summaries),
         "overhead": _overhead(result),
+        "imports": result.imports,
     }
 
 
@@ -278,16 +271,22 @@ def to_markdown(document: dict[str, Any]) -> str:
                 f"| {t['title']} / {t['baseline']} | {t['ratio']:.2f} | ≤ {t['limit']:g} "
                 f"| {'yes' if t['met'] else 'NO'} |"
             )
+    if document.get("imports"):
+        lines += ["", "## Import time (fresh interpreters, median)", "", "| what | ms |"]
+        lines.append("|---|---|")
+        lines += [f"| {what} | {ms:.1f} |" for what, ms in document["imports"].items()]
     overhead = document.get("overhead")
     if overhead:
         lines += [
             "",
             "## The core's cost per call (uni, in one process)",
             "",
-            f"The same worker method called directly and through an `uni` executor, without and "
-            f"with one plugin observing calls (`executor_worker_rpc_finished`, counting them); "
-            f"the median over {overhead['rounds']} interleaved rounds of {overhead['calls']:,} "
-            "calls.",
+            "The same worker method called directly and through an `uni` executor, without "
+            "and with one plugin observing calls, each counting them: on the worker "
+            "(`executor_worker_rpc_finished`; `observed`) or on the driver "
+            "(`executor_call_started`/`_finished`; `driver-observed`); the median over "
+            f"{overhead['rounds']} interleaved rounds of {overhead['calls']:,} calls (a "
+            "`non_block` call: a quarter as many).",
             "",
             "| way | µs per call | µs over direct | limit |",
             "|---|---|---|---|",
@@ -328,7 +327,7 @@ def to_markdown(document: dict[str, Any]) -> str:
             for b in baselines
         )
         lines.append(
-            f"| {r['title']} | {side} | {_time(r['median_s'])} | {_time(r['p99_s'])} "
+            f"| {r['title']} | {side} | {format_time(r['median_s'])} | {format_time(r['p99_s'])} "
             f"| {r['n']} |{ratios}"
         )
     return "\n".join(lines) + "\n"

@@ -27,7 +27,7 @@ from typing import Any
 
 from ._baselines import select_baselines
 from ._options import PAYLOAD_KINDS
-from ._overhead import Overhead, measure_overhead
+from ._overhead import Overhead, measure_imports, measure_overhead
 from ._ray_session import RaySession
 from ._sides import BenchUsageError, Side, SideSpec, Skipped, select_backends
 from ._workloads import Plan, Row, make_payload
@@ -83,6 +83,8 @@ class BenchResult:
     wall_s: float = 0.0
     #: The ``overhead`` workload's figures (None if not measured).
     overhead: Overhead | None = None
+    #: The ``imports`` workload's ms per import, by label (None if not measured).
+    imports: dict[str, float] | None = None
 
     def summary_rows(self) -> list[tuple[Row, SideSpec, list[float]]]:
         """Each (row, side) that has samples, in report order."""
@@ -105,8 +107,8 @@ def _build_rows(config: BenchConfig, kinds: Sequence[str]) -> list[Row]:
             rows += [Row("payload", kind, size) for kind in kinds for size in config.sizes]
         elif workload == "startup":
             rows += [Row("startup"), Row("shutdown")]
-        elif workload == "overhead":
-            continue  # measured apart, in this process (see _overhead)
+        elif workload in ("imports", "overhead"):
+            continue  # measured apart, in fresh interpreters or this process (_overhead)
         else:
             rows.append(Row(workload))
     return rows
@@ -203,7 +205,11 @@ class Bench:
         total = (n * (2 + self.plan.rounds) if call_rows else 0) + (
             n * self.plan.startup_samples if startup else 0
         )
-        overhead = None
+        imports = overhead = None
+        if "imports" in config.workloads:
+            began = time.perf_counter()
+            imports = measure_imports(repeats=3 if config.quick else 9)
+            self.facts["imports"] = f"{time.perf_counter() - began:.0f} s, in fresh interpreters"
         if "overhead" in config.workloads:
             overhead = self._overhead()
         ray = RaySession()
@@ -248,6 +254,7 @@ class Bench:
             facts=self.facts,
             wall_s=time.perf_counter() - self.began,
             overhead=overhead,
+            imports=imports,
         )
 
     def _start_ray(self, ray: RaySession, sides: list[SideSpec]) -> bool:

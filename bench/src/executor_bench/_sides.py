@@ -89,26 +89,42 @@ class Skipped:
 
 
 class BackendSide:
-    """A backend's executor running :class:`~executor_bench._worker.BenchWorker`."""
+    """A backend's executor running :class:`~executor_bench._worker.BenchWorker`.
 
-    def __init__(self, backend: str, workers: int, env: dict[str, str]) -> None:
+    ``options``: backend options (``None``: the defaults; a script that tunes one says so);
+    ``config``: other :class:`~executor_core.ExecutorConfig` fields (``num_nodes``, ...).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        workers: int,
+        env: dict[str, str] | None = None,
+        options: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> None:
         from executor_core import ExecutorConfig, create_executor
 
         from ._worker import BenchWorker
 
-        self._executor = create_executor(
+        self.executor = create_executor(
             ExecutorConfig(
-                worker_cls=BenchWorker, backend=backend, tensor_parallel_size=workers, env=env
+                worker_cls=BenchWorker,
+                backend=backend,
+                tensor_parallel_size=workers,
+                env=env or {},
+                backend_options=options or {},
+                **config,
             )
         )
 
     def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         """``collective_rpc(method, args=args)``."""
-        return self._executor.collective_rpc(method, args=args)
+        return self.executor.collective_rpc(method, args=args)
 
     def close(self) -> None:
         """Shut the executor down."""
-        self._executor.shutdown()
+        self.executor.shutdown()
 
 
 def select_backends(

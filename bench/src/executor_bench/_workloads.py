@@ -5,13 +5,24 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._options import MIB, format_size
 from ._worker import NOOP, SIZE_OF
 
-__all__ = ["Plan", "Row", "Summary", "make_payload", "percentile"]
+__all__ = [
+    "Plan",
+    "Row",
+    "Summary",
+    "format_time",
+    "interleave",
+    "make_payload",
+    "markdown_table",
+    "percentile",
+]
 
 
 def make_payload(kind: str, size: int) -> Any:
@@ -134,3 +145,54 @@ class Summary:
             min_s=min(samples),
             max_s=max(samples),
         )
+
+
+def interleave(
+    sides: Mapping[str, Callable[[], Any]],
+    rounds: int,
+    calls: int,
+    *,
+    warmup: int = 0,
+    pause_s: float = 0.0,
+    settle_s: Mapping[str, float] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each side: ``warmup`` untimed calls each, then ``rounds`` rounds
+    in which every side makes ``calls`` timed calls, which side goes first rotating, so that
+    the machine's noise falls on all of them alike. ``pause_s``: untimed sleep before each
+    call (every process idle, as between model steps); ``settle_s``: seconds to sleep after
+    a side's block (a side whose workers busy-wait for a while after a call)."""
+    settle = settle_s or {}
+    for name, call in sides.items():
+        for _ in range(warmup):
+            call()
+        time.sleep(settle.get(name, 0.0))
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    clock = time.perf_counter
+    for turn in range(rounds):
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
+            call, out = sides[name], samples[name]
+            for _ in range(calls):
+                if pause_s:
+                    time.sleep(pause_s)
+                start = clock()
+                call()
+                out.append(clock() - start)
+            time.sleep(settle.get(name, 0.0))
+    return samples
+
+
+def format_time(seconds: float) -> str:
+    """Three significant figures in a unit that suits: µs, ms or s."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table of ``rows`` (cells written with ``str``) under ``header``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
