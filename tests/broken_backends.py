@@ -6,14 +6,15 @@ the issue that introduced the kit): the kit must fail every one of them, naming 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import tempfile
 import threading
 import time
 from typing import Any, ClassVar
 
-from executor_core import WorkerContext, WorkerError
-from executor_core.backend import Call, TransportHost, WorkerWrapper
+from executor_core import Executor, WorkerContext, WorkerDiedError, WorkerError
+from executor_core.backend import Call, Transport, TransportHost, WorkerWrapper
 from executor_threads._executor import Queue, ThreadExecutor, ThreadTransport
 
 
@@ -334,3 +335,138 @@ NOT_EXPRESSIBLE: dict[str, str] = {
 }
 
 _ = Queue
+
+
+# --- a backend of worker processes, for the recovery rules ----------------------------------
+
+
+def _serve_pipe(portable: bytes, conn: Any) -> None:
+    """A worker process: start the worker, say ready, run each call, answer."""
+    import pickle
+
+    from executor_core.backend import RemoteFailure
+
+    wrapper = pickle.loads(portable)
+    try:
+        wrapper.init_worker()
+    except Exception as exc:  # noqa: BLE001 - shipped to the driver as the start's error
+        conn.send(("ready", False, RemoteFailure.capture(wrapper.rank, "init_worker", exc)))
+        return
+    conn.send(("ready", True, None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            wrapper.shutdown()
+            return
+        seq, method, args, kwargs, reply_rank = message
+        reply = wrapper.handle(method, args, kwargs, reply_rank)
+        if reply is not None:
+            conn.send((seq, *reply))
+
+
+class _Processes(Transport):
+    """A process per rank over a pipe each; ``defect`` breaks one recovery rule."""
+
+    defect: ClassVar[str] = ""
+    incarnations: ClassVar[int] = 0
+
+    def start(self) -> None:
+        import multiprocessing
+        import pickle
+
+        _Processes.incarnations += 1
+        spawn = multiprocessing.get_context("spawn")
+        nodes = None
+        if self.defect == "renames_nodes":  # each incarnation on "another node"
+            nodes = [f"node-{_Processes.incarnations}"] * self.host.config.world_size
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for context in self.host.contexts(nodes):
+            parent, child = spawn.Pipe()
+            portable = pickle.dumps(self.host.wrapper(context).portable())
+            process = spawn.Process(target=_serve_pipe, args=(portable, child), daemon=True)
+            process.start()
+            child.close()
+            self.procs.append(process)
+            self.conns.append(parent)
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(30):
+                raise TimeoutError(f"rank {rank} did not start")
+            _, ok, failure = conn.recv()
+            if not ok:
+                raise failure.to_error()
+        self.lock = threading.Lock()
+        self.readers = [
+            threading.Thread(target=self._read, args=(rank,), daemon=True)
+            for rank in range(len(self.conns))
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, rank: int) -> None:
+        conn = self.conns[rank]
+        while True:
+            try:
+                seq, ok, value = conn.recv()
+            except (EOFError, OSError):
+                process = self.procs[rank]
+                process.join(1.0)
+                code = process.exitcode
+                if code is not None and not self.host.closed:
+                    signal_ = -code if code < 0 else None
+                    exit_ = code if code >= 0 else None
+                    self.host.worker_died(WorkerDiedError(rank, exit_, signal_))
+                return
+            self.host.deliver(seq, rank, ok, value)
+
+    def send(self, call: Call) -> bool:
+        message = (call.seq, call.wire_method, call.args, call.kwargs, call.reply_rank)
+        with self.lock:
+            for conn in self.conns:
+                # A worker gone: its reader reports the death.
+                with contextlib.suppress(OSError):
+                    conn.send(message)
+        return True
+
+    def close(self, graceful: bool) -> None:
+        procs = getattr(self, "procs", [])
+        for conn in getattr(self, "conns", []):
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for process in procs:
+            if self.defect == "leaves_survivors" and not graceful:
+                continue  # a forced stop forgets the workers still alive
+            process.join(2.0 if graceful else 0.0)
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
+        for reader in getattr(self, "readers", []):
+            reader.join(2.0)
+        for process in procs:
+            if not process.is_alive():
+                process.close()  # its sentinel
+        for conn in getattr(self, "conns", []):
+            conn.close()
+
+
+class _ProcessExecutor(Executor):
+    transport_cls = _Processes
+
+
+def _processes(defect: str) -> type[Executor]:
+    transport = type(f"_Processes_{defect}", (_Processes,), {"defect": defect})
+    return type(f"_ProcessExecutor_{defect}", (_ProcessExecutor,), {"transport_cls": transport})
+
+
+#: Broken recovery: process backends (their workers can be killed), run with
+#: ``workers_are_processes = True``; the words the kit's failure must contain.
+BROKEN_RECOVERY: dict[str, tuple[type[Executor], str]] = {
+    "leaves_survivors": (
+        _processes("leaves_survivors"),
+        "processes of an earlier incarnation still run",
+    ),
+    "renames_nodes": (
+        _processes("renames_nodes"),
+        "a recovered executor has the same ranks, local ranks and nodes",
+    ),
+}

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from broken_backends import BROKEN
+from broken_backends import BROKEN, BROKEN_RECOVERY
 
 HERE = Path(__file__).parent
 #: Slow: each case runs the kit in a pytest subprocess: seconds each.
@@ -34,9 +34,24 @@ class TestBroken(ExecutorConformanceTests):
     slow_call_s = 0.5
 """
 
+#: A process backend's recovery, alone (its kit area), as its author would run it.
+_RECOVERY_MODULE = """
+from broken_backends import BROKEN_RECOVERY
+from executor_core.testing import RecoveryTests
 
-def _run_kit(name: str, tmp_path: Path) -> tuple[str, float]:
-    (tmp_path / "test_broken_kit.py").write_text(_TEST_MODULE.format(name=name))
+
+class TestBrokenRecovery(RecoveryTests):
+    backend = BROKEN_RECOVERY[{name!r}][0]
+    world_size = 2
+    workers_are_processes = True
+    time_limit_s = 8.0
+    settle_s = 3.0
+    recovery_s = 6.0
+"""
+
+
+def _run_kit(name: str, tmp_path: Path, module: str = _TEST_MODULE) -> tuple[str, float]:
+    (tmp_path / "test_broken_kit.py").write_text(module.format(name=name))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -75,6 +90,40 @@ def test_kit_fails_the_broken_backend(name: str, tmp_path: Path) -> None:
         f"the kit's failure does not name the rule {expected!r}:\n{output[-4000:]}"
     )
     assert seconds < 10, f"the kit took {seconds:.1f} s to fail {name}"
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_RECOVERY))
+def test_recovery_tests_fail_the_broken_backend(name: str, tmp_path: Path) -> None:
+    output, seconds = _run_kit(name, tmp_path, _RECOVERY_MODULE)
+    expected = BROKEN_RECOVERY[name][1]
+    assert expected in output, (
+        f"the kit's failure does not name the rule {expected!r}:\n{output[-4000:]}"
+    )
+    assert seconds < 10, f"the kit took {seconds:.1f} s to fail {name}"
+
+
+def test_recovery_tests_pass_the_correct_process_backend(tmp_path: Path) -> None:
+    (tmp_path / "test_processes_kit.py").write_text(
+        "from broken_backends import _ProcessExecutor\n"
+        "from executor_core.testing import RecoveryTests\n\n\n"
+        "class TestProcesses(RecoveryTests):\n"
+        "    backend = _ProcessExecutor\n    workers_are_processes = True\n"
+        "    recovery_kills = 5\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert " passed" in result.stdout
 
 
 def test_kit_passes_the_correct_backend(tmp_path: Path) -> None:

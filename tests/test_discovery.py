@@ -20,7 +20,8 @@ from executor_core import (
     __version__,
     create_executor,
 )
-from executor_core.backend import ENTRY_POINT_GROUP, Registry, default_registry
+from executor_core._specs import ENTRY_POINT_GROUP
+from executor_core.backend import Registry, default_registry
 from executor_core.testing import ConformanceWorker
 
 EXECUTOR_CLI = str(Path(sys.executable).with_name("executor"))

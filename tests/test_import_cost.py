@@ -48,9 +48,7 @@ def test_cli_listing_imports_nothing_heavy(name: str) -> None:
     assert not {m for m in loaded if m.split(".")[0] in HEAVY}
 
 
-@pytest.mark.parametrize(
-    "package", ["executor_plugin_uniproc", "executor_plugin_multiproc", "executor_plugin_ray"]
-)
+@pytest.mark.parametrize("package", ["executor_plugin_multiproc", "executor_plugin_ray"])
 def test_plugin_user_names_import_from_the_package_on_first_use(package: str) -> None:
     module = importlib.import_module(package)
     assert set(module._LAZY) <= set(module.__all__)

@@ -22,11 +22,13 @@ from executor_core.backend import default_registry
 from executor_reference import (
     MODEL_SIZES,
     GenerationResult,
-    Split,
-    checkpoint_layout,
     ensure_checkpoint,
     generate,
     make_prompts,
+)
+from executor_reference._checkpoint import (
+    Split,
+    checkpoint_layout,
     shard_range,
     stage_tensor_names,
 )

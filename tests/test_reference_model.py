@@ -16,19 +16,21 @@ from executor_reference import (
     MODEL_SIZES,
     GenerationResult,
     ModelConfig,
-    Split,
     StepInput,
-    StepRecord,
-    checkpoint_layout,
-    create_checkpoint,
     ensure_checkpoint,
     generate,
-    load_shard,
     make_prompts,
+)
+from executor_reference._checkpoint import (
+    Split,
+    checkpoint_layout,
+    create_checkpoint,
+    load_shard,
     read_config,
-    stage_layers,
     stage_tensor_names,
 )
+from executor_reference._config import stage_layers
+from executor_reference._generate import StepRecord
 
 TINY = MODEL_SIZES["tiny"]
 

@@ -15,9 +15,9 @@ from executor_core.torch import (
     TensorOffloader,
     init_distributed,
     mapped_zeros,
-    seed_everything,
     select_device,
 )
+from executor_core.torch._distributed import seed_everything
 
 
 def _context(**overrides: object) -> WorkerContext:

@@ -14,7 +14,7 @@ from executor_core import (
     WorkerError,
 )
 from executor_core.backend import RemoteFailure
-from executor_core.testing import UnpicklableError
+from executor_core.testing._workers import UnpicklableError
 
 
 def _raise_value_error() -> None:

@@ -28,11 +28,11 @@ from executor_core.torch import (
     TensorOffloader,
     _offload,
     device_memory,
-    device_memory_bytes,
     host_memory_bytes,
     pinned_host_bytes,
     release_pinned_host_memory,
 )
+from executor_core.torch._memory import device_memory_bytes
 
 CUDA = torch.device("cuda", 1)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from executor_core import WorkerContext
-from executor_core.torch import select_device, visible_gpu_count
+from executor_core.torch import select_device
+from executor_core.torch._devices import visible_gpu_count
 
 
 def _context(local_rank: int, local_world_size: int) -> WorkerContext:

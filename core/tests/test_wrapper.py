@@ -9,7 +9,8 @@ import cloudpickle
 import pytest
 
 from executor_core import WorkerBase, WorkerContext, hookimpl
-from executor_core.backend import Registry, RemoteFailure, WorkerWrapper, dumps_method
+from executor_core._wire import dumps_method
+from executor_core.backend import Registry, RemoteFailure, WorkerWrapper
 from executor_core.testing import ConformanceWorker
 
 

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-    from ._baselines import PipeSide, RayActorsSide, VllmQueueSide, ZmqSide, import_vllm
-    from ._overhead import CallObserver, RpcObserver, import_ms, per_call_us
+    from ._baselines import PipeSide, RayActorsSide, VllmQueueSide, ZmqSide
+    from ._overhead import CallObserver, import_ms, per_call_us
     from ._ray_session import RaySession
     from ._sides import BackendSide
     from ._worker import BenchWorker
@@ -36,14 +36,12 @@ __all__ = [
     "PipeSide",
     "RayActorsSide",
     "RaySession",
-    "RpcObserver",
     "VllmQueueSide",
     "ZmqSide",
     "__version__",
     "executor_register_commands",
     "format_time",
     "import_ms",
-    "import_vllm",
     "interleave",
     "make_payload",
     "markdown_table",
@@ -59,12 +57,10 @@ _LAZY: dict[str, str] = {
     "PipeSide": "._baselines",
     "RayActorsSide": "._baselines",
     "RaySession": "._ray_session",
-    "RpcObserver": "._overhead",
     "VllmQueueSide": "._baselines",
     "ZmqSide": "._baselines",
     "format_time": "._workloads",
     "import_ms": "._overhead",
-    "import_vllm": "._baselines",
     "interleave": "._workloads",
     "make_payload": "._workloads",
     "markdown_table": "._workloads",

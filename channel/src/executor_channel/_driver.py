@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from executor_core import ExecutorError, ExecutorFailedError
+from executor_core import ExecutorClosedError, ExecutorError, ExecutorFailedError
 from executor_core.backend import Call, RemoteFailure, TransportHost
 
 from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
@@ -106,6 +106,8 @@ class ChannelDriver:
                 return
             if self._start_error is not None:
                 raise self._start_error
+            if self.aborted:  # shut down while starting (during a recovery, say)
+                raise ExecutorClosedError("the executor was shut down while its workers started")
             check(pending)
             now = time.monotonic()
             if now >= deadline:
@@ -291,11 +293,11 @@ class ChannelDriver:
             self.hub.broadcast(parts)
         return sent
 
-    def stop_hub(self, graceful: bool, grace_s: float) -> None:
+    def stop_hub(self, graceful: bool, grace_s: float, rejoin: bool = False) -> None:
         """Stop the hub: gracefully once every member's workers stopped (at most
-        ``grace_s``), else at once."""
+        ``grace_s``), else at once (``rejoin``: asking the members to join again)."""
         if self.hub is not None:
-            self.hub.stop(graceful, grace_s)
+            self.hub.stop(graceful, grace_s, rejoin)
 
 
 def _ready(reply: Reply, pending: set[int]) -> None:

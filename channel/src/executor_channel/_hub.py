@@ -308,13 +308,15 @@ class Hub:
         """Make the pump look at its state now (``ready`` was set)."""
         self._wake.ring()
 
-    def stop(self, graceful: bool, grace_s: float) -> None:
+    def stop(self, graceful: bool, grace_s: float, rejoin: bool = False) -> None:
         """Stop the pump: gracefully, once every member said its workers stopped (at most
-        ``grace_s``; the stop frame must be queued already), else at once with KILL."""
+        ``grace_s``; the stop frame must be queued already), else at once with KILL. With
+        ``rejoin``, the KILL asks each member to stop its workers and join again (the
+        executor restarts its workers: a recovery)."""
         thread, self._thread = self._thread, None
         if thread is None:  # not started (start-up failed: release who joined), or stopped
             if not self._stopped:
-                self._kill_all()
+                self._kill_all(rejoin)
             self._stopped = True
             self._close_wake()
             return
@@ -328,7 +330,7 @@ class Hub:
         self._wake.ring()
         thread.join(10.0)
         if not thread.is_alive():  # the listener is this thread's now
-            self._kill_all()
+            self._kill_all(rejoin)
         self._stopped = True
         self._close_wake()
 
@@ -454,12 +456,14 @@ class Hub:
             )
         )
 
-    def _kill_all(self) -> None:
-        """Tell every member not done yet to stop its workers now (best effort)."""
+    def _kill_all(self, rejoin: bool = False) -> None:
+        """Tell every member not done yet to stop its workers now (best effort); with
+        ``rejoin``, to join again afterwards."""
+        message = wire.control(wire.KILL, {"rejoin": True}) if rejoin else [wire.KILL]
         for node in self.nodes:
             if not node.lost and not node.done:
                 with contextlib.suppress(ChannelError):
-                    self._listener.send(node.peer, [wire.KILL], timeout=0.1)
+                    self._listener.send(node.peer, message, timeout=0.1)
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:

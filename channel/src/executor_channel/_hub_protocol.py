@@ -55,7 +55,9 @@ PING = b"P"
 DIED = b"D"
 #: Member to hub: it could not start its workers or serve on (JSON: why).
 FAILED = b"X"
-#: Hub to member: stop every worker now, without waiting for calls in flight.
+#: Hub to member: stop every worker now, without waiting for calls in flight. JSON,
+#: optional: ``rejoin`` true asks the member to join the same hub address again afterwards
+#: (the executor restarts its workers).
 KILL = b"K"
 #: Member to hub: its workers have stopped; the last message of the link.
 BYE = b"B"

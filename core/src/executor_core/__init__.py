@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         ExecutorClosedError,
         ExecutorError,
         ExecutorFailedError,
+        RecoveringError,
         RPCTimeoutError,
         SleepStateError,
         UnknownBackendError,
@@ -38,10 +39,10 @@ if TYPE_CHECKING:
     )
     from ._executor import (
         Executor,
-        FailureCallback,
         create_executor,
     )
     from ._hookspecs import hookimpl
+    from ._recovery import ExecutorState, RecoveryPolicy
     from ._version import __version__
     from ._worker import (
         SLEEP_TAGS,
@@ -59,8 +60,10 @@ __all__ = [
     "ExecutorConfig",
     "ExecutorError",
     "ExecutorFailedError",
-    "FailureCallback",
+    "ExecutorState",
     "RPCTimeoutError",
+    "RecoveringError",
+    "RecoveryPolicy",
     "SleepStateError",
     "UnknownBackendError",
     "WorkerBase",
@@ -82,8 +85,10 @@ _LAZY: dict[str, str] = {
     "ExecutorConfig": "._config",
     "ExecutorError": "._errors",
     "ExecutorFailedError": "._errors",
-    "FailureCallback": "._executor",
+    "ExecutorState": "._recovery",
     "RPCTimeoutError": "._errors",
+    "RecoveringError": "._errors",
+    "RecoveryPolicy": "._recovery",
     "SLEEP_TAGS": "._worker",
     "SleepStateError": "._errors",
     "UnknownBackendError": "._errors",

@@ -60,6 +60,14 @@ def _check_capabilities(spec: BackendSpec, config: ExecutorConfig) -> None:
             f"the {spec.name!r} backend runs at most {max_world_size} worker(s), but "
             f"world_size={config.world_size}; use backend='mp' (one machine) or 'ray' (a cluster)"
         )
+    if config.recovery is not None and caps.recovery == "none":
+        raise ConfigError(
+            "recovery",
+            config.recovery,
+            f"the {spec.name!r} backend cannot start its workers again in this process (its "
+            "spec declares Capabilities(recovery='none')); leave recovery=None, or choose a "
+            "backend that recovers, such as 'mp' or 'ray'",
+        )
     if config.device not in caps.devices:
         raise ConfigError(
             "device",

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from ._errors import ConfigError
+from ._recovery import RecoveryPolicy
 
 __all__ = ["FORWARDED_ENV_PREFIXES", "ExecutorConfig", "worker_environment"]
 
@@ -149,6 +150,17 @@ class ExecutorConfig:
     #: Overlap scheduling with execution (raises max_concurrent_batches to 2 when pp is 1).
     async_scheduling: bool = attrs.field(
         default=False, validator=_check("must be True or False", lambda value: type(value) is bool)
+    )
+    #: How the executor comes back when workers die: ``None`` (the default) fails it, as a
+    #: death always did; a :class:`~executor_core.RecoveryPolicy` starts the workers again
+    #: (see docs/recovery.md). A backend that cannot (``Capabilities.recovery == "none"``)
+    #: refuses a policy.
+    recovery: RecoveryPolicy | None = attrs.field(
+        default=None,
+        validator=_check(
+            "must be None or an executor_core.RecoveryPolicy",
+            lambda value: value is None or isinstance(value, RecoveryPolicy),
+        ),
     )
     #: Backend-specific options: each backend documents its keys, and the executor refuses
     #: a key or a value its backend does not take (see ``executor_core.options``).

@@ -14,6 +14,7 @@ __all__ = [
     "ExecutorError",
     "ExecutorFailedError",
     "RPCTimeoutError",
+    "RecoveringError",
     "SleepStateError",
     "UnknownBackendError",
     "WorkerDiedError",
@@ -198,6 +199,23 @@ def _rebuild_worker_died(
 
 class ExecutorClosedError(ExecutorError):
     """A call was made after :meth:`Executor.shutdown`."""
+
+
+class RecoveringError(ExecutorError):
+    """A call was made while the executor recovers from a worker's death, and its recovery
+    policy says calls fail meanwhile (``RecoveryPolicy.wait_calls=False``): retry once
+    ``Executor.state`` is running again. Names the ranks that died."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+        super().__init__(
+            f"the executor is recovering from the death of worker rank(s) {list(self.ranks)}; "
+            "retry once Executor.state is 'running' (or set RecoveryPolicy(wait_calls=True) "
+            "to have calls wait for the recovery)"
+        )
+
+    def __reduce__(self) -> tuple[type[RecoveringError], tuple[tuple[int, ...]]]:
+        return (type(self), (self.ranks,))
 
 
 class RPCTimeoutError(ExecutorError, TimeoutError):

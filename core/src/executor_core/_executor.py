@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ._calls import Call, as_worker_error
 from ._config import ExecutorConfig
-from ._errors import RPCTimeoutError
+from ._errors import RecoveringError, RPCTimeoutError
 from ._lifecycle import FailureCallback, Lifecycle
 from ._observe import Observation
+from ._recovery import ExecutorState
 from ._resolve import executor_class
 from ._wire import method_name
 
@@ -106,7 +107,7 @@ class Executor(Lifecycle):
         """
         host = self._host
         if host.closed or host.table.closed_error is not None:
-            host.check_open()
+            timeout = self._await_recovery(host, timeout, method)
         if timeout is not None or self._default_timeout is not None:
             timeout = self._resolve_timeout(timeout)
         if type(method) is not str and not callable(method):
@@ -277,7 +278,9 @@ class Executor(Lifecycle):
         its await is cancelled is withdrawn: no rank runs it. To bound how long the workers
         may take, pass ``timeout``, not an asyncio timeout.
         """
-        self._host.check_open()
+        host = self._host
+        if host.closed or host.table.closed_error is not None:
+            timeout = self._await_recovery(host, timeout, method)
         return await self._aio.call(
             lambda: self.collective_rpc(
                 method, timeout, args, kwargs, non_block=True, unique_reply_rank=unique_reply_rank
@@ -288,8 +291,37 @@ class Executor(Lifecycle):
         """:meth:`execute_model` for asyncio: ``await`` the output rank's result. Sent,
         ordered, cancelled and failed as :meth:`collective_rpc_async` is (cancelling the
         await never stops a step the workers have been sent)."""
-        self._host.check_open()
+        host = self._host
+        if host.closed or host.table.closed_error is not None:
+            self._await_recovery(host, None, "execute_model")
         return await self._aio.call(lambda: self.execute_model(batch, non_block=True))
+
+    def _await_recovery(
+        self, host: Any, timeout: float | None, method: str | Callable[..., Any]
+    ) -> float | None:
+        """A call found ``host`` failed or closed: raise why, or, while a recovery runs and
+        the policy says calls wait, wait for it; return what is left of ``timeout``."""
+        recovery = self._recovery
+        policy = recovery.policy
+        if not host.closed and policy is not None and recovery.state is ExecutorState.RECOVERING:
+            if not policy.wait_calls:
+                raise RecoveringError(recovery.recovering_ranks)
+            timeout = self._resolve_timeout(timeout)
+            start = perf_counter()
+            state = recovery.wait(timeout)
+            if state is ExecutorState.RUNNING:
+                if timeout is None:
+                    return None
+                left = timeout - (perf_counter() - start)
+                if left > 0:
+                    return left
+            if state in (ExecutorState.RECOVERING, ExecutorState.RUNNING):
+                name = method if type(method) is str else method_name(method)
+                raise RPCTimeoutError(name, list(self._all_ranks), timeout or 0.0)
+        if recovery.final is not None and not host.closed:
+            raise recovery.final
+        self._host.check_open()
+        return timeout
 
     # --- for subclasses ----------------------------------------------------------------
 

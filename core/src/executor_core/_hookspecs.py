@@ -93,8 +93,24 @@ def executor_call_finished(
 def executor_worker_died(
     backend: str, ranks: tuple[int, ...], node: str | None, error: WorkerDiedError
 ) -> None:
-    """The executor failed because workers died: ``ranks`` are gone (one rank, or all the
-    ranks of a lost ``node``). Called once per executor, from the thread that noticed."""
+    """Workers died: ``ranks`` are gone (one rank, or all the ranks of a lost ``node``).
+    Called once per death, from the thread that noticed; the executor has failed, or, with a
+    recovery policy, :func:`executor_recovery_started` follows."""
+
+
+@hookspec
+def executor_recovery_started(backend: str, ranks: tuple[int, ...], error: WorkerDiedError) -> None:
+    """The executor starts to recover from the death of ``ranks`` (``error``): its calls in
+    flight have failed, and its workers are being started again. Called from the recovery
+    thread; :func:`executor_recovered` follows if it succeeds (else the executor fails, and
+    its failure callbacks run)."""
+
+
+@hookspec
+def executor_recovered(backend: str, ranks: tuple[int, ...], duration_s: float) -> None:
+    """The executor is back after the death of ``ranks``: ``duration_s`` seconds from the
+    start of the recovery to workers ready for calls. Called from the thread that
+    recovered (the recovery thread, or the caller of ``Executor.recover``)."""
 
 
 @hookspec

@@ -63,6 +63,10 @@ class TransportHost:
         self.state_lock = threading.Lock()
         #: Set once :meth:`Executor.shutdown` has begun.
         self.closed = False
+        #: Set while the core stops this host's workers to start them again (a recovery):
+        #: a transport whose remote agents can take part again asks them to rejoin in
+        #: ``close()`` rather than to exit.
+        self.restarting = False
         self.failure: ExecutorFailedError | None = None
         self.failure_callbacks: list[Callable[[ExecutorFailedError], None]] = []
         self.table = CallTable()

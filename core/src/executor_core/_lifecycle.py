@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar, Self
 
 from ._admission import admit
 from ._aio import AsyncSender
 from ._config import ExecutorConfig
-from ._errors import ExecutorFailedError
-from ._host import TransportHost, run_callback
+from ._errors import ExecutorClosedError, ExecutorFailedError
+from ._host import TransportHost
 from ._observe import CallObserver, death_reporter
+from ._recovery import ExecutorState, Recovery
 from ._resolve import executor_class
 from ._sleep import SleepState
 from .options import NoOptions
@@ -27,6 +29,15 @@ __all__ = ["FailureCallback", "Lifecycle"]
 
 #: How long shutdown waits for a send in progress before it stops the workers by force.
 _SEND_LOCK_S = 5.0
+#: How long shutdown waits for a recovery in progress (told to give up) to end.
+_RECOVERY_JOIN_S = 60.0
+
+
+def _log_warning(message: str) -> None:
+    import logging  # deferred: only needed on this rare path
+
+    logging.getLogger("executor_core").warning(message)
+
 
 #: Called once with the error when the executor fails.
 FailureCallback = Callable[[ExecutorFailedError], None]
@@ -71,34 +82,68 @@ class Lifecycle:
         self._default_timeout = config.rpc_timeout
         self._next_seq = 1
         hooks = self.registry.hook
-        host = TransportHost(config, name, hooks)
-        self._host = host
-        self._sleep = SleepState(host, hooks)
+        self._name = name
         # Driver-side observer hooks: per call (tested cheaply on every call), on a worker's
         # death (a failure callback holding the hooks and the name, never the executor).
         observer = CallObserver(hooks, name, config.world_size)
         self._observer = observer
         self._calls_started, self._calls_finished = observer.impls
-        host.failure_callbacks.append(death_reporter(hooks, name))
-        transport = self._create_transport(host)
-        self._replies = host.attach(transport)
-        self._transport = transport
-        # The finalizer holds the host, never the executor: a dropped executor is collected,
-        # and what it left running is stopped by force.
-        self._finalizer = weakref.finalize(self, host.release, False)
+        #: The recovery state and the failure callbacks; it reaches the executor only through
+        #: a weak method, so a dropped executor is still collected.
+        self._recovery = Recovery(config.recovery, name, hooks, self._restart)
+        #: The host whose transport is starting (at creation, in a recovery), else None.
+        self._starting: TransportHost | None = None
         #: Sends the asyncio calls from its own thread (started on the first one).
         self._aio = AsyncSender(f"executor-{name}-asyncio")
         weakref.finalize(self, self._aio.close)  # holds the sender: its thread ends
+        self._install(first=True)
+
+    def _install(self, first: bool = False) -> None:
+        """Build a host and a transport over it, and start the workers: at creation, and for
+        each recovery (the calls in flight failed with the old host; nothing of its is
+        reused, so no reply from before a death reaches a call made after it)."""
+        hooks = self.registry.hook
+        host = TransportHost(self.config, self._name, hooks)
+        host.failure_callbacks.append(death_reporter(hooks, self._name))
+        host.failure_callbacks.append(self._recovery.on_failure)
+        transport = self._create_transport(host)
+        replies = host.attach(transport)
+        # The finalizer holds the host, never the executor: a dropped executor is collected,
+        # and what it left running is stopped by force.
+        finalizer = weakref.finalize(self, host.release, False)
+        # Published only once started: a call never reaches a transport that is starting.
+        self._starting = host
         try:
             transport.start()
         except BaseException:
-            host.closed = True
-            self._finalizer()
+            if first:  # nobody will see this executor: calls on it would find it closed
+                host.closed = True
+            else:  # a recovery's attempt: the next one may follow
+                host.restarting = True
+            finalizer()
             raise
+        finally:
+            self._starting = None
+        self._host, self._transport, self._replies = host, transport, replies
+        self._finalizer = finalizer
+        self._sleep = SleepState(host, hooks)
         driven = transport.ranks
-        if driven is not None:
-            self._all_ranks = tuple(driven)
+        self._all_ranks = tuple(driven) if driven is not None else tuple(range(self.world_size))
         self._run_inline = transport.inline_runner() if len(self._all_ranks) == 1 else None
+
+    def _restart(self) -> None:
+        """Stop every worker and start them again (a group restart; the recovery thread or
+        :meth:`recover` calls it). Raises what the new start raised."""
+        recovery = self._recovery
+        if recovery.is_closed() or self._host.closed:
+            raise ExecutorClosedError("the executor has been shut down; create a new one")
+        old = self._host
+        self._finalizer.detach()
+        old.restarting = True
+        old.release(False)  # once: a host whose start failed is released already
+        if recovery.is_closed():  # shut down while the old workers stopped
+            raise ExecutorClosedError("the executor was shut down during its recovery")
+        self._install()
 
     def _create_transport(self, host: TransportHost) -> Transport:
         """Build the transport (override to pass more than the host; never pass ``self``)."""
@@ -151,36 +196,89 @@ class Lifecycle:
         return self._host.closed
 
     @property
+    def state(self) -> ExecutorState:
+        """Running, recovering (workers died and are being started again), failed for good,
+        or closed: see :class:`~executor_core.ExecutorState`."""
+        state = self._recovery.state
+        if state is ExecutorState.RUNNING and self._host.failure is not None:
+            return ExecutorState.FAILED if self._recovery.policy is None else state
+        return state
+
+    @property
     def is_failed(self) -> bool:
-        """True once the executor has failed (see :meth:`register_failure_callback`)."""
-        return self._host.failure is not None
+        """True once the executor has failed for good (see :meth:`register_failure_callback`):
+        with a recovery policy, not while it recovers."""
+        if self._recovery.policy is None:
+            return self._host.failure is not None
+        return self._recovery.state is ExecutorState.FAILED
 
     @property
     def failure(self) -> ExecutorFailedError | None:
-        """The error the executor failed with, if it has."""
-        return self._host.failure
+        """The error the executor failed with for good, if it has."""
+        if self._recovery.policy is None:
+            return self._host.failure
+        return self._recovery.final
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
-        """Call ``callback(error)`` once if the executor fails (at once if it already has)."""
-        host = self._host
-        with host.state_lock:
-            failure = host.failure
-            if failure is None:
-                host.failure_callbacks.append(callback)
-                return
-        run_callback(callback, failure)
+        """Call ``callback(error)`` once if the executor fails for good (at once if it already
+        has). A death that a recovery policy brings the executor back from is not a failure
+        (the ``executor_recovery_started`` hook reports it)."""
+        self._recovery.register(callback)
 
     def fail(self, error: ExecutorFailedError) -> bool:
         """Mark the executor failed with ``error``: every call in flight and every later call
-        raises it, and the failure callbacks run, once. Returns False if it had already
-        failed (or was shut down)."""
+        raises it, and the failure callbacks run, once; no recovery policy brings it back
+        (:meth:`recover` may). Returns False if it had already failed (or was shut down)."""
         if not isinstance(error, ExecutorFailedError):
             raise TypeError(f"error must be an ExecutorFailedError, not {type(error).__name__}")
-        return self._host.fail(error)
+        self._recovery.refuse_next = True
+        failed = self._host.fail(error)
+        if not failed:
+            self._recovery.refuse_next = False
+        return failed
+
+    def recover(self, timeout: float | None = None) -> None:
+        """Bring a failed executor back now: stop every worker and start them again (fresh
+        contexts, ``init_device`` and ``load_model`` again), whatever the recovery policy
+        says; wait for a recovery that runs already. Returns once calls reach the workers
+        again; raises the error of a failed attempt (the executor is then failed). Calls in
+        flight at the failure are never replayed: resubmit what you need."""
+        from ._errors import RPCTimeoutError
+
+        recovery = self._recovery
+        if self._host.closed:
+            raise ExecutorClosedError("the executor has been shut down; create a new one")
+        if not recovery.begin_explicit():  # one runs: wait for it
+            if recovery.wait(timeout) is ExecutorState.RECOVERING:
+                raise RPCTimeoutError("recover", list(self._all_ranks), timeout or 0.0)
+            if recovery.state is ExecutorState.FAILED:
+                assert recovery.final is not None
+                raise recovery.final
+            return
+        failure = self._host.failure
+        ranks = tuple(getattr(failure, "ranks", ()) or self._all_ranks)
+        start = perf_counter()
+        try:
+            self._restart()
+        except ExecutorClosedError:
+            raise
+        except Exception as exc:
+            error = ExecutorFailedError(f"recovering the executor failed: {exc}")
+            error.__cause__ = exc
+            recovery.end_explicit(error, ranks, perf_counter() - start)
+            raise error from exc
+        recovery.end_explicit(None, ranks, perf_counter() - start)
 
     def shutdown(self) -> None:
         """Stop the workers (each runs its ``shutdown``) and release every resource; calls in
         flight raise :class:`ExecutorClosedError`. Idempotent."""
+        starting = self._starting
+        if starting is not None:
+            # A start in progress gives up at once; the recovery ends before the release.
+            starting.abort(ExecutorClosedError("the executor was shut down"))
+        left = self._recovery.close(_RECOVERY_JOIN_S)
+        if left is not None:
+            _log_warning("the recovery thread did not end; its workers are left to the finalizer")
         host = self._host
         with host.state_lock:
             if host.closed:

@@ -14,6 +14,9 @@ __all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV_VAR", "BackendSpec", "BrokenPlugin"
 #: The entry-point group plugins register under (``<project>.<kind>``).
 ENTRY_POINT_GROUP = "executor.plugins"
 
+#: What ``Capabilities.recovery`` may say.
+RECOVERY_KINDS: tuple[str, ...] = ("none", "restart")
+
 #: Comma-separated allow-list of plugin (entry-point) names to load; unset loads all.
 PLUGINS_ENV_VAR = "EXECUTOR_PLUGINS"
 
@@ -32,6 +35,11 @@ class Capabilities:
     devices: tuple[str, ...] = ("cpu",)
     #: The most workers it can run (``None``: no limit).
     max_world_size: int | None = None
+    #: How it comes back when workers die (``ExecutorConfig.recovery``): ``"none"`` (its
+    #: workers cannot be started again in this process: a config with a recovery policy is
+    #: refused), ``"restart"`` (every rank is stopped and started again, fresh contexts and a
+    #: new ``torch.distributed`` rendezvous: a group restart).
+    recovery: str = attrs.field(default="none", validator=attrs.validators.in_(RECOVERY_KINDS))
 
     def describe(self) -> str:
         """A short human-readable summary, e.g. ``"pp, multi-node, cpu/cuda"``."""
@@ -43,6 +51,8 @@ class Capabilities:
         parts.append("/".join(self.devices))
         if self.max_world_size is not None:
             parts.append(f"max {self.max_world_size} worker(s)")
+        if self.recovery != "none":
+            parts.append(f"recovery: {self.recovery}")
         return ", ".join(parts)
 
 

@@ -26,7 +26,6 @@ from ._host import TransportHost
 from ._lazy import lazy_getattr
 from ._net import find_free_port, tcp_init_method
 from ._registry import (
-    ENTRY_POINT_GROUP,
     PLUGINS_ENV_VAR,
     BackendSpec,
     BrokenPlugin,
@@ -36,12 +35,11 @@ from ._registry import (
     default_registry,
 )
 from ._transport import Transport
-from ._wire import RemoteFailure, dumps_method, loads_method, method_name
+from ._wire import RemoteFailure, method_name
 from ._worker import WorkerContext
 from ._wrapper import WorkerWrapper
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
     "PLUGINS_ENV_VAR",
     "BackendSpec",
     "BrokenPlugin",
@@ -55,11 +53,9 @@ __all__ = [
     "WorkerContext",
     "WorkerWrapper",
     "default_registry",
-    "dumps_method",
     "find_free_port",
     "hookimpl",
     "lazy_getattr",
-    "loads_method",
     "method_name",
     "tcp_init_method",
 ]

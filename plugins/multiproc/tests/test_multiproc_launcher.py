@@ -21,6 +21,7 @@ from executor_core import (
     WorkerDiedError,
 )
 from executor_core.testing import conformance_config
+from executor_core.testing._recovery import _gloo_sum  # the kit's own gloo check
 from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
 from executor_plugin_multiproc.launcher import AgentLaunch, Placement
 
@@ -101,21 +102,6 @@ def _context(worker: Any) -> tuple[str, str, int, str]:
         context.local_rank,
         context.distributed_init_method,
     )
-
-
-def _gloo_sum(worker: Any) -> float:
-    import torch
-    import torch.distributed as dist
-
-    from executor_core.torch import init_distributed
-
-    state = init_distributed(worker.context, timeout_s=60)
-    try:
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        return float(total.item())
-    finally:
-        state.destroy()
 
 
 def test_every_rank_on_placed_machines_with_their_names_and_addresses() -> None:

@@ -175,7 +175,7 @@ def test_switches_turn_metrics_and_spans_off(observed: Observed) -> None:
 
 
 def test_environment_switches(monkeypatch: pytest.MonkeyPatch, observed: Observed) -> None:
-    monkeypatch.setenv(executor_plugin_otel.TRACES_ENV_VAR, "0")
+    monkeypatch.setenv(executor_plugin_otel._TRACES_ENV_VAR, "0")
     executor_plugin_otel.configure(registry=observed.metrics, tracer_provider=observed.provider)
     with create_executor(conformance_config("uni"), _registry("uniproc")) as executor:
         executor.collective_rpc("get_rank")
@@ -252,6 +252,30 @@ def test_mp_metrics_spans_and_a_killed_worker(observed: Observed, tmp_path: Path
         0: "UNSET",
         1: "ERROR",
     }
+
+
+def test_recoveries_are_counted_with_their_duration(observed: Observed) -> None:
+    pytest.importorskip("executor_plugin_multiproc")
+    from executor_core import ExecutorState, RecoveryPolicy
+
+    config = conformance_config(
+        "mp",
+        world_size=2,
+        recovery=RecoveryPolicy(backoff_s=0.1),
+        backend_options={"shutdown_grace_s": 1.0},
+    )
+    with create_executor(config, _registry("multiproc")) as executor:
+        pids = executor.collective_rpc("get_pid")
+        os.kill(pids[1], signal.SIGKILL)
+        _wait_for(lambda: observed.value("executor_worker_deaths_total", backend="mp") == 1)
+        _wait_for(lambda: executor.state is ExecutorState.RUNNING, timeout=30)
+        _wait_for(lambda: observed.value("executor_recoveries_total", backend="mp") == 1)
+        assert executor.collective_rpc("get_rank") == [0, 1]
+    count = observed.value("executor_recovery_duration_seconds_count", backend="mp")
+    assert count == 1
+    took = observed.value("executor_recovery_duration_seconds_sum", backend="mp")
+    assert took is not None
+    assert 0 < took < 30
 
 
 INSTALLED = """

@@ -21,79 +21,37 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-    from ._checkpoint import (
-        CONFIG_METADATA_KEY,
-        Split,
-        checkpoint_layout,
-        create_checkpoint,
-        ensure_checkpoint,
-        load_shard,
-        read_config,
-        shard_range,
-        stage_tensor_names,
-        tensor_nbytes,
-    )
-    from ._config import DTYPES, MODEL_SIZES, ModelConfig, stage_layers
-    from ._generate import GenerationResult, StepRecord, generate, make_prompts
+    from ._checkpoint import ensure_checkpoint
+    from ._config import MODEL_SIZES, ModelConfig
+    from ._generate import GenerationResult, generate, make_prompts
     from ._main_job import add_run_arguments
-    from ._model import KVCache, StageModel
-    from ._worker import SPMD_BACKENDS, ReferenceWorker, StepInput, StepOutput
+    from ._worker import ReferenceWorker, StepInput, StepOutput
 
 __all__ = [
-    "CONFIG_METADATA_KEY",
-    "DTYPES",
     "MODEL_SIZES",
-    "SPMD_BACKENDS",
     "GenerationResult",
-    "KVCache",
     "ModelConfig",
     "ReferenceWorker",
-    "Split",
-    "StageModel",
     "StepInput",
     "StepOutput",
-    "StepRecord",
     "__version__",
     "add_run_arguments",
-    "checkpoint_layout",
-    "create_checkpoint",
     "ensure_checkpoint",
     "executor_register_commands",
     "generate",
-    "load_shard",
     "make_prompts",
-    "read_config",
-    "shard_range",
-    "stage_layers",
-    "stage_tensor_names",
-    "tensor_nbytes",
 ]
 
 #: The package's user-facing names, imported on first use: the registry imports this module
 #: in every process (driver and workers), and most of the names below pull in torch.
 _LAZY: dict[str, str] = {
-    "CONFIG_METADATA_KEY": "._checkpoint",
-    "Split": "._checkpoint",
-    "checkpoint_layout": "._checkpoint",
-    "create_checkpoint": "._checkpoint",
     "ensure_checkpoint": "._checkpoint",
-    "load_shard": "._checkpoint",
-    "read_config": "._checkpoint",
-    "shard_range": "._checkpoint",
-    "stage_tensor_names": "._checkpoint",
-    "tensor_nbytes": "._checkpoint",
-    "DTYPES": "._config",
     "MODEL_SIZES": "._config",
     "ModelConfig": "._config",
-    "stage_layers": "._config",
     "GenerationResult": "._generate",
-    "StepRecord": "._generate",
     "generate": "._generate",
     "make_prompts": "._generate",
     "add_run_arguments": "._main_job",
-    "KVCache": "._model",
-    "StageModel": "._model",
-    "SPMD_BACKENDS": "._worker",
     "ReferenceWorker": "._worker",
     "StepInput": "._worker",
     "StepOutput": "._worker",

@@ -136,7 +136,7 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     if text is None:
         raise ValueError(
             f"{path} is not a reference-model checkpoint (no {CONFIG_METADATA_KEY!r} metadata); "
-            "create one with executor_reference.create_checkpoint"
+            "create one with executor_reference.ensure_checkpoint"
         )
     return ModelConfig.from_json(text)
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from executor_core import WorkerDiedError
+
 from ._worker import StepInput, StepOutput
 
 if TYPE_CHECKING:
@@ -65,6 +67,11 @@ class GenerationResult:
     steps: list[StepRecord]
     wall_time_s: float
     max_concurrent_batches: int
+    #: Per recovery from a worker's death (an executor with a recovery policy): seconds
+    #: from the failed step to the first step that succeeded after it.
+    recoveries: list[float] = attrs.Factory(list)
+    #: The ranks whose death each recovery answered.
+    lost_ranks: list[tuple[int, ...]] = attrs.Factory(list)
 
     @property
     def generated_tokens(self) -> int:
@@ -127,10 +134,17 @@ class _Batch:
     generated: list[list[int]] = attrs.Factory(list)
     logits: list[torch.Tensor] = attrs.Factory(list)
     position: int = 0
+    #: Set after a recovery: the workers lost this batch's KV cache, so its next step is a
+    #: prefill of each sequence so far (prompt and tokens generated), from position 0.
+    replay: bool = False
 
     def next_step(self, return_logits: bool) -> StepInput:
         # The prompts on the first step (prefill), then each sequence's latest token.
         tokens = [[seq[-1]] for seq in self.generated] if self.generated[0] else self.prompts
+        if self.replay:
+            self.replay = False
+            self.position = 0
+            tokens = [p + g for p, g in zip(self.prompts, self.generated, strict=True)]
         return StepInput(
             batch_id=self.batch_id,
             slots=self.slots,
@@ -245,6 +259,12 @@ def generate(
     into the batch's next step while the others run (async overlap; needed to keep every
     pipeline stage busy). ``on_step(tokens)`` is called after each step with the tokens it
     produced (for a progress bar). ``timeout`` bounds each step.
+
+    With a recovery policy on the executor (``ExecutorConfig.recovery``), a step that fails
+    because a worker died is not lost: once the executor is back, every batch that was in
+    flight is resubmitted as a prefill of its sequences so far (the restarted workers hold
+    no KV cache), and greedy decoding goes on with the same tokens. Each recovery's time is
+    in :attr:`GenerationResult.recoveries`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
@@ -300,22 +320,44 @@ def generate(
         batch.slots = [free_slots.pop() for _ in batch.prompts]
         submit(batch)
 
+    recoveries: list[float] = []
+    lost_ranks: list[tuple[int, ...]] = []
+    failed_at: float | None = None
     begin = time.perf_counter()
     while pending and len(in_flight) < concurrency:
         start_next()
     while in_flight:
         batch, step, submitted, future = in_flight.popleft()
-        if future is None:
-            output = executor.collective_rpc(
-                "execute_model",
-                args=(step,),
-                unique_reply_rank=executor.output_rank,
-                timeout=timeout,
-            )[0]
-            done = time.perf_counter()
-        else:
-            output = future.result(timeout)
-            done = arrivals.pop(id(future), time.perf_counter())
+        try:
+            if future is None:
+                output = executor.collective_rpc(
+                    "execute_model",
+                    args=(step,),
+                    unique_reply_rank=executor.output_rank,
+                    timeout=timeout,
+                )[0]
+                done = time.perf_counter()
+            else:
+                output = future.result(timeout)
+                done = arrivals.pop(id(future), time.perf_counter())
+        except WorkerDiedError as died:
+            if executor.config.recovery is None:
+                raise
+            if failed_at is None:
+                failed_at = time.perf_counter()
+                lost_ranks.append(tuple(died.ranks))
+            # Every batch in flight lost its cache with the workers: replay each, in order
+            # (the next call waits for the recovery).
+            lost = [batch, *(entry[0] for entry in in_flight)]
+            in_flight.clear()
+            arrivals.clear()
+            for replayed in lost:
+                replayed.replay = True
+                submit(replayed)
+            continue
+        if failed_at is not None:
+            recoveries.append(done - failed_at)
+            failed_at = None
         if not isinstance(output, StepOutput):
             raise TypeError(
                 f"the output rank returned {type(output).__name__}, not a StepOutput; "
@@ -362,4 +404,6 @@ def generate(
         steps=records,
         wall_time_s=wall,
         max_concurrent_batches=concurrency,
+        recoveries=recoveries,
+        lost_ranks=lost_ranks,
     )

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -123,6 +124,26 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-json", default=None, help="also write the summary and tokens to this file"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--recover",
+        action="store_true",
+        help="give the executor a recovery policy: a worker's death restarts the workers, and "
+        "the job resubmits the steps in flight (docs/recovery.md)",
+    )
+    parser.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="a fault, for trying recovery: SIGKILL this rank's worker process at --kill-at-step",
+    )
+    parser.add_argument(
+        "--kill-at-step",
+        type=_positive,
+        default=None,
+        metavar="STEP",
+        help="the step (counted from 1) after which --kill-rank is killed",
+    )
 
 
 @contextlib.contextmanager
@@ -186,6 +207,9 @@ def _summary(
         "step_latency_p99_ms": result.latency_percentile(99) * 1e3,
         "executor_share": result.executor_share,
         "model_share": result.model_share,
+        "recoveries": len(result.recoveries),
+        "recovery_s": list(result.recoveries),
+        "lost_ranks": [list(ranks) for ranks in result.lost_ranks],
     }
 
 
@@ -205,7 +229,36 @@ def _print_summary(s: dict[str, Any], out: TextIO) -> None:
         f"time split: executor {s['executor_share']:.1%}, model {s['model_share']:.1%}, "
         f"driver and waiting {other:.1%} (of each step's time)",
     ]
+    for lost, took in zip(s["lost_ranks"], s["recovery_s"], strict=True):
+        lines.append(
+            f"recovery: rank(s) {lost} died; every rank restarted (a group restart) and the "
+            f"steps in flight resubmitted, {took:.2f} s from the failed step to the next result"
+        )
     print("\n".join(lines), file=out)
+
+
+def _worker_pid(worker: Any) -> int:
+    return os.getpid()
+
+
+def _killing(
+    executor: Executor, rank: int, at_step: int, on_step: Callable[[int], None] | None
+) -> Callable[[int], None]:
+    """``on_step`` that also SIGKILLs ``rank``'s worker process after step ``at_step``."""
+    pid = executor.collective_rpc(_worker_pid)[rank]
+    if pid == os.getpid():
+        raise ValueError(f"rank {rank} runs in this process: --kill-rank needs worker processes")
+    steps = 0
+
+    def step(tokens: int) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == at_step:
+            os.kill(pid, signal.SIGKILL)
+        if on_step is not None:
+            on_step(tokens)
+
+    return step
 
 
 def run_main_job(args: argparse.Namespace) -> int:
@@ -221,12 +274,22 @@ def run_main_job(args: argparse.Namespace) -> int:
         return 1
     import attrs
 
-    from executor_core import ExecutorConfig, ExecutorError, create_executor
+    from executor_core import ExecutorConfig, ExecutorError, RecoveryPolicy, create_executor
 
     from ._checkpoint import ensure_checkpoint
     from ._config import MODEL_SIZES
     from ._generate import generate, make_prompts
 
+    if (args.kill_rank is None) != (args.kill_at_step is None):
+        print("executor run: error: give --kill-rank and --kill-at-step together", file=sys.stderr)
+        return 2
+    if args.kill_rank is not None and not 0 <= args.kill_rank < args.tp * args.pp:
+        print(
+            f"executor run: error: --kill-rank {args.kill_rank} is not a rank of tp*pp="
+            f"{args.tp * args.pp} workers",
+            file=sys.stderr,
+        )
+        return 2
     model = attrs.evolve(MODEL_SIZES[args.model_size], seed=args.seed)
     # Under torchrun every process runs this job; only rank 0 talks.
     is_main = os.environ.get("RANK", "0") == "0" or args.backend != "external_launcher"
@@ -250,6 +313,7 @@ def run_main_job(args: argparse.Namespace) -> int:
                 num_nodes=args.num_nodes,
                 distributed_host=args.distributed_host,
                 backend_options=dict(args.backend_option),
+                recovery=RecoveryPolicy() if args.recover else None,
             )
             prompts = make_prompts(args.requests, args.prompt_len, model.vocab_size, args.seed)
             started = time.perf_counter()
@@ -258,6 +322,8 @@ def run_main_job(args: argparse.Namespace) -> int:
                 concurrency = executor.max_concurrent_batches if args.async_overlap else 1
                 total = args.requests * args.max_new_tokens
                 with _progress(total, is_main and not args.no_progress) as on_step:
+                    if args.kill_rank is not None:
+                        on_step = _killing(executor, args.kill_rank, args.kill_at_step, on_step)
                     result = generate(
                         executor,
                         prompts,

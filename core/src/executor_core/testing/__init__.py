@@ -10,39 +10,36 @@ A backend's test module subclasses :class:`ExecutorConformanceTests` and declare
 
 Every area is a mixin of its own (:class:`CallTests`, :class:`NonBlockingTests`,
 :class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`,
-:class:`DeviceTests`, :class:`AsyncTests`);
+:class:`DeviceTests`, :class:`AsyncTests`, :class:`RecoveryTests`);
 what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, not from
 skipped tests. Each test runs under a time limit, so a hang fails with the rule it broke.
 """
 
 from ._async import AsyncTests
-from ._base import ExecutorFactory, KitBase, conformance_config
+from ._base import ExecutorFactory, conformance_config
 from ._calls import CallTests
-from ._device import DeviceProbeWorker, DeviceTests
+from ._device import DeviceTests
 from ._errors import ErrorTests
-from ._guard import ConformanceTimeout
 from ._lifecycle import LifecycleTests
 from ._nonblock import NonBlockingTests
 from ._pipeline import PipelineTests
+from ._recovery import RecoveryTests
 from ._sleep import SleepTests
-from ._workers import ConformanceWorker, UnpicklableError
+from ._workers import ConformanceWorker
 
 __all__ = [
     "AsyncTests",
     "CallTests",
-    "ConformanceTimeout",
     "ConformanceWorker",
-    "DeviceProbeWorker",
     "DeviceTests",
     "ErrorTests",
     "ExecutorConformanceTests",
     "ExecutorFactory",
-    "KitBase",
     "LifecycleTests",
     "NonBlockingTests",
     "PipelineTests",
+    "RecoveryTests",
     "SleepTests",
-    "UnpicklableError",
     "conformance_config",
 ]
 
@@ -56,5 +53,6 @@ class ExecutorConformanceTests(
     SleepTests,
     PipelineTests,
     DeviceTests,
+    RecoveryTests,
 ):
     """The whole kit: every area."""

@@ -39,7 +39,9 @@ class ConformanceWorker(WorkerBase):
     """A worker with small, observable methods for the conformance kit.
 
     ``marker_dir``: a directory where :meth:`shutdown` leaves ``shutdown-<rank>`` (with
-    ``wrapper`` in it when the core's wrapper called it, so the stopping hook ran too).
+    ``wrapper`` in it when the core's wrapper called it, so the stopping hook ran too), and
+    :meth:`load_model` ``load-<rank>-<pid>`` as it starts (the recovery tests find the
+    processes of a restart there). ``load_s``: seconds :meth:`load_model` takes.
     """
 
     def __init__(
@@ -49,8 +51,10 @@ class ConformanceWorker(WorkerBase):
         tag: str = "",
         fail_init_on_rank: int = -1,
         marker_dir: str = "",
+        load_s: float = 0.0,
     ) -> None:
         super().__init__(context=context)
+        self.load_s = load_s
         self.tag = tag
         self.fail_init_on_rank = fail_init_on_rank
         self.marker_dir = marker_dir
@@ -68,7 +72,13 @@ class ConformanceWorker(WorkerBase):
         self.initialised = True
 
     def load_model(self) -> None:
-        """Mark the model loaded."""
+        """Mark the model loaded (after ``load_s`` seconds; see the class docstring)."""
+        if self.marker_dir:
+            marker = os.path.join(self.marker_dir, f"load-{self.rank}-{os.getpid()}")
+            with open(marker, "w"):
+                pass
+        if self.load_s:
+            time.sleep(self.load_s)
         self.loaded = True
 
     def get_rank(self) -> int:

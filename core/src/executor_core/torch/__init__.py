@@ -5,17 +5,15 @@ Importing this subpackage imports torch (the core's optional extra, ``executor-c
 ``init_device`` and :meth:`ParallelState.destroy` from its ``shutdown``.
 """
 
-from ._devices import check_gpu_per_local_rank, visible_gpu_count
+from ._devices import check_gpu_per_local_rank
 from ._distributed import (
     ParallelState,
     init_distributed,
-    seed_everything,
     select_device,
 )
 from ._memory import (
     DeviceMemory,
     device_memory,
-    device_memory_bytes,
     host_memory_bytes,
     mapped_zeros,
     pinned_host_bytes,
@@ -30,14 +28,11 @@ __all__ = [
     "TensorOffloader",
     "check_gpu_per_local_rank",
     "device_memory",
-    "device_memory_bytes",
     "host_memory_bytes",
     "init_distributed",
     "mapped_zeros",
     "pinned_host_bytes",
     "release_pinned_host_memory",
-    "seed_everything",
     "select_device",
     "trim_host_memory",
-    "visible_gpu_count",
 ]

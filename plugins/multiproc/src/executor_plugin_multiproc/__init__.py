@@ -52,7 +52,10 @@ def executor_register_backends() -> list[BackendSpec]:
                 "authenticated TCP."
             ),
             capabilities=Capabilities(
-                pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")
+                pipeline_parallel=True,
+                multi_node=True,
+                devices=("cpu", "cuda"),
+                recovery="restart",
             ),
         ),
     ]

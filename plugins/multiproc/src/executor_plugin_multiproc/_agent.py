@@ -115,6 +115,32 @@ def run_agent(
             return REFUSED_EXIT
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     driver = f"tcp://{host}:{master_port}"
+    if address is None:
+        address = _route_address(master_addr, master_port)
+    identity = {"node_id": node_id or socket.gethostname(), "address": address}
+    # SIGTERM (a scheduler stopping this job) ends the agent like Ctrl-C: workers stopped.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        while True:
+            status = _join_and_serve(driver, secret, node_rank, join_timeout, num_nodes, identity)
+            if status != _REJOIN:
+                return status
+            # The driver restarts its workers (a recovery): join its next incarnation.
+            logger.info("node %d: the driver restarts its workers; joining again", node_rank)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _join_and_serve(
+    driver: str,
+    secret: Secret,
+    node_rank: int,
+    join_timeout: float,
+    num_nodes: int | None,
+    identity: dict[str, str],
+) -> int:
+    """Dial the driver, join and serve until it stops this node: the exit status, or
+    :data:`_REJOIN`."""
     logger.info("node %d: joining the driver at %s", node_rank, driver)
     try:
         link = Connection(driver, secret, timeout=join_timeout)
@@ -133,16 +159,13 @@ def run_agent(
     except ChannelError as exc:
         print(f"executor node: could not dial the driver at {driver}: {exc}", file=sys.stderr)
         return DRIVER_LOST_EXIT
-    if address is None:
-        address = _route_address(master_addr, master_port)
-    identity = {"node_id": node_id or socket.gethostname(), "address": address}
-    # SIGTERM (a scheduler stopping this job) ends the agent like Ctrl-C: workers stopped.
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        with link:
-            return _Agent(link, node_rank, join_timeout, num_nodes, identity).run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with link:
+        return _Agent(link, node_rank, join_timeout, num_nodes, identity).run()
+
+
+#: ``_Agent.run``'s status when the driver asked this node to stop its workers and join
+#: again (never an exit status).
+_REJOIN = -1
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -289,6 +312,8 @@ class _Agent:
                 file=sys.stderr,
             )
             return REFUSED_EXIT
+        if op == wire.KILL and wire.read_control(message.parts).get("rejoin") is True:
+            return _REJOIN
         if op == wire.KILL:
             print(
                 f"executor node: the driver at {link.address} gave up before this node started "
@@ -391,6 +416,8 @@ class _Agent:
             elif op == wire.READY:
                 self._all_ready = True
             elif op == wire.KILL:
+                if wire.read_control(parts).get("rejoin") is True:
+                    return _REJOIN
                 logger.info("node %d: the driver stopped this node", self._node_rank)
                 return 0
 
@@ -405,8 +432,8 @@ class _Agent:
             frame = pending.popleft()
             try:
                 calls.write([frame], frame.nbytes, None, self._while_writing)
-            except _Killed:
-                return 0
+            except _Killed as killed:
+                return killed.status
             if frame.nbytes and frame[0] == KIND_STOP:
                 return self._stop()
         return None
@@ -415,8 +442,9 @@ class _Agent:
         """The node's call ring is full (its workers are busy): keep replies, heartbeats and
         the driver's messages flowing meanwhile, so that a long call is no silence."""
         self._forward_replies()
-        if self._drain() is not None:
-            raise _Killed
+        status = self._drain()
+        if status is not None:
+            raise _Killed(status)
         if time.monotonic() >= self._next_ping():
             self._send([wire.PING])
 
@@ -468,6 +496,11 @@ class _Agent:
 
 class _Killed(Exception):
     """The driver said KILL while a call was being written into the full ring."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        #: What :meth:`_Agent.run` returns: 0, or :data:`_REJOIN`.
+        self.status = status
 
 
 def _owned(view: Received) -> Any:

@@ -254,7 +254,10 @@ class MultiprocTransport(Transport):
                 group.stop(options.shutdown_grace_s, options.shutdown_grace_s)
             driver.stop_hub(True, options.shutdown_grace_s)
         else:
-            driver.stop_hub(False, 0.0)
+            # A recovery: agents someone else started join the next incarnation (placed
+            # ones are started anew by their placement).
+            rejoin = self.host.restarting and self._placement_cls.agents_rejoin
+            driver.stop_hub(False, 0.0, rejoin)
             if group is not None:
                 group.kill_now()
 

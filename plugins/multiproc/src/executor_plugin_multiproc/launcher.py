@@ -73,6 +73,10 @@ class Placement:
     #: node) and the agents are nodes 0 .. ``num_nodes - 1``; node 0's agent hosts the torch
     #: rendezvous at its address.
     driver_runs_ranks: ClassVar[bool] = True
+    #: True: when the executor restarts its workers (a recovery), the agents stop theirs and
+    #: join the next incarnation at the same address (the port must then be fixed:
+    #: :meth:`port`). False: they exit, and the next incarnation's placement starts new ones.
+    agents_rejoin: ClassVar[bool] = False
 
     def __init__(self, config: ExecutorConfig, options: MultiprocOptions) -> None:
         self.config = config
@@ -115,7 +119,10 @@ class Placement:
 class ManualPlacement(Placement):
     """``mp``'s own: agents are started by someone else (``executor node`` on each machine,
     by a person, systemd or a job script) with the driver's secret, read from this process's
-    environment, and ``backend_options['node_port']``."""
+    environment, and ``backend_options['node_port']``. Its agents rejoin after a recovery's
+    restart: nobody else would start them again."""
+
+    agents_rejoin: ClassVar[bool] = True
 
     def secret(self) -> Secret:
         try:

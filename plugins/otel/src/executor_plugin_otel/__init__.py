@@ -34,12 +34,11 @@ if TYPE_CHECKING:
     from ._traces import Traces
 
 __all__ = [
-    "METRICS_ENV_VAR",
-    "TRACES_ENV_VAR",
     "__version__",
     "configure",
     "executor_call_finished",
     "executor_call_started",
+    "executor_recovered",
     "executor_sleep_changed",
     "executor_worker_died",
     "executor_worker_rpc_finished",
@@ -48,9 +47,9 @@ __all__ = [
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
 #: ``0`` (or ``false``, ``no``, ``off``) turns the Prometheus metrics off.
-METRICS_ENV_VAR = "EXECUTOR_OTEL_METRICS"
+_METRICS_ENV_VAR = "EXECUTOR_OTEL_METRICS"
 #: ``0`` (or ``false``, ``no``, ``off``) turns the OpenTelemetry spans off.
-TRACES_ENV_VAR = "EXECUTOR_OTEL_TRACES"
+_TRACES_ENV_VAR = "EXECUTOR_OTEL_TRACES"
 
 _OFF = ("0", "false", "no", "off")
 
@@ -97,7 +96,9 @@ def _start() -> _Plugin:
     global _plugin
     plugin = _plugin
     if plugin is None:
-        plugin = _plugin = _Plugin(_enabled(METRICS_ENV_VAR), _enabled(TRACES_ENV_VAR), None, None)
+        plugin = _plugin = _Plugin(
+            _enabled(_METRICS_ENV_VAR), _enabled(_TRACES_ENV_VAR), None, None
+        )
     return plugin
 
 
@@ -119,8 +120,8 @@ def configure(
     """
     global _plugin
     _plugin = _Plugin(
-        _enabled(METRICS_ENV_VAR) if metrics is None else metrics,
-        _enabled(TRACES_ENV_VAR) if traces is None else traces,
+        _enabled(_METRICS_ENV_VAR) if metrics is None else metrics,
+        _enabled(_TRACES_ENV_VAR) if traces is None else traces,
         registry,
         tracer_provider,
     )
@@ -169,6 +170,15 @@ def executor_worker_died(
     traces = plugin.traces
     if traces is not None:
         traces.worker_died(backend, ranks, node, error)
+
+
+@hookimpl
+def executor_recovered(backend: str, ranks: tuple[int, ...], duration_s: float) -> None:
+    """Count the recovery and its duration (the deaths are counted as they happen)."""
+    plugin = _plugin or _start()
+    metrics = plugin.metrics or plugin.load_metrics()
+    if metrics is not None:
+        metrics.recovered(backend, duration_s)
 
 
 @hookimpl

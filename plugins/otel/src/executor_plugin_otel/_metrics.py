@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import (
@@ -64,6 +64,14 @@ _DEATHS = (
     "executor_worker_deaths",
     "Workers (ranks) lost: processes or actors that died, or the ranks of a lost node.",
 )
+_RECOVERIES = (
+    "executor_recoveries",
+    "Recoveries from a worker's death that completed (the executor is back).",
+)
+_RECOVERY_DURATION = (
+    "executor_recovery_duration_seconds",
+    "Time from the start of a recovery to workers ready for calls.",
+)
 _SLEEPING = (
     "executor_sleeping",
     "1 while the backend's executor has anything asleep (Executor.sleep), else 0.",
@@ -89,6 +97,7 @@ class Metrics:
         self._durations: dict[tuple[str, str], _Durations] = {}
         self._errors: dict[tuple[str, str, str], int] = {}
         self._deaths: dict[str, int] = {}
+        self._recoveries: dict[str, _Durations] = {}
         self._sleeping: dict[str, int] = {}
         registry.register(self)
 
@@ -129,6 +138,15 @@ class Metrics:
         with self._lock:
             self._deaths[backend] = self._deaths.get(backend, 0) + ranks
 
+    def recovered(self, backend: str, duration_s: float) -> None:
+        bucket = bisect_left(DURATION_BUCKETS, duration_s)
+        with self._lock:
+            series = self._recoveries.get(backend)
+            if series is None:
+                series = self._recoveries[backend] = _Durations()
+            series.buckets[bucket] += 1
+            series.sum += duration_s
+
     def sleep_changed(self, backend: str, sleeping: bool) -> None:
         with self._lock:
             self._sleeping[backend] = 1 if sleeping else 0
@@ -141,28 +159,44 @@ class Metrics:
         yield GaugeMetricFamily(*_IN_FLIGHT, labels=("backend",))
         yield CounterMetricFamily(*_ERRORS, labels=("backend", "method", "error"))
         yield CounterMetricFamily(*_DEATHS, labels=("backend",))
+        yield CounterMetricFamily(*_RECOVERIES, labels=("backend",))
+        yield HistogramMetricFamily(*_RECOVERY_DURATION, labels=("backend",))
         yield GaugeMetricFamily(*_SLEEPING, labels=("backend",))
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            durations = {k: (list(s.buckets), s.sum) for k, s in self._durations.items()}
+            durations: dict[tuple[str, ...], tuple[list[int], float]] = {
+                k: (list(s.buckets), s.sum) for k, s in self._durations.items()
+            }
             in_flight = dict(self._in_flight)
             errors = dict(self._errors)
             deaths = dict(self._deaths)
+            recoveries = {k: (list(s.buckets), s.sum) for k, s in self._recoveries.items()}
             sleeping = dict(self._sleeping)
-        histogram = HistogramMetricFamily(*_DURATION, labels=("backend", "method"))
-        for labels, (buckets, total) in sorted(durations.items()):
-            cumulative = 0
-            points: list[tuple[str, float]] = []
-            for le, count in zip(_LE, buckets, strict=True):
-                cumulative += count
-                points.append((le, cumulative))
-            histogram.add_metric(labels, points, total)
-        yield histogram
+        yield _histogram(_DURATION, ("backend", "method"), durations)
         yield _family(GaugeMetricFamily, _IN_FLIGHT, ("backend",), in_flight)
         yield _family(CounterMetricFamily, _ERRORS, ("backend", "method", "error"), errors)
         yield _family(CounterMetricFamily, _DEATHS, ("backend",), deaths)
+        counts = {backend: sum(buckets) for backend, (buckets, _) in recoveries.items()}
+        yield _family(CounterMetricFamily, _RECOVERIES, ("backend",), counts)
+        yield _histogram(_RECOVERY_DURATION, ("backend",), {(k,): v for k, v in recoveries.items()})
         yield _family(GaugeMetricFamily, _SLEEPING, ("backend",), sleeping)
+
+
+def _histogram(
+    meta: tuple[str, str],
+    labels: tuple[str, ...],
+    series: Mapping[tuple[str, ...], tuple[list[int], float]],
+) -> Metric:
+    histogram = HistogramMetricFamily(*meta, labels=labels)
+    for key, (buckets, total) in sorted(series.items()):
+        cumulative = 0
+        points: list[tuple[str, float]] = []
+        for le, count in zip(_LE, buckets, strict=True):
+            cumulative += count
+            points.append((le, cumulative))
+        histogram.add_metric(list(key), points, total)
+    return histogram
 
 
 def _family(

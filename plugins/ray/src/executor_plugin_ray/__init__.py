@@ -16,10 +16,12 @@ from executor_core.backend import BackendSpec, Capabilities, hookimpl, lazy_geta
 # constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ._cluster import acquire_ray
     from ._executor import RayExecutor
     from ._options import RayOptions
     from ._placement import PlacementTimeoutError
     from ._ranks import WorkerPlacement
+    from ._reaper import remove_orphan_semaphores
 
 __all__ = [
     "PlacementTimeoutError",
@@ -27,7 +29,9 @@ __all__ = [
     "RayOptions",
     "WorkerPlacement",
     "__version__",
+    "acquire_ray",
     "executor_register_backends",
+    "remove_orphan_semaphores",
 ]
 
 #: The plugin's user-facing names, imported on first use: the registry imports this module
@@ -37,6 +41,10 @@ _LAZY: dict[str, str] = {
     "RayExecutor": "._executor",
     "RayOptions": "._options",
     "WorkerPlacement": "._ranks",
+    #: A lease on this process's Ray connection, made as the backend makes it (benchmarks).
+    "acquire_ray": "._cluster",
+    #: Unlink the object-store semaphores that killed Ray processes left in /dev/shm.
+    "remove_orphan_semaphores": "._reaper",
 }
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
@@ -55,7 +63,10 @@ def executor_register_backends() -> list[BackendSpec]:
                 "elsewhere."
             ),
             capabilities=Capabilities(
-                pipeline_parallel=True, multi_node=True, devices=("cpu", "cuda")
+                pipeline_parallel=True,
+                multi_node=True,
+                devices=("cpu", "cuda"),
+                recovery="restart",
             ),
             requires=("ray",),
         ),

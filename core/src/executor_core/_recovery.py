@@ -1,0 +1,336 @@
+"""Recovery: an executor whose workers died comes back, by the rules of its policy.
+
+The core owns the rules, for every backend that can start its workers again: the states
+(:class:`ExecutorState`), the budget of restarts (:class:`RecoveryPolicy`), what happens to
+calls in flight at a death (they fail with ``WorkerDiedError`` naming the ranks, never
+replayed) and to calls made meanwhile (they wait for the recovery, bounded by their own
+timeout, or fail at once with :class:`~executor_core.RecoveringError`), and when the failure
+callbacks run (once, when the executor fails for good). The backend's part is to start its
+workers again: today every rank (a group restart: fresh processes, fresh contexts, a new
+``torch.distributed`` rendezvous, ``init_device`` and ``load_model`` again), by building its
+transport anew over a new :class:`~executor_core.backend.TransportHost`.
+
+One :class:`Recovery` per executor watches each of its hosts in turn (a failure callback of
+the host) and holds no reference to the executor: the restart is reached through a weak
+method, so that a dropped executor is still collected and stopped by its finalizer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ._errors import ConfigError, ExecutorClosedError, ExecutorFailedError, WorkerDiedError
+
+if TYPE_CHECKING:
+    import pluggy
+
+__all__ = ["ExecutorState", "Recovery", "RecoveryPolicy"]
+
+logger = logging.getLogger("executor_core")
+
+#: Called once with the error when the executor fails for good.
+FailureCallback = Callable[[ExecutorFailedError], None]
+
+
+class ExecutorState(enum.StrEnum):
+    """Where an executor stands (``Executor.state``)."""
+
+    #: Calls go to the workers.
+    RUNNING = "running"
+    #: Workers died and are being started again; calls wait or fail (the policy's
+    #: ``wait_calls``).
+    RECOVERING = "recovering"
+    #: Failed for good: no recovery policy, the policy exhausted, or ``fail()``. Every call
+    #: raises :attr:`Executor.failure`; :meth:`Executor.recover` may still bring it back.
+    FAILED = "failed"
+    #: Shut down.
+    CLOSED = "closed"
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _seconds(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _check(allowed: str, accepts: Callable[[Any], bool]) -> Callable[[Any, Any, Any], None]:
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not accepts(value):
+            raise ConfigError(f"recovery.{attribute.name}", value, allowed)
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryPolicy:
+    """How an executor comes back when workers die (``ExecutorConfig.recovery``).
+
+    Off by default (``recovery=None``: a death fails the executor, as it always did), because
+    only the engine knows whether its requests in flight can be resubmitted.
+    """
+
+    #: Recoveries allowed within :attr:`window_s`; one more death fails the executor.
+    max_restarts: int = attrs.field(default=3, validator=_check("must be an integer >= 0", _count))
+    #: Seconds over which :attr:`max_restarts` are counted (a rolling window).
+    window_s: float = attrs.field(
+        default=600.0, validator=_check("must be a number of seconds >= 0", _seconds)
+    )
+    #: Seconds before an attempt that follows a failed one, doubling with each (the first
+    #: attempt starts at once).
+    backoff_s: float = attrs.field(
+        default=1.0, validator=_check("must be a number of seconds >= 0", _seconds)
+    )
+    #: True: a call made during a recovery waits for it (bounded by the call's own timeout)
+    #: and then runs on the recovered workers. False: it fails at once with
+    #: :class:`~executor_core.RecoveringError`.
+    wait_calls: bool = attrs.field(
+        default=True, validator=_check("must be True or False", lambda v: type(v) is bool)
+    )
+
+
+class Recovery:
+    """The recovery state of one executor (see the module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        policy: RecoveryPolicy | None,
+        backend: str,
+        hooks: pluggy.HookRelay,
+        restart: Callable[[], None],
+    ) -> None:
+        self.policy = policy
+        self._backend = backend
+        self._hooks = hooks
+        self._restart = weakref.WeakMethod(restart)
+        self._cond = threading.Condition()
+        self.state = ExecutorState.RUNNING
+        #: The error the executor failed with for good (state FAILED), else None.
+        self.final: ExecutorFailedError | None = None
+        self._callbacks: list[FailureCallback] = []
+        #: When recoveries started, within the policy's window.
+        self._starts: deque[float] = deque()
+        #: Set by ``Executor.fail``: that failure is the user's, not to be recovered.
+        self.refuse_next = False
+        #: A death reported while a recovery was finishing: the next one to recover from.
+        self._pending: ExecutorFailedError | None = None
+        #: The ranks whose death the recovery in progress (or the last one) answers.
+        self.recovering_ranks: tuple[int, ...] = ()
+        self._thread: threading.Thread | None = None
+        #: Recoveries that completed, and how long the last one took (seconds).
+        self.recovered = 0
+        self.last_duration_s = 0.0
+
+    # --- the executor's hosts call these -------------------------------------------------
+
+    def on_failure(self, error: ExecutorFailedError) -> None:
+        """A host failed (a failure callback of each host; any thread): recover by the policy,
+        or fail the executor for good."""
+        with self._cond:
+            if self.state is ExecutorState.CLOSED:
+                return
+            if self.state is ExecutorState.RECOVERING:
+                # A host of the recovery itself failed after its start: the recovery thread
+                # takes it as the next death (an explicit recover() ends and this one fails).
+                self._pending = error
+                self._cond.notify_all()
+                return
+            refused = self.refuse_next
+            self.refuse_next = False
+            policy = self.policy
+            if policy is None or refused or not isinstance(error, WorkerDiedError):
+                final: ExecutorFailedError | None = error
+            elif not self._take_budget(policy):
+                final = ExecutorFailedError(
+                    f"{error}; the recovery policy allows {policy.max_restarts} recoveries "
+                    f"within {policy.window_s:g} s, and they are used up"
+                )
+                final.__cause__ = error
+            else:
+                final = None
+                self.state = ExecutorState.RECOVERING
+                self.recovering_ranks = tuple(error.ranks)
+                self._thread = threading.Thread(
+                    target=self._run,
+                    args=(error,),
+                    name=f"executor-{self._backend}-recovery",
+                    daemon=True,
+                )
+                self._thread.start()
+        if final is not None:
+            self._fail_for_good(final)
+
+    def _take_budget(self, policy: RecoveryPolicy) -> bool:
+        now = time.monotonic()
+        while self._starts and now - self._starts[0] > policy.window_s:
+            self._starts.popleft()
+        if len(self._starts) >= policy.max_restarts:
+            return False
+        self._starts.append(now)
+        return True
+
+    def _fail_for_good(self, error: ExecutorFailedError) -> None:
+        with self._cond:
+            if self.state is ExecutorState.CLOSED:
+                return
+            self.state = ExecutorState.FAILED
+            self.final = error
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        from ._host import run_callback
+
+        for callback in callbacks:
+            run_callback(callback, error)
+
+    # --- the recovery thread ---------------------------------------------------------------
+
+    def _run(self, error: WorkerDiedError) -> None:
+        policy = self.policy
+        assert policy is not None
+        self._hook("executor_recovery_started", ranks=tuple(error.ranks), error=error)
+        started = time.perf_counter()
+        delay = 0.0
+        while True:
+            with self._cond:
+                if delay:
+                    self._cond.wait_for(self.is_closed, delay)
+                if self.is_closed():
+                    return
+            restart = self._restart()
+            if restart is None:  # the executor was dropped: its finalizer stops what is left
+                return
+            try:
+                restart()
+            except ExecutorClosedError:
+                return
+            except Exception as exc:  # noqa: BLE001 - the attempt failed: retry or fail for good
+                del restart
+                logger.warning("recovering the %s executor failed: %s", self._backend, exc)
+                with self._cond:
+                    if self.is_closed():
+                        return
+                    out_of_budget = not self._take_budget(policy)
+                if out_of_budget:
+                    final = ExecutorFailedError(
+                        f"recovering from {error} failed ({exc}), and the recovery policy "
+                        f"allows no more attempts ({policy.max_restarts} within "
+                        f"{policy.window_s:g} s)"
+                    )
+                    final.__cause__ = exc
+                    self._fail_for_good(final)
+                    return
+                delay = policy.backoff_s if not delay else 2 * delay
+                continue
+            del restart
+            with self._cond:
+                pending, self._pending = self._pending, None
+                if pending is not None and (
+                    not isinstance(pending, WorkerDiedError) or not self._take_budget(policy)
+                ):
+                    give_up: ExecutorFailedError | None = pending
+                else:
+                    give_up = None
+            if give_up is not None:
+                self._fail_for_good(give_up)
+                return
+            if pending is not None:  # died again right after the restart: once more
+                assert isinstance(pending, WorkerDiedError)
+                error, delay = pending, policy.backoff_s
+                continue
+            self._recovered(tuple(error.ranks), time.perf_counter() - started)
+            return
+
+    def is_closed(self) -> bool:
+        """True once the executor is shut down."""
+        return self.state is ExecutorState.CLOSED
+
+    def _recovered(self, ranks: tuple[int, ...], duration_s: float) -> None:
+        with self._cond:
+            if self.state is not ExecutorState.RECOVERING:  # shut down meanwhile
+                return
+            pending, self._pending = self._pending, None
+            if pending is None:
+                self.state = ExecutorState.RUNNING
+                self.recovered += 1
+                self.last_duration_s = duration_s
+                self._cond.notify_all()
+        if pending is not None:  # died again as this recovery ended: no budget to decide
+            self._fail_for_good(pending)
+            return
+        self._hook("executor_recovered", ranks=ranks, duration_s=duration_s)
+
+    def _hook(self, name: str, **kwargs: Any) -> None:
+        try:
+            getattr(self._hooks, name)(backend=self._backend, **kwargs)
+        except Exception:  # an observer never breaks recovery: logged
+            logger.exception("an implementation of %s raised", name)
+
+    # --- the executor's calls --------------------------------------------------------------
+
+    def register(self, callback: FailureCallback) -> None:
+        """Run ``callback(error)`` once when the executor fails for good (now if it has)."""
+        with self._cond:
+            final = self.final if self.state is ExecutorState.FAILED else None
+            if final is None:
+                self._callbacks.append(callback)
+                return
+        from ._host import run_callback
+
+        run_callback(callback, final)
+
+    def wait(self, timeout: float | None) -> ExecutorState:
+        """Wait while a recovery runs (at most ``timeout`` seconds; None: until it ends);
+        the state then."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state is not ExecutorState.RECOVERING, timeout)
+            return self.state
+
+    def begin_explicit(self) -> bool:
+        """``Executor.recover()``: take the recovery over from this thread; False if one runs
+        already (then :meth:`wait` for it)."""
+        with self._cond:
+            if self.state is ExecutorState.CLOSED:
+                raise ExecutorClosedError("the executor has been shut down; create a new one")
+            if self.state is ExecutorState.RECOVERING:
+                return False
+            self.state = ExecutorState.RECOVERING
+            self.final = None
+            return True
+
+    def end_explicit(
+        self, error: ExecutorFailedError | None, ranks: tuple[int, ...], took: float
+    ) -> None:
+        """The explicit recovery ended: recovered (``error`` None) or failed for good."""
+        if error is None:
+            self._recovered(ranks, took)
+        else:
+            self._fail_for_good(error)
+
+    def close(self, timeout: float) -> threading.Thread | None:
+        """Shutdown: no more recovery; returns the recovery thread if one runs (the caller
+        joins it, at most ``timeout``)."""
+        with self._cond:
+            self.state = ExecutorState.CLOSED
+            self._callbacks.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return thread if thread.is_alive() else None
+        return None

@@ -1,0 +1,364 @@
+"""Recovery: a backend that declares it comes back (``Capabilities.recovery``) does, by the
+core's rules; one that declares it cannot refuses a policy."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from .._errors import (
+    ConfigError,
+    ExecutorFailedError,
+    RecoveringError,
+    RPCTimeoutError,
+    WorkerDiedError,
+)
+from .._executor import Executor
+from .._recovery import ExecutorState, RecoveryPolicy
+from ._base import ExecutorFactory, KitBase
+from ._guard import pids_alive
+
+__all__ = ["RecoveryTests"]
+
+
+def _gloo_sum(worker: Any) -> float:
+    """Join a fresh gloo group at the worker's rendezvous, all_reduce 1.0, leave it."""
+    import torch
+    import torch.distributed as dist
+
+    from executor_core.torch import init_distributed
+
+    state = init_distributed(worker.context, timeout_s=60)
+    try:
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        return float(total.item())
+    finally:
+        state.destroy()
+
+
+class RecoveryTests(KitBase):
+    """What ``Capabilities.recovery`` declares holds: ``"none"`` refuses a recovery policy at
+    creation; ``"restart"`` brings the executor back after a worker is killed (by the pid it
+    reports; ``workers_are_processes``), with the same ranks, contexts and environment."""
+
+    #: Seconds a recovery may take, from a kill to workers ready (a restart of every rank).
+    recovery_s: ClassVar[float] = 30.0
+    #: Kills in a row in the leak test.
+    recovery_kills: ClassVar[int] = 20
+
+    def _recovery(self) -> str:
+        spec = self.spec()
+        return spec.capabilities.recovery if spec is not None else "restart"
+
+    def _policy(self, **overrides: Any) -> RecoveryPolicy:
+        return RecoveryPolicy(**{"backoff_s": 0.1, **overrides})
+
+    def _recovering(
+        self,
+        fresh_executor: ExecutorFactory,
+        tmp_path: Path | None = None,
+        load_s: float = 0.0,
+        **policy: Any,
+    ) -> Executor:
+        if self._recovery() == "none":
+            pytest.skip("covered by test_recovery_is_refused_where_not_declared")
+        if not self.workers_are_processes:
+            pytest.skip("workers_are_processes is False: no worker process to kill")
+        kwargs: dict[str, Any] = {"recovery": self._policy(**policy)}
+        if tmp_path is not None:
+            kwargs["worker_kwargs"] = {"marker_dir": str(tmp_path), "load_s": load_s}
+        return fresh_executor(**kwargs)
+
+    def _kill(
+        self, executor: Executor, rank: int | None = None, pids: list[int] | None = None
+    ) -> tuple[int, int]:
+        """Kill a worker (the highest rank whose process is not this one) and wait until the
+        executor has seen the death: ``(rank, pid)``."""
+        if pids is None:
+            pids = executor.collective_rpc("get_pid", timeout=self.recovery_s)
+        others = [r for r, pid in enumerate(pids) if pid != os.getpid()]
+        assert others, "workers_are_processes is True, but every worker reports the driver's pid"
+        victim = others[-1] if rank is None else rank
+        os.kill(pids[victim], signal.SIGKILL)
+        deadline = time.monotonic() + self.settle_s
+        while executor.state is ExecutorState.RUNNING:  # until the death is seen
+            assert time.monotonic() < deadline, (
+                f"rule broken: a killed rank's death is seen within {self.settle_s:g} s "
+                f"(rank {victim}, pid {pids[victim]})"
+            )
+            time.sleep(0.001)
+        return victim, pids[victim]
+
+    def _wait_running(self, executor: Executor, what: str) -> float:
+        start = time.monotonic()
+        while executor.state is not ExecutorState.RUNNING:
+            took = time.monotonic() - start
+            assert executor.state is not ExecutorState.FAILED, (
+                f"rule broken: {what}: the executor failed instead of recovering: "
+                f"{executor.failure!r}"
+            )
+            assert took < self.recovery_s, (
+                f"rule broken: {what}: the executor is back within recovery_s="
+                f"{self.recovery_s:g} s (state {executor.state} after {took:.1f} s)"
+            )
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    # --- the declaration -------------------------------------------------------------------
+
+    def test_recovery_is_refused_where_not_declared(
+        self, executor_factory: ExecutorFactory
+    ) -> None:
+        """Rule: a backend whose spec declares ``Capabilities(recovery="none")`` refuses a
+        config with a recovery policy, before anything starts, naming the field."""
+        if self._recovery() != "none":
+            pytest.skip("the backend declares recovery; the tests below check it")
+        with pytest.raises(ConfigError, match="recovery"):
+            executor_factory(recovery=RecoveryPolicy())
+
+    # --- a death, and back --------------------------------------------------------------
+
+    def test_killed_rank_fails_its_call_and_the_executor_comes_back(
+        self, fresh_executor: ExecutorFactory
+    ) -> None:
+        """Rule: a rank killed mid-call fails that call with ``WorkerDiedError`` naming it;
+        the executor is back within ``recovery_s``, with the same ranks, local ranks, node
+        ids and environment (new processes, a new rendezvous); no failure callback runs; the
+        hooks report the recovery."""
+        executor = self._recovering(fresh_executor)
+        failures: list[ExecutorFailedError] = []
+        executor.register_failure_callback(failures.append)
+        before: list[Any] = executor.collective_rpc("get_context", timeout=self.recovery_s)
+        env_before = executor.collective_rpc("get_env", args=("PATH",), timeout=self.recovery_s)
+        before_pids: list[int] = executor.collective_rpc("get_pid", timeout=self.recovery_s)
+        future = executor.collective_rpc("slow", args=(self.time_limit_s,), non_block=True)
+        time.sleep(0.2)  # the call reached the workers
+        victim, pid = self._kill(executor, pids=before_pids)
+        try:
+            error = future.exception(timeout=self.settle_s)
+        except TimeoutError:
+            pytest.fail(
+                f"rule broken: a death fails the call in flight; rank {victim} was killed and "
+                f"the call still waits after {self.settle_s:g} s"
+            )
+        assert isinstance(error, WorkerDiedError), (
+            f"rule broken: the call in flight fails with WorkerDiedError, not {error!r}"
+        )
+        assert victim in error.ranks, (
+            f"rule broken: the WorkerDiedError names rank {victim}, not {error.ranks}"
+        )
+        self._wait_running(executor, "after a rank was killed")
+        after: list[Any] = executor.collective_rpc("get_context", timeout=self.recovery_s)
+        shape = [
+            (c.rank, c.local_rank, c.local_world_size, c.node_id, c.world_size) for c in before
+        ]
+        assert [
+            (c.rank, c.local_rank, c.local_world_size, c.node_id, c.world_size) for c in after
+        ] == shape, "rule broken: a recovered executor has the same ranks, local ranks and nodes"
+        assert after[0].distributed_init_method != before[0].distributed_init_method, (
+            "rule broken: a group restart meets at a new torch.distributed rendezvous"
+        )
+        assert (
+            executor.collective_rpc("get_env", args=("PATH",), timeout=self.recovery_s)
+            == env_before
+        )
+        pids = executor.collective_rpc("get_pid", timeout=self.recovery_s)
+        assert pid not in pids
+        old = [p for p in before_pids if p not in pids and p != os.getpid()]
+        alive = pids_alive(old, self.settle_s)
+        assert not alive, (
+            f"rule broken: a group restart stops every worker: processes of an earlier "
+            f"incarnation still run: {alive}"
+        )
+        assert executor.collective_rpc("is_ready", timeout=self.recovery_s) == [True] * len(pids)
+        assert not failures, (
+            f"rule broken: a recovered death is no failure; callbacks got {failures}"
+        )
+        assert pids_alive([pid], self.settle_s) == []
+
+    def test_gloo_all_reduce_across_every_rank_after_recovery(
+        self, fresh_executor: ExecutorFactory
+    ) -> None:
+        """Rule: after a recovery every rank meets at the new rendezvous: a gloo
+        ``all_reduce`` across every rank gives the world size."""
+        pytest.importorskip("torch")
+        executor = self._recovering(fresh_executor)
+        self._kill(executor)
+        self._wait_running(executor, "after a rank was killed")
+        sums = executor.collective_rpc(_gloo_sum, timeout=self.recovery_s)
+        assert sums == [float(executor.world_size)] * executor.world_size
+
+    def test_a_second_death_during_the_recovery(
+        self, fresh_executor: ExecutorFactory, tmp_path: Path
+    ) -> None:
+        """Rule: a worker of the restart killed while it loads its model fails that attempt;
+        the executor tries again (within the policy) and comes back."""
+        # Each load takes a second: the second death lands while the restart loads.
+        executor = self._recovering(fresh_executor, tmp_path, load_s=1.0)
+        loaded = set(tmp_path.glob("load-*"))
+        self._kill(executor)
+        deadline = time.monotonic() + self.recovery_s
+        fresh: set[Path] = set()
+        while not fresh and time.monotonic() < deadline:  # a worker of the restart loads
+            fresh = set(tmp_path.glob("load-*")) - loaded
+            time.sleep(0.005)
+        assert fresh, "rule broken: a killed rank's executor starts its workers again"
+        second = int(sorted(fresh)[0].name.rsplit("-", 1)[1])
+        if second != os.getpid():
+            # Gone already: it had failed with the others; the recovery goes on either way.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(second, signal.SIGKILL)
+        self._wait_running(executor, "after a second death during the recovery")
+        assert executor.collective_rpc("get_rank", timeout=self.recovery_s) == list(
+            range(executor.world_size)
+        )
+
+    def test_an_exhausted_policy_fails_the_executor_once(
+        self, fresh_executor: ExecutorFactory
+    ) -> None:
+        """Rule: with ``max_restarts=1``, the first death is recovered and the second fails
+        the executor for good: state failed, the failure callbacks run once, calls raise
+        ``ExecutorFailedError``, and ``shutdown()`` returns promptly."""
+        executor = self._recovering(fresh_executor, max_restarts=1)
+        failures: list[ExecutorFailedError] = []
+        executor.register_failure_callback(failures.append)
+        self._kill(executor)
+        self._wait_running(executor, "after the first death")
+        self._kill(executor)
+        deadline = time.monotonic() + self.settle_s
+        while executor.state is not ExecutorState.FAILED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert executor.state is ExecutorState.FAILED, (
+            f"rule broken: a death beyond the policy fails the executor (state {executor.state})"
+        )
+        time.sleep(0.2)  # a second report would land now
+        assert len(failures) == 1, f"rule broken: the failure callbacks run once, not {failures}"
+        assert executor.is_failed
+        assert executor.failure is failures[0]
+        with pytest.raises(ExecutorFailedError):
+            executor.collective_rpc("get_rank", timeout=10)
+        self.assert_prompt_shutdown(executor, "after the recovery policy was used up")
+
+    def test_calls_during_a_recovery_fail_at_once_when_told_to(
+        self, fresh_executor: ExecutorFactory, tmp_path: Path
+    ) -> None:
+        """Rule: with ``wait_calls=False``, a call made during a recovery raises
+        ``RecoveringError`` naming the dead rank, at once."""
+        executor = self._recovering(fresh_executor, wait_calls=False)
+        victim, _ = self._kill(executor)
+        if executor.state is ExecutorState.RECOVERING:
+            start = time.monotonic()
+            with pytest.raises((RecoveringError, WorkerDiedError)) as caught:
+                executor.collective_rpc("get_rank", timeout=self.recovery_s)
+            assert time.monotonic() - start < 1.0
+            if isinstance(caught.value, RecoveringError):
+                assert victim in caught.value.ranks
+        self._wait_running(executor, "after a rank was killed")
+
+    def test_callers_on_four_threads_during_a_recovery(
+        self, fresh_executor: ExecutorFactory
+    ) -> None:
+        """Rule: while a rank dies and the executor recovers, callers on four threads get
+        their own results or the documented errors (``WorkerDiedError`` for a call in flight
+        at the death, ``RPCTimeoutError``), never a hang and never another call's reply."""
+        executor = self._recovering(fresh_executor)
+        stop = threading.Event()
+        wrong: list[str] = []
+        outcomes: list[str] = []
+
+        def caller(index: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                token = (index, n)
+                try:
+                    replies = executor.collective_rpc(
+                        "echo", args=(token,), timeout=self.recovery_s
+                    )
+                except (WorkerDiedError, RPCTimeoutError) as exc:
+                    outcomes.append(type(exc).__name__)
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                    wrong.append(f"thread {index}: {exc!r}")
+                    return
+                outcomes.append("ok")
+                for rank, (replied_rank, args, _) in enumerate(replies):
+                    if replied_rank != rank or args != (token,):
+                        wrong.append(f"thread {index} call {n}: rank {rank} answered {args}")
+
+        threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        self._kill(executor)
+        self._wait_running(executor, "with callers on four threads")
+        time.sleep(0.3)
+        stop.set()
+        for thread in threads:
+            thread.join(self.recovery_s)
+        assert not [t for t in threads if t.is_alive()], "rule broken: a caller hangs"
+        assert not wrong, f"rule broken: {wrong[:5]}"
+        assert "ok" in outcomes
+
+    def test_kills_in_a_row_leave_nothing_behind(self, fresh_executor: ExecutorFactory) -> None:
+        """Rule: ``recovery_kills`` deaths in a row, each recovered: no process of an earlier
+        incarnation left, and the driver's threads, descriptors and /dev/shm entries are
+        those of one executor."""
+        executor = self._recovering(fresh_executor, max_restarts=self.recovery_kills + 1)
+        self._kill(executor)
+        self._wait_running(executor, "after the first kill")
+        executor.collective_rpc("get_rank", timeout=self.recovery_s)
+        before = _resources()
+        killed: list[int] = []
+        for _ in range(self.recovery_kills - 1):
+            killed.append(self._kill(executor)[1])
+            self._wait_running(executor, f"after kill {len(killed) + 1}")
+        executor.collective_rpc("get_rank", timeout=self.recovery_s)
+        live = set(executor.collective_rpc("get_pid", timeout=self.recovery_s))
+        alive = [pid for pid in pids_alive(killed, self.settle_s) if pid not in live]
+        assert not alive, f"rule broken: processes of an earlier incarnation still run: {alive}"
+        deadline = time.monotonic() + self.settle_s
+        while True:
+            grown = _grown(before, _resources(), check_fds=self.check_fds)
+            if not grown or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        assert not grown, (
+            f"rule broken: {self.recovery_kills} recoveries leave the driver as one executor "
+            f"left it; grown: {grown}"
+        )
+
+
+#: RSS a run of recoveries may add to the driver (allocator noise, not a leak).
+_RSS_SLACK = 32 << 20
+
+
+def _resources() -> dict[str, int]:
+    """The driver's thread count, descriptor count, /dev/shm entries and RSS now."""
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: only threads are checked
+        fds = rss = 0
+    try:
+        shm = len(os.listdir("/dev/shm"))
+    except OSError:
+        shm = 0
+    return {"threads": threading.active_count(), "fds": fds, "shm": shm, "rss": rss}
+
+
+def _grown(before: dict[str, int], now: dict[str, int], *, check_fds: bool) -> dict[str, str]:
+    limits = {"threads": 0, "fds": 0 if check_fds else None, "shm": 0, "rss": _RSS_SLACK}
+    return {
+        key: f"{before[key]} -> {now[key]}"
+        for key, slack in limits.items()
+        if slack is not None and now[key] > before[key] + slack
+    }
