@@ -462,3 +462,60 @@ def test_main_job_across_three_nodes_gives_the_same_tokens(
             if agent.poll() is None:
                 agent.kill()
                 agent.wait(10)
+
+
+RECOVERY_RUNS = [
+    ("mp", ["--tp", "2"]),
+    ("mp", ["--pp", "2", "--async-overlap"]),
+    ("ray", ["--tp", "2"]),
+]
+
+
+@pytest.mark.slow  # builds a model on several workers, twice: seconds each
+@pytest.mark.parametrize(
+    ("backend", "args"),
+    [
+        pytest.param(
+            b,
+            a,
+            id=f"{b}{''.join(a)}",
+            marks=pytest.mark.skipif(b not in INSTALLED, reason=f"backend {b!r} not installed"),
+        )
+        for b, a in RECOVERY_RUNS
+    ],
+)
+def test_main_job_recovers_from_a_killed_rank_with_the_same_tokens(
+    tmp_path: Path, cli_reference: dict[str, Any], backend: str, args: list[str]
+) -> None:
+    """``executor run --recover --kill-rank 1 --kill-at-step 3``: the step in flight fails,
+    every rank is restarted, the batches in flight are replayed, and the tokens are those
+    of the run without a fault (greedy decoding)."""
+    data = _run_cli(
+        tmp_path,
+        f"{backend}-recovered",
+        "--backend",
+        backend,
+        *args,
+        "--recover",
+        "--kill-rank",
+        "1",
+        "--kill-at-step",
+        "3",
+    )
+    summary = data["summary"]
+    assert summary["recoveries"] == 1
+    assert summary["lost_ranks"] == [[1]]
+    assert 0 < summary["recovery_s"][0] < 60
+    assert data["tokens"] == cli_reference["tokens"]
+
+
+def test_main_job_refuses_half_a_fault(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "executor_core._cli", "run", "--kill-rank", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "give --kill-rank and --kill-at-step together" in proc.stderr

@@ -67,8 +67,16 @@ class TransportHost:
         #: a transport whose remote agents can take part again asks them to rejoin in
         #: ``close()`` rather than to exit.
         self.restarting = False
+        #: What a transport keeps across a recovery's restart (a cluster session it would
+        #: otherwise shut down): the core hands this dict to the next host; put a resource
+        #: here in ``close()`` or a cleanup while :attr:`restarting`, instead of releasing
+        #: it, and take it back in the next ``start()``.
+        self.kept: dict[str, Any] = {}
         self.failure: ExecutorFailedError | None = None
         self.failure_callbacks: list[Callable[[ExecutorFailedError], None]] = []
+        #: Called with the failure in :meth:`fail` before the calls in flight are failed (the
+        #: core's recovery decides there, so that those calls find it recovering).
+        self.before_abort: Callable[[ExecutorFailedError], None] | None = None
         self.table = CallTable()
         #: ``deliver(seq, rank, ok, value)``: ``rank``'s reply to call ``seq``, ``ok`` with
         #: the result, or not with the failure (a :class:`~executor_core.RemoteFailure` or an
@@ -213,6 +221,8 @@ class TransportHost:
                 return False
             self.failure = error  # first, so that whoever sees the error sees is_failed too
             callbacks, self.failure_callbacks = self.failure_callbacks, []
+        if self.before_abort is not None:
+            self.before_abort(error)
         self.abort(error)
         for callback in callbacks:
             run_callback(callback, error)

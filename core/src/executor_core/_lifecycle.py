@@ -6,12 +6,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from ._admission import admit
 from ._aio import AsyncSender
 from ._config import ExecutorConfig
-from ._errors import ExecutorClosedError, ExecutorFailedError
+from ._errors import ExecutorClosedError, ExecutorFailedError, WorkerDiedError
 from ._host import TransportHost
 from ._observe import CallObserver, death_reporter
 from ._recovery import ExecutorState, Recovery
@@ -98,13 +98,16 @@ class Lifecycle:
         weakref.finalize(self, self._aio.close)  # holds the sender: its thread ends
         self._install(first=True)
 
-    def _install(self, first: bool = False) -> None:
+    def _install(self, first: bool = False, kept: dict[str, Any] | None = None) -> None:
         """Build a host and a transport over it, and start the workers: at creation, and for
         each recovery (the calls in flight failed with the old host; nothing of its is
         reused, so no reply from before a death reaches a call made after it)."""
         hooks = self.registry.hook
         host = TransportHost(self.config, self._name, hooks)
+        if kept is not None:  # what the previous incarnation's transport handed over
+            host.kept = kept
         host.failure_callbacks.append(death_reporter(hooks, self._name))
+        host.before_abort = self._recovery.decide
         host.failure_callbacks.append(self._recovery.on_failure)
         transport = self._create_transport(host)
         replies = host.attach(transport)
@@ -143,7 +146,7 @@ class Lifecycle:
         old.release(False)  # once: a host whose start failed is released already
         if recovery.is_closed():  # shut down while the old workers stopped
             raise ExecutorClosedError("the executor was shut down during its recovery")
-        self._install()
+        self._install(kept=old.kept)
 
     def _create_transport(self, host: TransportHost) -> Transport:
         """Build the transport (override to pass more than the host; never pass ``self``)."""
@@ -203,6 +206,12 @@ class Lifecycle:
         if state is ExecutorState.RUNNING and self._host.failure is not None:
             return ExecutorState.FAILED if self._recovery.policy is None else state
         return state
+
+    @property
+    def last_death(self) -> WorkerDiedError | None:
+        """The death of workers the executor is recovering from, or last recovered from
+        (None if none was): its ``ranks`` are those that were started again."""
+        return self._recovery.last_death
 
     @property
     def is_failed(self) -> bool:

@@ -132,49 +132,75 @@ class Recovery:
         self._pending: ExecutorFailedError | None = None
         #: The ranks whose death the recovery in progress (or the last one) answers.
         self.recovering_ranks: tuple[int, ...] = ()
+        #: The death the recovery in progress (or the last one) answers.
+        self.last_death: WorkerDiedError | None = None
         self._thread: threading.Thread | None = None
+        #: What :meth:`decide` chose for the failure it saw: ``(error, final or None)``.
+        self._decision: tuple[ExecutorFailedError, ExecutorFailedError | None] | None = None
+        #: A recovery was decided and its thread is still to start.
+        self._start_pending = False
         #: Recoveries that completed, and how long the last one took (seconds).
         self.recovered = 0
         self.last_duration_s = 0.0
 
     # --- the executor's hosts call these -------------------------------------------------
 
+    def decide(self, error: ExecutorFailedError) -> None:
+        """A host is failing with ``error`` (its ``before_abort``: before it fails its calls,
+        so that a call those wake finds the executor recovering already): decide now what
+        :meth:`on_failure` then does."""
+        with self._cond:
+            self._decision = (error, self._choose(error))
+
     def on_failure(self, error: ExecutorFailedError) -> None:
         """A host failed (a failure callback of each host; any thread): recover by the policy,
         or fail the executor for good."""
         with self._cond:
-            if self.state is ExecutorState.CLOSED:
-                return
-            if self.state is ExecutorState.RECOVERING:
-                # A host of the recovery itself failed after its start: the recovery thread
-                # takes it as the next death (an explicit recover() ends and this one fails).
-                self._pending = error
-                self._cond.notify_all()
-                return
-            refused = self.refuse_next
-            self.refuse_next = False
-            policy = self.policy
-            if policy is None or refused or not isinstance(error, WorkerDiedError):
-                final: ExecutorFailedError | None = error
-            elif not self._take_budget(policy):
-                final = ExecutorFailedError(
-                    f"{error}; the recovery policy allows {policy.max_restarts} recoveries "
-                    f"within {policy.window_s:g} s, and they are used up"
-                )
-                final.__cause__ = error
+            decision, self._decision = self._decision, None
+            if decision is not None and decision[0] is error:
+                final = decision[1]
             else:
-                final = None
-                self.state = ExecutorState.RECOVERING
-                self.recovering_ranks = tuple(error.ranks)
+                final = self._choose(error)
+            if self._start_pending:
+                self._start_pending = False
                 self._thread = threading.Thread(
                     target=self._run,
-                    args=(error,),
+                    args=(self.last_death,),
                     name=f"executor-{self._backend}-recovery",
                     daemon=True,
                 )
                 self._thread.start()
         if final is not None:
             self._fail_for_good(final)
+
+    def _choose(self, error: ExecutorFailedError) -> ExecutorFailedError | None:
+        """Under the lock: the error to fail for good with, or None (recovering, or nothing
+        to do); enters the recovering state when the policy allows one."""
+        if self.state is ExecutorState.CLOSED:
+            return None
+        if self.state is ExecutorState.RECOVERING:
+            # A host of the recovery itself failed after its start: the recovery thread
+            # takes it as the next death (an explicit recover() ends and this one fails).
+            self._pending = error
+            self._cond.notify_all()
+            return None
+        refused = self.refuse_next
+        self.refuse_next = False
+        policy = self.policy
+        if policy is None or refused or not isinstance(error, WorkerDiedError):
+            return error
+        if not self._take_budget(policy):
+            final = ExecutorFailedError(
+                f"{error}; the recovery policy allows {policy.max_restarts} recoveries "
+                f"within {policy.window_s:g} s, and they are used up"
+            )
+            final.__cause__ = error
+            return final
+        self.state = ExecutorState.RECOVERING
+        self.recovering_ranks = tuple(error.ranks)
+        self.last_death = error
+        self._start_pending = True  # by on_failure, once the host has failed its calls
+        return None
 
     def _take_budget(self, policy: RecoveryPolicy) -> bool:
         now = time.monotonic()

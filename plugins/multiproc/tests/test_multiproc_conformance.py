@@ -24,3 +24,5 @@ class TestMultiprocPipelineConformance(ExecutorConformanceTests):
     world_size = 2
     pipeline_parallel_size = 2
     workers_are_processes: ClassVar[bool] = True
+    #: Twenty kills in a row are TestMultiprocConformance's; a few here keep CI short.
+    recovery_kills = 5

@@ -64,6 +64,8 @@ class TestTwoNodePipelineConformance(_TwoNodes):
 
     world_size = 4
     pipeline_parallel_size = 2
+    #: Twenty kills in a row are TestTwoNodeConformance's; a few here keep CI short.
+    recovery_kills = 5
 
 
 def _two_nodes(agents: Agents, world_size: int = 4, **options: Any) -> Executor:

@@ -55,12 +55,16 @@ class TestRayPipelineConformance(_LocalKit):
     """tp1 x pp2 on the driver's node."""
 
     pipeline_parallel_size = 2
+    #: Twenty kills in a row are TestRayConformance's; a few here keep CI short.
+    recovery_kills = 5
 
 
 class TestRayClusterConformance(_RayKit):
     """Two workers on the other nodes of a simulated cluster: every call crosses the hub."""
 
     on_rings = False
+    #: Twenty kills in a row are TestRayConformance's; a few here keep CI short.
+    recovery_kills = 5
     backend_options: ClassVar[dict[str, Any]] = {
         "placement_strategy": "SPREAD",
         # The cluster's worker nodes have one CPU each, and the kit runs several executors

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from executor_core import WorkerDiedError
+from executor_core import Executor, ExecutorState, WorkerDiedError, WorkerError
 
 from ._worker import StepInput, StepOutput
 
@@ -239,6 +239,28 @@ def _step_records(
     return records
 
 
+#: Seconds a step's worker error may come before the executor sees the death behind it (a
+#: survivor's collective fails at once when its peer dies; the death is seen a moment later).
+_DEATH_SEEN_S = 5.0
+
+
+def _died(executor: Executor, error: BaseException) -> bool:
+    """Whether a step's failure comes from a worker's death (the executor recovers)."""
+    if isinstance(error, WorkerDiedError):
+        return True
+    deadline = time.monotonic() + _DEATH_SEEN_S
+    while executor.state is ExecutorState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return executor.state is ExecutorState.RECOVERING
+
+
+def _lost(executor: Executor, error: BaseException) -> tuple[int, ...]:
+    if isinstance(error, WorkerDiedError):
+        return tuple(error.ranks)
+    death = executor.last_death
+    return tuple(death.ranks) if death is not None else ()
+
+
 def generate(
     executor: Executor,
     prompts: Sequence[Sequence[int]],
@@ -340,12 +362,12 @@ def generate(
             else:
                 output = future.result(timeout)
                 done = arrivals.pop(id(future), time.perf_counter())
-        except WorkerDiedError as died:
-            if executor.config.recovery is None:
+        except (WorkerDiedError, WorkerError) as failed:
+            if executor.config.recovery is None or not _died(executor, failed):
                 raise
             if failed_at is None:
                 failed_at = time.perf_counter()
-                lost_ranks.append(tuple(died.ranks))
+                lost_ranks.append(_lost(executor, failed))
             # Every batch in flight lost its cache with the workers: replay each, in order
             # (the next call waits for the recovery).
             lost = [batch, *(entry[0] for entry in in_flight)]
@@ -380,7 +402,14 @@ def generate(
             if pending:
                 start_next()
     wall = time.perf_counter() - begin
-    rank_times: list[dict[str, Any]] = executor.collective_rpc("take_step_times", timeout=timeout)
+    try:
+        rank_times: list[dict[str, Any]] = executor.collective_rpc(
+            "take_step_times", timeout=timeout
+        )
+    except WorkerDiedError:  # a death after the last step: the times died with the workers
+        if executor.config.recovery is None:
+            raise
+        rank_times = []
     records = _step_records(finished, rank_times)
 
     tokens: list[list[int]] = [[] for _ in prompts]

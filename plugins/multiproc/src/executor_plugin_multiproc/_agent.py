@@ -218,6 +218,8 @@ class _Agent:
         self._last_seen = time.monotonic()
         self._last_sent = 0.0
         self._all_ready = False
+        #: A worker of this node died (the exit status is then 1).
+        self._lost_worker = False
         #: Call frames received and not yet written into the ring (it was full).
         self._pending: collections.deque[memoryview] = collections.deque()
 
@@ -376,8 +378,9 @@ class _Agent:
                 channel.reply_bell.clear()
                 self._death_bell.clear()
             self._forward_replies()
-            if self._report_deaths():
-                return 1
+            # A worker died: the driver decides (KILL to stop, or to rejoin for a recovery);
+            # meanwhile this node keeps its link and heartbeats.
+            self._report_deaths()
             if frames_waiting:
                 status = self._receive(calls)
                 if status is not None:
@@ -419,7 +422,7 @@ class _Agent:
                 if wire.read_control(parts).get("rejoin") is True:
                     return _REJOIN
                 logger.info("node %d: the driver stopped this node", self._node_rank)
-                return 0
+                return 1 if self._lost_worker else 0
 
     def _receive(self, calls: Ring) -> int | None:
         """Handle what the driver sent, writing its calls into the ring in order; an exit
@@ -471,6 +474,7 @@ class _Agent:
     def _report_deaths(self) -> bool:
         if not self._deaths:
             return False
+        self._lost_worker = True
         while self._deaths:
             index, exitcode = self._deaths.popleft()
             rank = self._first_rank + index

@@ -79,8 +79,19 @@ class RayTransport(Transport):
 
     def start(self) -> None:
         host, options, config = self.host, self.options, self.host.config
-        lease = acquire_ray(options, world_size=config.world_size)
-        host.add_cleanup(lease.release)
+        # A recovery's restart hands the Ray connection over (host.kept): releasing the
+        # executor's last lease would shut down the Ray instance this process started.
+        lease = host.kept.pop("ray_lease", None) or acquire_ray(
+            options, world_size=config.world_size
+        )
+
+        def release_lease() -> None:
+            if host.restarting:
+                host.kept["ray_lease"] = lease
+            else:
+                lease.release()
+
+        host.add_cleanup(release_lease)
         group, _bundles = reserve_placement_group(options, config.device, config.world_size)
         host.add_cleanup(functools.partial(remove_group, group))
         actors = create_actors(group, options, config)
