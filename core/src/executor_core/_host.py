@@ -67,11 +67,9 @@ class TransportHost:
         #: a transport whose remote agents can take part again asks them to rejoin in
         #: ``close()`` rather than to exit.
         self.restarting = False
-        #: What a transport keeps across a recovery's restart (a cluster session it would
-        #: otherwise shut down): the core hands this dict to the next host; put a resource
-        #: here in ``close()`` or a cleanup while :attr:`restarting`, instead of releasing
-        #: it, and take it back in the next ``start()``.
-        self.kept: dict[str, Any] = {}
+        #: What transports keep across a recovery's restart (see :meth:`keep`), shared by
+        #: every host of one executor: ``name -> (value, release)``.
+        self.kept: dict[str, tuple[Any, Callable[[], None]]] = {}
         self.failure: ExecutorFailedError | None = None
         self.failure_callbacks: list[Callable[[ExecutorFailedError], None]] = []
         #: Called with the failure in :meth:`fail` before the calls in flight are failed (the
@@ -179,6 +177,18 @@ class TransportHost:
         in, first out), at shutdown or by the finalizer. It must not reference the executor."""
         with self.state_lock:
             self._cleanups.append(callback)
+
+    def keep(self, name: str, value: Any, release: Callable[[], None]) -> None:
+        """While :attr:`restarting`: hand ``value`` (a cluster session, a placement the next
+        workers should reuse) to the next incarnation's transport instead of releasing it;
+        :meth:`take` gets it back. ``release()`` runs if nobody takes it (the executor shut
+        down or failed for good), in the order values were kept."""
+        self.kept[name] = (value, release)
+
+    def take(self, name: str) -> Any:
+        """What the previous incarnation kept under ``name`` (:meth:`keep`), or None."""
+        entry = self.kept.pop(name, None)
+        return None if entry is None else entry[0]
 
     # --- for transports: reporting -----------------------------------------------------
 

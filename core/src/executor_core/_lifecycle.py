@@ -33,6 +33,20 @@ _SEND_LOCK_S = 5.0
 _RECOVERY_JOIN_S = 60.0
 
 
+def _release_kept(kept: dict[str, tuple[Any, Callable[[], None]]]) -> None:
+    """Release what a recovery's transports kept and no incarnation took back, in the order
+    it was kept (each failure logged)."""
+    while kept:
+        name = next(iter(kept))
+        _, release = kept.pop(name)
+        try:
+            release()
+        except Exception:
+            import logging
+
+            logging.getLogger("executor_core").exception("releasing kept %r failed", name)
+
+
 def _log_warning(message: str) -> None:
     import logging  # deferred: only needed on this rare path
 
@@ -93,19 +107,22 @@ class Lifecycle:
         self._recovery = Recovery(config.recovery, name, hooks, self._restart)
         #: The host whose transport is starting (at creation, in a recovery), else None.
         self._starting: TransportHost | None = None
+        #: What transports hand over across a recovery (``TransportHost.keep``), released at
+        #: shutdown, or by this finalizer, if no incarnation took it back.
+        self._kept: dict[str, tuple[Any, Callable[[], None]]] = {}
+        weakref.finalize(self, _release_kept, self._kept)
         #: Sends the asyncio calls from its own thread (started on the first one).
         self._aio = AsyncSender(f"executor-{name}-asyncio")
         weakref.finalize(self, self._aio.close)  # holds the sender: its thread ends
         self._install(first=True)
 
-    def _install(self, first: bool = False, kept: dict[str, Any] | None = None) -> None:
+    def _install(self, first: bool = False) -> None:
         """Build a host and a transport over it, and start the workers: at creation, and for
         each recovery (the calls in flight failed with the old host; nothing of its is
         reused, so no reply from before a death reaches a call made after it)."""
         hooks = self.registry.hook
         host = TransportHost(self.config, self._name, hooks)
-        if kept is not None:  # what the previous incarnation's transport handed over
-            host.kept = kept
+        host.kept = self._kept  # what an earlier incarnation's transport handed over
         host.failure_callbacks.append(death_reporter(hooks, self._name))
         host.before_abort = self._recovery.decide
         host.failure_callbacks.append(self._recovery.on_failure)
@@ -146,7 +163,7 @@ class Lifecycle:
         old.release(False)  # once: a host whose start failed is released already
         if recovery.is_closed():  # shut down while the old workers stopped
             raise ExecutorClosedError("the executor was shut down during its recovery")
-        self._install(kept=old.kept)
+        self._install()
 
     def _create_transport(self, host: TransportHost) -> Transport:
         """Build the transport (override to pass more than the host; never pass ``self``)."""
@@ -302,6 +319,7 @@ class Lifecycle:
             if graceful:
                 host.send_lock.release()
             self._finalizer.detach()
+            _release_kept(self._kept)
             self._aio.close()  # after the release: a send it waits on has ended
 
     def __enter__(self) -> Self:

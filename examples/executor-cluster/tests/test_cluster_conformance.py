@@ -19,3 +19,5 @@ class TestClusterConformance(ExecutorConformanceTests):
     world_size = 2
     num_nodes = 2
     workers_are_processes: ClassVar[bool] = True
+    #: Each restart starts two agents: a few kills in a row keep the test short.
+    recovery_kills = 5

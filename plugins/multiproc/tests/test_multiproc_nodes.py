@@ -58,6 +58,10 @@ class _TwoNodes(ExecutorConformanceTests):
 class TestTwoNodeConformance(_TwoNodes):
     """One tensor-parallel rank on each node."""
 
+    #: Twenty kills in a row are TestMultiprocConformance's (one node); a few here, where
+    #: each restart waits for the agent to rejoin, keep CI short.
+    recovery_kills = 5
+
 
 class TestTwoNodePipelineConformance(_TwoNodes):
     """Four ranks, two pipeline stages: one stage on each node."""

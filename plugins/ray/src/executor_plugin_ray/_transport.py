@@ -81,19 +81,28 @@ class RayTransport(Transport):
         host, options, config = self.host, self.options, self.host.config
         # A recovery's restart hands the Ray connection over (host.kept): releasing the
         # executor's last lease would shut down the Ray instance this process started.
-        lease = host.kept.pop("ray_lease", None) or acquire_ray(
-            options, world_size=config.world_size
-        )
+        lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
 
         def release_lease() -> None:
             if host.restarting:
-                host.kept["ray_lease"] = lease
+                host.keep("ray_lease", lease, lease.release)
             else:
                 lease.release()
 
         host.add_cleanup(release_lease)
-        group, _bundles = reserve_placement_group(options, config.device, config.world_size)
-        host.add_cleanup(functools.partial(remove_group, group))
+        # A recovery's restart keeps the placement group too: the new actors go into the same
+        # bundles, so every rank comes back on its node.
+        group = host.take("ray_group")
+        if group is None:
+            group, _bundles = reserve_placement_group(options, config.device, config.world_size)
+
+        def remove_or_keep_group() -> None:
+            if host.restarting:
+                host.keep("ray_group", group, functools.partial(remove_group, group))
+            else:
+                remove_group(group)
+
+        host.add_cleanup(remove_or_keep_group)
         actors = create_actors(group, options, config)
         host.add_cleanup(functools.partial(kill_actors, actors))
         startup = Startup(options, self._check_running)
