@@ -30,7 +30,7 @@ from executor_reference._checkpoint import (
     stage_tensor_names,
 )
 from executor_reference._config import stage_layers
-from executor_reference._generate import StepRecord
+from executor_reference._step_timing import StepRecord
 
 TINY = MODEL_SIZES["tiny"]
 
@@ -238,7 +238,7 @@ def test_main_job_explains_bad_options(
 
 
 def _timed_step(submitted: float, done: float, started: float, finished: float) -> Any:
-    from executor_reference._worker import StepOutput
+    from executor_reference._step import StepOutput
 
     step = StepInput(batch_id=0, slots=[0], token_ids=[[1]], start_pos=0)
     output = StepOutput(
@@ -253,7 +253,7 @@ def _timed_step(submitted: float, done: float, started: float, finished: float) 
 
 
 def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
-    from executor_reference._generate import _step_records
+    from executor_reference._step_timing import step_records
 
     # pp2: stage 0 starts 0.5 ms after submit and computes until 20.0; stage 1 (the output
     # rank) starts 3 ms late, but stage 0 is still computing then: only 0.5 ms in + 1 ms back.
@@ -262,14 +262,14 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
         {"pp_rank": 0, "tp_rank": 0, "steps": [(0, 0, 10.5, 20.0)]},
         {"pp_rank": 1, "tp_rank": 0, "steps": [(0, 0, 13.0, 30.0)]},
     ]
-    [record] = _step_records([step], pp_times)
+    [record] = step_records([step], pp_times)
     assert record.executor_time_s == pytest.approx(0.5 + 1.0)
     assert record.model_time_s == pytest.approx(30.0 - 13.0)  # the late start was no wait
 
     # The same, but stage 1 starts 2 ms after stage 0 finished: those 2 ms are the executor's.
     late_stage = _timed_step(submitted=10.0, done=31.0, started=22.0, finished=30.0)
     pp_times[1] = {"pp_rank": 1, "tp_rank": 0, "steps": [(0, 0, 22.0, 30.0)]}
-    [record] = _step_records([late_stage], pp_times)
+    [record] = step_records([late_stage], pp_times)
     assert record.executor_time_s == pytest.approx(2.0 + 1.0)
 
     # tp2: the latest rank gates the first all-reduce, whichever rank returns the output.
@@ -278,7 +278,7 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
         {"pp_rank": 0, "tp_rank": 0, "steps": [(0, 0, 10.1, 20.0)]},
         {"pp_rank": 0, "tp_rank": 1, "steps": [(0, 0, 10.7, 20.0)]},
     ]
-    [record] = _step_records([tp_step], tp_times)
+    [record] = step_records([tp_step], tp_times)
     assert record.executor_time_s == pytest.approx(0.7 + 0.5)
     # Rank 0 (the output rank) spent 10.1..10.7 waiting for rank 1: not model time too.
     assert record.model_time_s == pytest.approx(9.9 - 0.6)
@@ -286,9 +286,9 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
 
     # A rank busy with its previous step until 12.0 could not start before then.
     busy_times = [{"pp_rank": 0, "tp_rank": 0, "steps": [(5, 3, 9.0, 12.0), (0, 0, 12.2, 20.0)]}]
-    [record] = _step_records([tp_step], busy_times)
+    [record] = step_records([tp_step], busy_times)
     assert record.executor_time_s == pytest.approx(0.2 + 0.5)
 
     # No rank kept times for the step: fall back to the output rank's own start.
-    [record] = _step_records([tp_step], [{"pp_rank": 0, "tp_rank": 0, "steps": []}])
+    [record] = step_records([tp_step], [{"pp_rank": 0, "tp_rank": 0, "steps": []}])
     assert record.executor_time_s == pytest.approx(0.1 + 0.5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from bench_helpers import make_fake_vllm
 
-from executor_bench._baselines import describe_vllm, import_vllm
+from executor_bench._baseline_vllm import describe_vllm, import_vllm
 from executor_bench._options import MIB, format_size, parse_size
 from executor_bench._workloads import Plan, Row, Summary, percentile
 

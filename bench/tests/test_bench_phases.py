@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import pytest
 
 from executor_bench import _run
-from executor_bench._run import Bench, BenchConfig
+from executor_bench._config import BenchConfig
+from executor_bench._run import Bench
 from executor_bench._sides import SideSpec
 from executor_core.backend import PLUGINS_ENV_VAR
 

@@ -22,7 +22,10 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-    from ._baselines import PipeSide, RayActorsSide, VllmQueueSide, ZmqSide
+    from ._baseline_pipe import PipeSide
+    from ._baseline_ray import RayActorsSide
+    from ._baseline_vllm import VllmQueueSide
+    from ._baseline_zmq import ZmqSide
     from ._overhead import CallObserver, import_ms, per_call_us
     from ._ray_session import RaySession
     from ._sides import BackendSide
@@ -54,11 +57,11 @@ _LAZY: dict[str, str] = {
     "BackendSide": "._sides",
     "BenchWorker": "._worker",
     "CallObserver": "._overhead",
-    "PipeSide": "._baselines",
-    "RayActorsSide": "._baselines",
+    "PipeSide": "._baseline_pipe",
+    "RayActorsSide": "._baseline_ray",
     "RaySession": "._ray_session",
-    "VllmQueueSide": "._baselines",
-    "ZmqSide": "._baselines",
+    "VllmQueueSide": "._baseline_vllm",
+    "ZmqSide": "._baseline_zmq",
     "format_time": "._workloads",
     "import_ms": "._overhead",
     "interleave": "._workloads",

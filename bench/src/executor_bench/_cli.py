@@ -219,9 +219,10 @@ def _bench_main(args: argparse.Namespace) -> int:
     if args.kinds is not None and "payload" not in args.workloads:
         parser.error("argument --kinds: the payload workload is not selected (--workloads)")
 
+    from ._config import BenchConfig
     from ._plot import plot_latency
     from ._report import describe_machine, to_json, to_markdown
-    from ._run import Bench, BenchConfig
+    from ._run import Bench
     from ._sides import BenchUsageError
 
     config = BenchConfig(

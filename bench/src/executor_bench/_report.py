@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._overhead import OVERHEAD_LIMITS
-from ._run import BenchResult
+from ._result import BenchResult
 from ._workloads import Row, Summary, format_time
 
 __all__ = ["TARGETS", "Target", "describe_machine", "to_json", "to_markdown"]

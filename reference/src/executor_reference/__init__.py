@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 
     from ._checkpoint import ensure_checkpoint
     from ._config import MODEL_SIZES, ModelConfig
-    from ._generate import GenerationResult, generate, make_prompts
+    from ._generate import generate, make_prompts
     from ._main_job import add_run_arguments
-    from ._worker import ReferenceWorker, StepInput, StepOutput
+    from ._result import GenerationResult
+    from ._step import StepInput, StepOutput
+    from ._worker import ReferenceWorker
 
 __all__ = [
     "MODEL_SIZES",
@@ -48,13 +50,13 @@ _LAZY: dict[str, str] = {
     "ensure_checkpoint": "._checkpoint",
     "MODEL_SIZES": "._config",
     "ModelConfig": "._config",
-    "GenerationResult": "._generate",
+    "GenerationResult": "._result",
     "generate": "._generate",
     "make_prompts": "._generate",
     "add_run_arguments": "._main_job",
     "ReferenceWorker": "._worker",
-    "StepInput": "._worker",
-    "StepOutput": "._worker",
+    "StepInput": "._step",
+    "StepOutput": "._step",
 }
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from executor_core import Executor
 
-    from ._generate import GenerationResult
+    from ._result import GenerationResult
 
 __all__ = ["add_run_arguments", "add_run_command", "run_main_job"]
 

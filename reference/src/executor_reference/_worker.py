@@ -1,39 +1,24 @@
-"""ReferenceWorker: hosts one rank's shard of the reference model, with a KV cache and
-sleep/wake that really release memory."""
+"""ReferenceWorker, the reference model's ``worker_cls``: one step of a batch through this
+rank's pipeline stage, timed until the device has run it.
+
+It builds on its setup (``_worker_setup.py``: the distributed groups, the shard, the KV
+cache) and its memory (``_worker_memory.py``: sleep, wake, the memory report).
+"""
 
 from __future__ import annotations
 
-import collections
 import os
 import time
-from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
-from executor_core import SLEEP_TAGS, SleepStateError, WorkerBase, WorkerContext
-from executor_core.torch import (
-    ParallelState,
-    TensorOffloader,
-    device_memory,
-    host_memory_bytes,
-    init_distributed,
-    pinned_host_bytes,
-    trim_host_memory,
-)
+from executor_core import SleepStateError
 
-from ._checkpoint import load_shard, read_config, stage_tensor_names, tensor_nbytes
-from ._model import KVCache, StageModel
+from ._step import StepInput, StepOutput
+from ._worker_memory import WorkerMemory
 
-__all__ = ["SPMD_BACKENDS", "ReferenceWorker", "StepInput", "StepOutput"]
-
-#: Backends where every rank runs its own driver loop, so every rank needs the step output.
-SPMD_BACKENDS: frozenset[str] = frozenset({"external_launcher"})
-
-#: Steps whose timing a worker keeps until the driver takes them (the oldest are dropped).
-STEP_TIMES_KEPT = 16384
+__all__ = ["ReferenceWorker"]
 
 
 def _wait_for_device(device: torch.device) -> None:
@@ -59,49 +44,7 @@ def _wait_for_device(device: torch.device) -> None:
         synchronize()
 
 
-def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-def _int_rows(rows: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(_int_tuple(row) for row in rows)
-
-
-@attrs.frozen(kw_only=True)
-class StepInput:
-    """One step of one batch: the new tokens of each of its sequences.
-
-    All sequences of a batch advance together: ``token_ids`` is ``[batch][new tokens]``, the
-    prompt on the first step (prefill) and one token per sequence after that (decode), placed
-    at positions ``start_pos ..``. ``slots`` are the KV-cache slots of the sequences.
-    """
-
-    batch_id: int
-    slots: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    token_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_rows)
-    start_pos: int
-    #: Return the last position's logits (float32, on the CPU) as well as the next tokens.
-    return_logits: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class StepOutput:
-    """What the output rank returns for one step: the greedy next token of each sequence."""
-
-    batch_id: int
-    next_tokens: tuple[int, ...]
-    logits: torch.Tensor | None
-    #: Seconds the output rank spent inside execute_model, up to when its device had finished
-    #: the step (on a GPU, the kernels' end, not their launch).
-    model_time_s: float
-    #: ``time.perf_counter()`` on the output rank when the step started and ended (comparable
-    #: with the driver's clock on the same host only); the end is read after the device
-    #: finished the step.
-    started_at: float
-    finished_at: float
-
-
-class ReferenceWorker(WorkerBase):
+class ReferenceWorker(WorkerMemory):
     """One rank of the reference model.
 
     ``init_device`` joins torch.distributed; ``load_model`` reads this rank's shard (its
@@ -123,112 +66,6 @@ class ReferenceWorker(WorkerBase):
     Step timing (``model_time_s``, :meth:`take_step_times`) ends when the device has finished
     the step: on a GPU the clock is read after a synchronisation of the current stream.
     """
-
-    def __init__(
-        self,
-        *,
-        context: WorkerContext,
-        checkpoint: str,
-        kv_slots: int = 32,
-        seed: int = 0,
-        distributed_timeout_s: float = 300.0,
-        offload_dir: str | None = None,
-        cpu_threads: int | None = None,
-    ) -> None:
-        super().__init__(context=context)
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(
-                f"reference checkpoint {checkpoint!r} does not exist on rank {context.rank}; "
-                "create it with executor_reference.ensure_checkpoint (on a path every "
-                "worker can read)"
-            )
-        if kv_slots < 1:
-            raise ValueError(f"kv_slots must be >= 1, not {kv_slots}")
-        self.checkpoint = checkpoint
-        self.kv_slots = kv_slots
-        self.seed = seed
-        self.distributed_timeout_s = distributed_timeout_s
-        self.offload_dir = offload_dir
-        self.cpu_threads = cpu_threads
-        self.config = read_config(checkpoint)
-        self.config.check_parallel(context.tensor_parallel_size, context.pipeline_parallel_size)
-        self.spmd = context.backend in SPMD_BACKENDS
-        self.state: ParallelState | None = None
-        self.model: StageModel | None = None
-        self.kv_cache: KVCache | None = None
-        self.offloader: TensorOffloader | None = None
-        #: What load_model read from the checkpoint: tensor name -> shape of this rank's part.
-        self.loaded_shapes: dict[str, tuple[int, ...]] = {}
-        #: Bytes load_model read from the checkpoint.
-        self.loaded_bytes = 0
-        self._asleep: set[str] = set()
-        self._sleep_level = 0
-        #: ``(batch_id, start_pos, started_at, finished_at)`` of each step this rank ran.
-        self._step_times: collections.deque[tuple[int, int, float, float]] = collections.deque(
-            maxlen=STEP_TIMES_KEPT
-        )
-
-    # --- lifecycle --------------------------------------------------------------------------
-
-    def init_device(self) -> None:
-        """Join torch.distributed and create the TP/PP groups."""
-        self.state = init_distributed(
-            self.context,
-            seed=self.seed,
-            timeout_s=self.distributed_timeout_s,
-            cpu_threads=self.cpu_threads,
-        )
-        self.offloader = TensorOffloader(self.state.device, directory=self.offload_dir)
-
-    def _require_state(self) -> ParallelState:
-        if self.state is None:
-            raise RuntimeError("init_device has not run on this worker")
-        return self.state
-
-    def _read_shard(self) -> dict[str, torch.Tensor]:
-        state = self._require_state()
-        names = stage_tensor_names(self.config, state.pp_size, state.pp_rank)
-        return load_shard(
-            self.checkpoint,
-            self.config,
-            names,
-            tp_rank=state.tp_rank,
-            tp_size=state.tp_size,
-            device=state.device,
-        )
-
-    def load_model(self) -> None:
-        """Build this rank's stage, read its shard, allocate the KV cache."""
-        state = self._require_state()
-        self.model = StageModel(self.config, state)
-        shard = self._read_shard()
-        self.loaded_shapes = {name: tuple(t.shape) for name, t in shard.items()}
-        self.loaded_bytes = tensor_nbytes(shard)
-        self.model.load_state_dict(shard, strict=True, assign=True)
-        self._allocate_kv_cache()
-
-    def _allocate_kv_cache(self) -> None:
-        state = self._require_state()
-        assert self.model is not None
-        self.kv_cache = KVCache(
-            self.config,
-            num_layers=len(self.model.layer_ids),
-            num_slots=self.kv_slots,
-            tp_size=state.tp_size,
-            device=state.device,
-        )
-
-    def shutdown(self) -> None:
-        """Release the groups, the offload file, the model."""
-        self.model = None
-        self.kv_cache = None
-        if self.offloader is not None:
-            self.offloader.close()
-        state, self.state = self.state, None
-        if state is not None:
-            state.destroy()
-
-    # --- inference --------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         """The model config, KV-cache capacity and this rank's place (for the driver)."""
@@ -333,111 +170,3 @@ class ReferenceWorker(WorkerBase):
                 )
             state.broadcast_from(logits, src=state.output_rank)
         return logits, tokens
-
-    # --- sleep and wake ---------------------------------------------------------------------
-
-    def _weights(self) -> dict[str, torch.nn.Parameter]:
-        assert self.model is not None
-        return dict(self.model.named_parameters())
-
-    def _release(self) -> None:
-        """Return freed memory to the OS (host) or the driver (GPU) so that it shows."""
-        state = self._require_state()
-        if state.device.type == "cuda":
-            torch.cuda.empty_cache()
-        trim_host_memory()
-
-    def sleep(self, level: int = 1) -> None:
-        """Level 1: offload the weights, drop the KV cache. Level 2: drop both (the weights
-        are read from the checkpoint again on wake).
-
-        The offload comes first and changes nothing if it fails (the offloader rolls back),
-        so a failed sleep raises with the worker still awake and able to sleep again.
-        """
-        if level not in (1, 2):
-            raise SleepStateError(f"sleep level must be 1 or 2, not {level!r}")
-        if self._asleep:
-            return
-        state = self._require_state()
-        state.wait_for_sends()
-        weights = self._weights()
-        if level == 1:
-            assert self.offloader is not None
-            self.offloader.offload({name: p.data for name, p in weights.items()})
-        empty = torch.empty(0, device=state.device)
-        for param in weights.values():
-            param.data = empty
-        self.kv_cache = None
-        self._sleep_level = level
-        self._asleep = set(SLEEP_TAGS)
-        self._release()
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Restore the weights, the KV cache, or both (the default)."""
-        wanted = list(SLEEP_TAGS) if tags is None else list(tags)
-        unknown = [t for t in wanted if t not in SLEEP_TAGS]
-        if unknown:
-            raise SleepStateError(f"unknown sleep tags {unknown}; known: {list(SLEEP_TAGS)}")
-        if "weights" in wanted and "weights" in self._asleep:
-            if self._sleep_level == 1:
-                assert self.offloader is not None
-                restored = self.offloader.restore()
-            else:
-                restored = self._read_shard()
-            for name, param in self._weights().items():
-                param.data = restored[name]
-            self._asleep.discard("weights")
-        if "kv_cache" in wanted and "kv_cache" in self._asleep:
-            self._allocate_kv_cache()
-            self._asleep.discard("kv_cache")
-        if not self._asleep:
-            self._sleep_level = 0
-
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes held now.
-
-        - ``host_bytes``: the process's host memory (USS, else RSS).
-        - ``device_bytes``: what this process holds on its device: on a GPU, the bytes torch's
-          allocator reserved (``torch.cuda.memory_reserved``: live tensors and its cache,
-          what sleep gives back); on the CPU, ``host_bytes``.
-        - ``device_allocated_bytes``: of those, the bytes in live tensors.
-        - ``device_used_bytes`` and ``device_total_bytes``: the whole device, every process
-          and the CUDA context and NCCL buffers included (``torch.cuda.mem_get_info``); on
-          the CPU, the host's.
-        - ``pinned_host_bytes``: pinned host memory torch holds (a sleeping GPU worker's
-          weights); 0 on the CPU; absent where torch does not report it.
-        - ``weight_bytes``, ``kv_cache_bytes``: the weights and KV cache on the device now.
-        - ``offloaded_bytes``: the weights the offloader holds (asleep at level 1).
-        - ``loaded_bytes``: what load_model read from the checkpoint.
-
-        See :class:`~executor_core.torch.DeviceMemory`.
-        """
-        state = self._require_state()
-        weights = sum(p.numel() * p.element_size() for p in self._weights().values())
-        device = device_memory(state.device)
-        usage = {
-            # On the CPU the device is the host: one measurement (USS is slow to read).
-            "host_bytes": device.reserved_bytes
-            if state.device.type == "cpu"
-            else host_memory_bytes(),
-            "device_bytes": device.reserved_bytes,
-            "device_allocated_bytes": device.allocated_bytes,
-            "device_used_bytes": device.used_bytes,
-            "device_total_bytes": device.total_bytes,
-            "weight_bytes": weights,
-            "kv_cache_bytes": self.kv_cache.nbytes if self.kv_cache is not None else 0,
-            "offloaded_bytes": self.offloader.offloaded_bytes if self.offloader else 0,
-            "loaded_bytes": self.loaded_bytes,
-        }
-        pinned = pinned_host_bytes()
-        if pinned is not None:
-            usage["pinned_host_bytes"] = pinned
-        return usage
-
-    def loaded_shard(self) -> dict[str, tuple[int, ...]]:
-        """What load_model read: tensor name -> shape of this rank's part."""
-        return dict(self.loaded_shapes)
-
-    def weights_state(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of this rank's weights, by checkpoint name (for checks and tests)."""
-        return {name: p.detach().cpu().clone() for name, p in self._weights().items()}

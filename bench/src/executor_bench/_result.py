@@ -1,0 +1,46 @@
+"""What a run measured: every sample, by row and side, and what the run left out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._config import BenchConfig
+from ._overhead import Overhead
+from ._sides import SideSpec, Skipped
+from ._workloads import Plan, Row
+
+__all__ = ["BenchResult"]
+
+
+@dataclass
+class BenchResult:
+    """Everything a run measured, and what it left out."""
+
+    config: BenchConfig
+    plan: Plan
+    #: The sides measured (a failed one is not among them).
+    sides: list[SideSpec]
+    #: Sides that cannot run here (not installed, not standalone), with the reason.
+    skipped: list[Skipped]
+    #: Sides that failed once started (an error, a wrong reply), with the reason.
+    failed: list[Skipped]
+    #: The rows, in report order.
+    rows: list[Row]
+    #: (row key, side name) -> seconds per call.
+    samples: dict[tuple[str, str], list[float]]
+    #: Facts for the report: the plugins loaded, Ray's start, each phase's duration...
+    facts: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    #: The ``overhead`` workload's figures (None if not measured).
+    overhead: Overhead | None = None
+    #: The ``imports`` workload's ms per import, by label (None if not measured).
+    imports: dict[str, float] | None = None
+
+    def summary_rows(self) -> list[tuple[Row, SideSpec, list[float]]]:
+        """Each (row, side) that has samples, in report order."""
+        return [
+            (row, side, self.samples[row.key, side.name])
+            for row in self.rows
+            for side in self.sides
+            if self.samples.get((row.key, side.name))
+        ]
