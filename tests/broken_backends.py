@@ -11,6 +11,7 @@ import queue
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from executor_core import Executor, WorkerContext, WorkerDiedError, WorkerError
@@ -340,11 +341,20 @@ _ = Queue
 # --- a backend of worker processes, for the recovery rules ----------------------------------
 
 
-def _serve_pipe(portable: bytes, conn: Any) -> None:
-    """A worker process: start the worker, say ready, run each call, answer."""
+def _answer_probes(probe: Any) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            probe.send(probe.recv())
+
+
+def _serve_pipe(portable: bytes, conn: Any, probe: Any) -> None:
+    """A worker process: start the worker, say ready, run each call, answer; a thread
+    answers the liveness probe."""
     import pickle
 
     from executor_core.backend import RemoteFailure
+
+    threading.Thread(target=_answer_probes, args=(probe,), daemon=True).start()
 
     wrapper = pickle.loads(portable)
     try:
@@ -381,14 +391,18 @@ class _Processes(Transport):
             nodes = [f"node-{_Processes.incarnations}"] * self.host.config.world_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        self.probes: list[Any] = []
         for context in self.host.contexts(nodes):
             parent, child = spawn.Pipe()
+            ours, theirs = spawn.Pipe()
             portable = pickle.dumps(self.host.wrapper(context).portable())
-            process = spawn.Process(target=_serve_pipe, args=(portable, child), daemon=True)
+            process = spawn.Process(target=_serve_pipe, args=(portable, child, theirs), daemon=True)
             process.start()
             child.close()
+            theirs.close()
             self.procs.append(process)
             self.conns.append(parent)
+            self.probes.append(ours)
         for rank, conn in enumerate(self.conns):
             if not conn.poll(30):
                 raise TimeoutError(f"rank {rank} did not start")
@@ -428,6 +442,32 @@ class _Processes(Transport):
                     conn.send(message)
         return True
 
+    def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
+        if self.defect == "probe_blind":  # everyone "answers"
+            return set()
+        if self.defect == "probe_blames_busy":  # a rank in a call "does not answer"
+            return set(ranks)
+        deadline = time.monotonic() + timeout
+        silent = set()
+        for rank in ranks:
+            pipe = self.probes[rank]
+            try:
+                pipe.send(rank)
+                answered = pipe.poll(max(0.0, deadline - time.monotonic()))
+                if answered:
+                    pipe.recv()
+            except (EOFError, OSError):
+                answered = False
+            if not answered:
+                silent.add(rank)
+        return silent
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        if self.defect == "kill_forgets":
+            return
+        for rank in ranks:
+            self.procs[rank].kill()
+
     def close(self, graceful: bool) -> None:
         procs = getattr(self, "procs", [])
         for conn in getattr(self, "conns", []):
@@ -445,7 +485,7 @@ class _Processes(Transport):
         for process in procs:
             if not process.is_alive():
                 process.close()  # its sentinel
-        for conn in getattr(self, "conns", []):
+        for conn in (*getattr(self, "conns", []), *getattr(self, "probes", [])):
             conn.close()
 
 
@@ -469,4 +509,15 @@ BROKEN_RECOVERY: dict[str, tuple[type[Executor], str]] = {
         _processes("renames_nodes"),
         "a recovered executor has the same ranks, local ranks and nodes",
     ),
+}
+
+#: Broken hang bounds: process backends with a liveness probe, run with
+#: ``workers_are_processes = True``; the words the kit's failure must contain.
+BROKEN_HANGS: dict[str, tuple[type[Executor], str]] = {
+    "probe_blind": (
+        _processes("probe_blind"),
+        "a frozen rank is declared dead within about the hang bound",
+    ),
+    "probe_blames_busy": (_processes("probe_blames_busy"), "the frozen rank 1 alone"),
+    "kill_forgets": (_processes("kill_forgets"), "a rank declared hung is killed"),
 }

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from broken_backends import BROKEN, BROKEN_RECOVERY
+from broken_backends import BROKEN, BROKEN_HANGS, BROKEN_RECOVERY
 
 HERE = Path(__file__).parent
 #: Slow: each case runs the kit in a pytest subprocess: seconds each.
@@ -47,6 +47,20 @@ class TestBrokenRecovery(RecoveryTests):
     time_limit_s = 8.0
     settle_s = 3.0
     recovery_s = 6.0
+"""
+
+#: A process backend's hang bound, alone (its kit area).
+_HANGS_MODULE = """
+from broken_backends import BROKEN_HANGS
+from executor_core.testing import HangTests
+
+
+class TestBrokenHangs(HangTests):
+    backend = BROKEN_HANGS[{name!r}][0]
+    world_size = 2
+    workers_are_processes = True
+    time_limit_s = 12.0
+    settle_s = 3.0
 """
 
 
@@ -102,11 +116,21 @@ def test_recovery_tests_fail_the_broken_backend(name: str, tmp_path: Path) -> No
     assert seconds < 10, f"the kit took {seconds:.1f} s to fail {name}"
 
 
+@pytest.mark.parametrize("name", sorted(BROKEN_HANGS))
+def test_hang_tests_fail_the_broken_backend(name: str, tmp_path: Path) -> None:
+    output, seconds = _run_kit(name, tmp_path, _HANGS_MODULE)
+    expected = BROKEN_HANGS[name][1]
+    assert expected in output, (
+        f"the kit's failure does not name the rule {expected!r}:\n{output[-4000:]}"
+    )
+    assert seconds < 20, f"the kit took {seconds:.1f} s to fail {name}"
+
+
 def test_recovery_tests_pass_the_correct_process_backend(tmp_path: Path) -> None:
     (tmp_path / "test_processes_kit.py").write_text(
         "from broken_backends import _ProcessExecutor\n"
-        "from executor_core.testing import RecoveryTests\n\n\n"
-        "class TestProcesses(RecoveryTests):\n"
+        "from executor_core.testing import HangTests, RecoveryTests\n\n\n"
+        "class TestProcesses(RecoveryTests, HangTests):\n"
         "    backend = _ProcessExecutor\n    workers_are_processes = True\n"
         "    recovery_kills = 5\n"
     )

@@ -68,6 +68,14 @@ def _check_capabilities(spec: BackendSpec, config: ExecutorConfig) -> None:
             "spec declares Capabilities(recovery='none')); leave recovery=None, or choose a "
             "backend that recovers, such as 'mp' or 'ray'",
         )
+    if config.hang_timeout_s is not None and not caps.liveness_probe:
+        raise ConfigError(
+            "hang_timeout_s",
+            config.hang_timeout_s,
+            f"the {spec.name!r} backend cannot tell whether a rank's process still answers (its "
+            "spec declares Capabilities(liveness_probe=False)); leave hang_timeout_s=None, or "
+            "choose a backend with a probe, such as 'mp'",
+        )
     if config.device not in caps.devices:
         raise ConfigError(
             "device",

@@ -162,6 +162,15 @@ class ExecutorConfig:
             lambda value: value is None or isinstance(value, RecoveryPolicy),
         ),
     )
+    #: Seconds after which a rank that has not answered a call and does not answer a
+    #: liveness probe (a frozen process, a deadlock holding the interpreter) is declared dead,
+    #: killed, and recovered like any death (see docs/recovery.md, "Hangs"). ``None`` (the
+    #: default) never declares a hang. A backend without a probe
+    #: (``Capabilities.liveness_probe`` false) refuses a bound.
+    hang_timeout_s: float | None = attrs.field(
+        default=None,
+        validator=_check("must be None (never) or a number of seconds > 0", _is_timeout),
+    )
     #: Backend-specific options: each backend documents its keys, and the executor refuses
     #: a key or a value its backend does not take (see ``executor_core.options``).
     backend_options: dict[str, Any] = attrs.field(

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import pluggy
 
     from ._config import ExecutorConfig
+    from ._hangs import HangWatch
     from ._transport import Transport
 
 __all__ = ["TransportHost", "run_callback"]
@@ -86,6 +87,8 @@ class TransportHost:
         self.transport: Transport | None = None
         #: How replies reach waiting calls; made by :meth:`attach`.
         self.replies: Replies | None = None
+        #: Declares hung ranks dead (``ExecutorConfig.hang_timeout_s``), once started.
+        self.hang_watch: HangWatch | None = None
         self._cleanups: list[Callable[[], None]] = []
         self.released = False
         #: What every worker's environment gets (see ``worker_environment``), fixed when the
@@ -243,6 +246,8 @@ class TransportHost:
         if self.table.close(error):
             if self.replies is not None:
                 self.replies.wake()
+            if self.hang_watch is not None:
+                self.hang_watch.stop()
             transport = self.transport
             if transport is not None:
                 try:

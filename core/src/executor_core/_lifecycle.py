@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 from ._admission import admit
 from ._aio import AsyncSender
 from ._config import ExecutorConfig
-from ._errors import ExecutorClosedError, ExecutorFailedError, WorkerDiedError
+from ._errors import ConfigError, ExecutorClosedError, ExecutorFailedError, WorkerDiedError
+from ._hangs import HangWatch, has_probe
 from ._host import TransportHost
 from ._observe import CallObserver, death_reporter
 from ._recovery import ExecutorState, Recovery
@@ -127,6 +128,13 @@ class Lifecycle:
         host.before_abort = self._recovery.decide
         host.failure_callbacks.append(self._recovery.on_failure)
         transport = self._create_transport(host)
+        if self.config.hang_timeout_s is not None and not has_probe(transport):
+            raise ConfigError(
+                "hang_timeout_s",
+                self.config.hang_timeout_s,
+                f"{type(transport).__qualname__} has no liveness probe (Transport.probe); "
+                "leave hang_timeout_s=None",
+            )
         replies = host.attach(transport)
         # The finalizer holds the host, never the executor: a dropped executor is collected,
         # and what it left running is stopped by force.
@@ -150,6 +158,10 @@ class Lifecycle:
         driven = transport.ranks
         self._all_ranks = tuple(driven) if driven is not None else tuple(range(self.world_size))
         self._run_inline = transport.inline_runner() if len(self._all_ranks) == 1 else None
+        bound = self.config.hang_timeout_s
+        if bound is not None:
+            watch = host.hang_watch = HangWatch(host, transport, self._all_ranks, bound)
+            watch.start()
 
     def _restart(self) -> None:
         """Stop every worker and start them again (a group restart; the recovery thread or

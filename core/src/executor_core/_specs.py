@@ -41,6 +41,11 @@ class Capabilities:
     #: new ``torch.distributed`` rendezvous: a group restart).
     recovery: str = attrs.field(default="none", validator=attrs.validators.in_(RECOVERY_KINDS))
 
+    #: Its transport answers :meth:`~executor_core.backend.Transport.probe` (is each rank's
+    #: process alive and responsive?) and :meth:`~executor_core.backend.Transport.kill`, so
+    #: that ``ExecutorConfig.hang_timeout_s`` can declare a hung rank dead.
+    liveness_probe: bool = False
+
     def describe(self) -> str:
         """A short human-readable summary, e.g. ``"pp, multi-node, cpu/cuda"``."""
         parts = []
@@ -53,6 +58,8 @@ class Capabilities:
             parts.append(f"max {self.max_world_size} worker(s)")
         if self.recovery != "none":
             parts.append(f"recovery: {self.recovery}")
+        if self.liveness_probe:
+            parts.append("hang probe")
         return ", ".join(parts)
 
 

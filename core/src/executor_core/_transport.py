@@ -9,7 +9,7 @@ and its finalizer stops the transport.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -82,6 +82,20 @@ class Transport(abc.ABC):
     def interrupt(self) -> None:  # noqa: B027 - optional: transports that never block need none
         """The executor failed or is closing: wake any thread blocked in :meth:`send` or
         :meth:`poll`. Called at most once, from any thread."""
+
+    def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
+        """A liveness probe: ask each rank's process, apart from whatever it is running, whether
+        it still answers; return the ranks that did not within ``timeout`` seconds. Called
+        from one thread of the core's while a call has waited longer than
+        ``ExecutorConfig.hang_timeout_s``; only for a backend that declares
+        ``Capabilities(liveness_probe=True)``. A process busy in a long call, or blocked in a
+        collective that released the interpreter, answers; a stopped or frozen one does not."""
+        raise NotImplementedError(f"{type(self).__name__} declares no liveness probe")
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        """End the processes of ``ranks`` at once (the core declared them hung and has
+        already failed the calls in flight). Only with :meth:`probe`."""
+        raise NotImplementedError(f"{type(self).__name__} declares no liveness probe")
 
     @abc.abstractmethod
     def close(self, graceful: bool) -> None:

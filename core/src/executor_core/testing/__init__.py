@@ -10,7 +10,7 @@ A backend's test module subclasses :class:`ExecutorConformanceTests` and declare
 
 Every area is a mixin of its own (:class:`CallTests`, :class:`NonBlockingTests`,
 :class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`,
-:class:`DeviceTests`, :class:`AsyncTests`, :class:`RecoveryTests`);
+:class:`DeviceTests`, :class:`AsyncTests`, :class:`RecoveryTests`, :class:`HangTests`);
 what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, not from
 skipped tests. Each test runs under a time limit, so a hang fails with the rule it broke.
 """
@@ -20,6 +20,7 @@ from ._base import ExecutorFactory, conformance_config
 from ._calls import CallTests
 from ._device import DeviceTests
 from ._errors import ErrorTests
+from ._hangs import HangTests
 from ._lifecycle import LifecycleTests
 from ._nonblock import NonBlockingTests
 from ._pipeline import PipelineTests
@@ -35,6 +36,7 @@ __all__ = [
     "ErrorTests",
     "ExecutorConformanceTests",
     "ExecutorFactory",
+    "HangTests",
     "LifecycleTests",
     "NonBlockingTests",
     "PipelineTests",
@@ -54,5 +56,6 @@ class ExecutorConformanceTests(
     PipelineTests,
     DeviceTests,
     RecoveryTests,
+    HangTests,
 ):
     """The whole kit: every area."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -42,6 +43,8 @@ class ConformanceWorker(WorkerBase):
     ``wrapper`` in it when the core's wrapper called it, so the stopping hook ran too), and
     :meth:`load_model` ``load-<rank>-<pid>`` as it starts (the recovery tests find the
     processes of a restart there). ``load_s``: seconds :meth:`load_model` takes.
+    ``preload``: modules :meth:`load_model` imports (so that a test's first call does not
+    import them: the hang tests' calls are watched).
     """
 
     def __init__(
@@ -52,9 +55,11 @@ class ConformanceWorker(WorkerBase):
         fail_init_on_rank: int = -1,
         marker_dir: str = "",
         load_s: float = 0.0,
+        preload: tuple[str, ...] = (),
     ) -> None:
         super().__init__(context=context)
         self.load_s = load_s
+        self.preload = preload
         self.tag = tag
         self.fail_init_on_rank = fail_init_on_rank
         self.marker_dir = marker_dir
@@ -79,6 +84,8 @@ class ConformanceWorker(WorkerBase):
                 pass
         if self.load_s:
             time.sleep(self.load_s)
+        for module in self.preload:
+            importlib.import_module(module)
         self.loaded = True
 
     def get_rank(self) -> int:

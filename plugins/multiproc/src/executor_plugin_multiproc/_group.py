@@ -25,6 +25,8 @@ from multiprocessing.process import BaseProcess
 
 from executor_channel.shm import IdleTrim, release_receive_buffers
 
+from ._probe import Probes
+
 __all__ = ["WorkerGroup"]
 
 logger = logging.getLogger("executor_plugin_multiproc")
@@ -36,8 +38,12 @@ DeathCallback = Callable[[int, int], None]
 class WorkerGroup:
     """Worker processes indexed by rank, and the thread that watches them."""
 
-    def __init__(self, processes: Sequence[BaseProcess], on_death: DeathCallback) -> None:
+    def __init__(
+        self, processes: Sequence[BaseProcess], on_death: DeathCallback, probes: Probes
+    ) -> None:
         self._processes = list(processes)
+        #: Their liveness probes, by index.
+        self.probes = probes
         self._on_death = on_death
         self._lock = threading.RLock()
         self._started = threading.Event()
@@ -166,6 +172,14 @@ class WorkerGroup:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def kill(self, indices: Sequence[int]) -> None:
+        """SIGKILL the workers at ``indices`` now (declared hung; stopped ones die too)."""
+        with self._lock:
+            for index in indices:
+                process = self._processes[index]
+                if process.pid is not None and process.exitcode is None:
+                    process.kill()
 
     def kill_now(self) -> None:
         """Cleanup path (finalizer, failed start): no wait for a stop message."""

@@ -19,6 +19,7 @@ from executor_core.backend import WorkerWrapper
 
 from ._group import DeathCallback, WorkerGroup
 from ._options import MultiprocOptions
+from ._probe import Probes
 from ._process import InheritedFd, WorkerSpec, worker_main
 
 __all__ = ["WorkerLaunch", "default_env", "start_workers"]
@@ -85,8 +86,11 @@ def start_workers(
     # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
     death_r, death_w = os.pipe()
     add_cleanup(_fd_closer(death_w))
+    probes = Probes(len(launches))
+    add_cleanup(probes.close)
     ctx = multiprocessing.get_context(options.start_method)
     parent_pid = os.getpid() if options.start_method != "forkserver" else None
+    forked = options.start_method == "fork"
     try:
         processes = []
         for index, launch in enumerate(launches):
@@ -100,7 +104,8 @@ def start_workers(
                 parent_pid=parent_pid,
                 spin_s=options.spin_s,
                 idle_spin_s=options.idle_spin_s,
-                close_fds=(death_w,) if options.start_method == "fork" else (),
+                probe=InheritedFd(probes.theirs[index].fileno()),
+                close_fds=(death_w, *probes.fds()) if forked else (),
                 **_inherited(channel.worker_fds(index)),
             )
             processes.append(
@@ -113,10 +118,11 @@ def start_workers(
             )
         # The monitor holds the callback's owner (the transport or the agent), never the
         # executor.
-        group = WorkerGroup(processes, on_death)
+        group = WorkerGroup(processes, on_death, probes)
         group.start()
     finally:
         os.close(death_r)  # the children hold their copies
+        probes.handed_over()
     return group
 
 

@@ -18,6 +18,8 @@ from executor_channel.codec import KIND_READY, encode
 from executor_channel.shm import SegmentLayout, WorkerFds, WorkerRings, serve_rings
 from executor_core.backend import RemoteFailure, WorkerWrapper
 
+from ._probe import answer_probes
+
 __all__ = ["PARENT_DIED_EXIT", "InheritedFd", "WorkerSpec", "worker_main"]
 
 #: Exit status of a worker that left because its driver died.
@@ -75,7 +77,10 @@ class WorkerSpec:
     parent_pid: int | None
     spin_s: float
     idle_spin_s: float
-    #: Descriptors a forked child inherited and must close (the death pipe's write end).
+    #: This worker's end of its liveness probe (``_probe.Probes``).
+    probe: InheritedFd | None = None
+    #: Descriptors a forked child inherited and must close (the death pipe's write end, the
+    #: starting side's probe ends).
     close_fds: tuple[int, ...] = ()
 
 
@@ -132,6 +137,8 @@ def worker_main(spec: WorkerSpec) -> None:
             os.close(fd)
     os.environ.update(spec.env)
     watch_death_pipe(spec.death_pipe.fd)
+    if spec.probe is not None:
+        answer_probes(spec.probe.fd)
     rings = WorkerRings.attach(
         WorkerFds(
             segment=spec.segment.fd,

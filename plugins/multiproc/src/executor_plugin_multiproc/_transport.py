@@ -12,6 +12,7 @@ import functools
 import pickle
 import socket
 import sys
+from collections.abc import Sequence
 from typing import ClassVar
 
 from executor_channel.driver import ChannelDriver
@@ -65,6 +66,13 @@ class MultiprocTransport(Transport):
         options = MultiprocOptions.from_backend_options(config.backend_options)
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
+        if config.hang_timeout_s is not None and config.num_nodes > 1:
+            raise ConfigError(
+                "hang_timeout_s",
+                config.hang_timeout_s,
+                "the mp backend probes the ranks on the driver's node only, so far; leave "
+                "hang_timeout_s=None with num_nodes > 1",
+            )
         placement = self._placement_cls(config, options) if config.num_nodes > 1 else None
         local = per_node if placement is None or placement.driver_runs_ranks else 0
         if local:
@@ -228,6 +236,17 @@ class MultiprocTransport(Transport):
     def poll(self, timeout: float | None) -> None:
         assert self._driver is not None
         self._driver.poll(timeout)
+
+    def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
+        group = self._group
+        local = [rank for rank in ranks if rank < self._local]
+        if group is None or not local:
+            return set()
+        return group.probes.probe(local, timeout)
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        if self._group is not None:
+            self._group.kill([rank for rank in ranks if rank < self._local])
 
     # --- failure and stop ------------------------------------------------------------------
 

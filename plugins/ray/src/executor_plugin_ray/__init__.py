@@ -67,6 +67,7 @@ def executor_register_backends() -> list[BackendSpec]:
                 multi_node=True,
                 devices=("cpu", "cuda"),
                 recovery="restart",
+                liveness_probe=True,
             ),
             requires=("ray",),
         ),

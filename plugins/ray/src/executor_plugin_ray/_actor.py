@@ -175,6 +175,12 @@ class RayWorker:
         """Returns when the worker shuts down; fails with ActorDiedError if the actor dies."""
         self._stopped.wait()
 
+    @ray.method(concurrency_group=MONITOR_GROUP)
+    def alive(self) -> bool:
+        """The liveness probe (``Transport.probe``): answered on a thread of its own, so a
+        worker busy in a call answers and a stopped or frozen process does not."""
+        return True
+
     def shutdown(self) -> None:
         """Call the worker's shutdown and release the watch."""
         try:

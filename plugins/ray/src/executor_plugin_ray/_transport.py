@@ -18,6 +18,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -261,6 +262,16 @@ class RayTransport(Transport):
         self.host.worker_died(died)
         if self.host.failure is died:
             logger.error("%s", died)
+
+    def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
+        asked = {self.actors[rank].alive.remote(): rank for rank in ranks}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout)
+        answered = {asked[ref] for ref in ready}
+        return {rank for rank in asked.values() if rank not in answered}
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            ray.kill(self.actors[rank], no_restart=True)
 
     def interrupt(self) -> None:
         self._stopped.set()
