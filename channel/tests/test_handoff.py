@@ -20,13 +20,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from executor_channel import _handoff
-from executor_channel._handoff import (
-    HandoffError,
-    HandoffTimeoutError,
-    RingHandoff,
-    receive_fds,
-)
+from executor_channel import _handoff_server
+from executor_channel._handoff_client import HandoffError, HandoffTimeoutError, receive_fds
+from executor_channel._handoff_server import RingHandoff
 from executor_channel.shm import NodeRings, RingSizes, WorkerFds
 from executor_core import ExecutorError
 
@@ -37,7 +33,7 @@ WORKERS = 2
 # A worker in another process: takes its descriptors, attaches, answers one call.
 CHILD = """
 import os, sys, time
-from executor_channel._handoff import receive_fds
+from executor_channel._handoff_client import receive_fds
 from executor_channel.shm import SegmentLayout, WorkerRings
 
 address, index = sys.argv[1], int(sys.argv[2])
@@ -347,7 +343,7 @@ def test_a_stalled_peer_neither_blocks_others_nor_keeps_its_index(
     nodes: NodeRings, key: bytes, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.WARNING, "executor_channel")
-    monkeypatch.setattr(_handoff, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(_handoff_server, "HANDSHAKE_TIMEOUT_S", 1.0)
     handoff = RingHandoff(key, _offers(nodes))
     with serving(handoff) as errors:
         silent = _connect(handoff.address)  # connects, never says a word
@@ -377,8 +373,8 @@ def test_a_stalled_peer_neither_blocks_others_nor_keeps_its_index(
 def test_peers_beyond_the_pending_limit_wait_their_turn(
     nodes: NodeRings, key: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_handoff, "_MAX_PENDING", 1)
-    monkeypatch.setattr(_handoff, "HANDSHAKE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(_handoff_server, "_MAX_PENDING", 1)
+    monkeypatch.setattr(_handoff_server, "HANDSHAKE_TIMEOUT_S", 0.3)
     handoff = RingHandoff(key, _offers(nodes, [0]))
     with serving(handoff) as errors:
         silent = _connect(handoff.address)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from executor_channel import _buffers
+from executor_channel import _buffer_cache, _buffers
 from executor_channel.codec import decode, encode
 from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
 
@@ -410,10 +410,10 @@ def test_busy_reader_trims_on_small_messages(
 
 def test_capacity_rounds_up_by_at_most_a_quarter() -> None:
     for nbytes in (MIB, MIB + 1, 3 * MIB - 7, 17 * MIB, 64 * MIB + 200, 129 * MIB):
-        capacity = _buffers._capacity(nbytes)
-        assert nbytes <= capacity <= nbytes * 5 // 4 + _buffers._GRANULE
-    assert _buffers._capacity(16 * MIB) == 16 * MIB
-    assert _buffers._capacity(16 * MIB + 1) == 20 * MIB
+        capacity = _buffer_cache._capacity(nbytes)
+        assert nbytes <= capacity <= nbytes * 5 // 4 + _buffer_cache._GRANULE
+    assert _buffer_cache._capacity(16 * MIB) == 16 * MIB
+    assert _buffer_cache._capacity(16 * MIB + 1) == 20 * MIB
 
 
 def test_interrupted_large_read_leaves_the_block_free(
@@ -438,7 +438,7 @@ def test_a_block_with_a_live_view_is_never_unmapped(monkeypatch: pytest.MonkeyPa
     # while exported, and the cache keeps the block as in use.
     cache = _buffers.BufferCache()
     view = cache.take(2 * MIB)
-    monkeypatch.setattr(_buffers, "_free", lambda block: True)
+    monkeypatch.setattr(_buffer_cache, "_free", lambda block: True)
     assert cache.release() == 0
     view[:2] = b"ok"
     assert len(cache._blocks) == 1

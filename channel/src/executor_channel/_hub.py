@@ -8,6 +8,9 @@ listener, since a zmq socket is not thread-safe: it forwards each call to every 
 the replies it receives to the backend's poll (through :attr:`Hub.inbox` and a doorbell),
 exchanges heartbeats, and reports a member that stops answering or a worker that died
 there. Callers only queue calls (:meth:`Hub.broadcast`): a deque and an eventfd, no socket.
+
+Whom the hub admits is :mod:`._hub_admission`'s to say; what it records of a member, in
+:mod:`._hub_member`.
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import attrs
 
 from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
 
+from . import _hub_admission as admission
 from . import _hub_protocol as wire
 from ._doorbell import Doorbell
+from ._hub_member import Member, died_on
 from ._link import ChannelError, ChannelTimeoutError, Listener, Message, PeerId
 from ._node_rings import Reply, decode_reply
 
@@ -38,35 +41,6 @@ STARTUP_SILENCE_S = 10.0
 
 #: Called from the pump thread with the error that fails the executor.
 FailureCallback = Callable[[ExecutorFailedError], None]
-
-
-@attrs.define
-class Member:
-    """A joined member, as the hub sees it."""
-
-    #: The index it joined under (a node rank, or a rank for a member serving one).
-    node_rank: int
-    hostname: str
-    pid: int
-    peer: PeerId
-    #: The node's name: as the member stated it (``JOIN``'s ``node_id``), else its
-    #: hostname, until :meth:`Hub.send_spec` gives the backend's.
-    node_id: str = ""
-    #: The member's address as it stated it (``JOIN``'s ``address``; "" if it gave none).
-    address: str = ""
-    #: A TCP port the member found free on its address (``JOIN``'s ``port``; 0 if none):
-    #: where a rendezvous hosted on its machine may listen.
-    port: int = 0
-    ranks: tuple[int, ...] = ()
-    last_seen: float = 0.0
-    #: Its workers have stopped (it said BYE).
-    done: bool = False
-    lost: bool = False
-
-    def describe(self) -> str:
-        """How errors name it: ``node-a at 10.0.0.5 (node rank 1, member pid 4242)``."""
-        where = f" at {self.address}" if self.address else ""
-        return f"{self.node_id}{where} (node rank {self.node_rank}, member pid {self.pid})"
 
 
 class Hub:
@@ -172,7 +146,15 @@ class Hub:
         if message.peer in self._by_peer:
             return None  # a member joins once; a second JOIN of its session changes nothing
         info = wire.read_control(message.parts)
-        refused = self._refusal(info)
+        refused = admission.refusal(
+            info,
+            version=self._version,
+            terms=self._terms,
+            node_ranks=self._node_ranks,
+            awaited=self._awaited,
+            nodes=self.nodes,
+            ready=self.ready,
+        )
         if refused is not None:
             refusal, reason = refused
             logger.warning(
@@ -211,69 +193,6 @@ class Hub:
         self.nodes.append(node)
         self._by_peer[message.peer] = node
         return node
-
-    def _refusal(self, info: dict[str, Any]) -> tuple[wire.Refusal, str] | None:
-        """Why the member that sent ``info`` cannot be admitted now; None if it can."""
-        rank = info.get("node_rank")
-        hostname, pid, expects = info.get("hostname"), info.get("pid"), info.get("expects", {})
-        if (
-            type(rank) is not int
-            or not isinstance(hostname, str)
-            or type(pid) is not int
-            or not isinstance(expects, dict)
-            or not isinstance(info.get("node_id", ""), str)
-            or not isinstance(info.get("address", ""), str)
-            or type(info.get("port", 0)) is not int
-        ):
-            shown = repr(info)
-            shown = shown if len(shown) <= 200 else shown[:200] + "..."
-            return wire.Refusal.MALFORMED, f"a malformed join request {shown}"
-        if info.get("version") != self._version:
-            return wire.Refusal.VERSION, (
-                f"node rank {rank} runs version {info.get('version')}, the driver "
-                f"{self._version}: install the same versions on every node"
-            )
-        differ = {
-            key: value
-            for key, value in expects.items()
-            if key in self._terms and self._terms[key] != value
-        }
-        if differ:
-            theirs = ", ".join(f"{key}={value!r}" for key, value in differ.items())
-            ours = ", ".join(f"{key}={self._terms[key]!r}" for key in differ)
-            return wire.Refusal.MISMATCH, (
-                f"node rank {rank} was started for {theirs}, and this executor has {ours}"
-            )
-        if rank not in self._node_ranks:
-            job = ", ".join(f"{key}={value!r}" for key, value in self._terms.items())
-            return wire.Refusal.OUT_OF_RANGE, (
-                f"node rank {rank} is out of range: this executor's members have node rank(s) "
-                f"{_ranks_text(self._node_ranks)}" + (f" ({job})" if job else "")
-            )
-        if rank in self._awaited:
-            return None
-        holder = next(
-            (n for n in self.nodes if n.node_rank == rank and not n.lost and not n.done), None
-        )
-        if holder is not None:
-            if self._awaited:
-                state = f"the executor still awaits node rank(s) {_ranks_text(self._awaited)}"
-            elif self.ready:
-                state = "the executor is running and awaits no member"
-            else:
-                state = "the executor is starting its workers and awaits no member"
-            return wire.Refusal.TAKEN, (
-                f"node rank {rank} has joined already (member pid {holder.pid} on "
-                f"{holder.hostname}); {state}"
-            )
-        gone = next((n for n in self.nodes if n.node_rank == rank), None)
-        if gone is not None and gone.done:
-            why = "its member has stopped its workers: the executor is shutting down"
-        elif gone is not None:
-            why = "its member was lost, and the executor awaits no other member for it"
-        else:
-            why = "the executor awaits no member for it"
-        return wire.Refusal.NOT_AWAITED, f"node rank {rank} is not awaited: {why}"
 
     def send_spec(self, member: Member, node_id: str, ranks: Sequence[int], spec: bytes) -> None:
         """Send a joined member what it runs (before :meth:`start`): ``spec`` is the
@@ -429,7 +348,7 @@ class Hub:
                 got_reply = True
             elif op == wire.DIED:
                 info = wire.read_control(message.parts)
-                self._on_failure(_died_on(node, info))
+                self._on_failure(died_on(node, info))
             elif op == wire.FAILED:
                 info = wire.read_control(message.parts)
                 reason = str(info.get("reason", "?"))
@@ -464,28 +383,3 @@ class Hub:
             if not node.lost and not node.done:
                 with contextlib.suppress(ChannelError):
                     self._listener.send(node.peer, message, timeout=0.1)
-
-
-def _ranks_text(ranks: Iterable[int]) -> str:
-    """``1 to 3`` for a run of ranks, else ``[1, 4]``."""
-    ordered = sorted(ranks)
-    if len(ordered) == 1:
-        return str(ordered[0])
-    if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)):
-        return f"{ordered[0]} to {ordered[-1]}"
-    return str(ordered)
-
-
-def _died_on(node: Member, info: dict[str, Any]) -> WorkerDiedError:
-    rank = info.get("rank")
-    code = info.get("exitcode")
-    detail = f"on node {node.node_id}"
-    if info.get("parent_died"):
-        detail += ", it saw its node's member process die"
-    if not isinstance(rank, int):
-        rank = min(node.ranks, default=-1)
-    if isinstance(code, int) and code < 0:
-        return WorkerDiedError(rank, signal=-code, detail=detail, node=node.node_id)
-    return WorkerDiedError(
-        rank, exitcode=code if isinstance(code, int) else None, detail=detail, node=node.node_id
-    )

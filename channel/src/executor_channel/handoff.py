@@ -7,12 +7,8 @@ same user, receives them (SCM_RIGHTS) with :func:`receive_fds`. Nothing is unpic
 
 from __future__ import annotations
 
-from ._handoff import (
-    HandoffError,
-    HandoffTimeoutError,
-    RingHandoff,
-    receive_fds,
-)
+from ._handoff_client import HandoffError, HandoffTimeoutError, receive_fds
+from ._handoff_server import RingHandoff
 
 __all__ = [
     "HandoffError",

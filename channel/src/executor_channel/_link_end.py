@@ -1,0 +1,214 @@
+"""One end of a link, whichever side it is: a zmq socket held to the :class:`Limits`, with
+bounded sends, receives and waits (zmq poll, no spinning) and a close that never hangs."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import zmq
+
+from ._drops import Drops
+from ._frames import HEADER_FIXED, Limits
+from ._gate import Gate
+from ._link_types import BytesLike, ChannelError, ChannelTimeoutError, Message
+from ._secret import Secret
+
+__all__ = ["LinkEnd", "as_views", "deadline_after"]
+
+# How long closing waits for queued frames to leave: enough for a last reply or a BYE to reach
+# a live peer, short enough that close never stalls on a dead one.
+_CLOSE_LINGER_MS = 100
+
+_LinkT = TypeVar("_LinkT", bound="LinkEnd")
+
+
+def deadline_after(timeout: float) -> float:
+    """The :func:`time.monotonic` time ``timeout`` seconds from now (a finite number >= 0)."""
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def as_views(parts: Sequence[BytesLike]) -> list[memoryview]:
+    """A message's parts as flat byte views, as :func:`._frames.seal` takes them."""
+    if isinstance(parts, (bytes, bytearray, memoryview)):
+        raise TypeError("parts is a sequence of bytes-like parts: wrap a single buffer in a list")
+    views = []
+    for part in parts:
+        view = memoryview(part)
+        if not view.c_contiguous:
+            raise ValueError("message parts must be C-contiguous buffers")
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return views
+
+
+class LinkEnd:
+    """What both ends share: the socket, its poller, timeouts, drops and closing."""
+
+    def __init__(
+        self,
+        secret: Secret,
+        limits: Limits,
+        context: zmq.Context[Any] | None,
+        socket_type: int,
+        side: str,
+    ) -> None:
+        if not isinstance(secret, Secret):
+            raise TypeError(f"secret must be an executor_channel.Secret, got {type(secret)}")
+        self._key = secret.key
+        self._limits = limits
+        self._closed = False
+        self._drops = Drops(side, secret.fingerprint)
+        self._own_context = context is None
+        self._context: zmq.Context[Any] = zmq.Context() if context is None else context
+        try:
+            self._socket: zmq.Socket[Any] = self._context.socket(socket_type)
+        except BaseException:
+            if self._own_context:
+                self._context.term()
+            raise
+        try:
+            self._socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+            self._socket.setsockopt(zmq.SNDHWM, limits.hwm)
+            self._socket.setsockopt(zmq.RCVHWM, limits.hwm)
+            # zmq drops (and disconnects) a peer sending a part larger than this before it is
+            # buffered whole: no part a holder of the secret sends is larger than a chunk or
+            # than the header (with its lengths).
+            header_max = HEADER_FIXED.size + 8 * limits.max_parts
+            self._socket.setsockopt(zmq.MAXMSGSIZE, max(limits.chunk_bytes, header_max))
+        except BaseException:
+            self._socket.close(linger=0)
+            if self._own_context:
+                self._context.term()
+            raise
+        self._gate: Gate | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._wait_pollers: dict[tuple[int, ...], zmq.Poller] = {}
+
+    def _add_gate(self) -> None:
+        """Put a :class:`Gate` in front of this (listening, not yet bound) socket."""
+        try:
+            self._gate = Gate(self._key, self._context, self._socket, self._limits, self._drops.add)
+        except RuntimeError as exc:
+            raise ChannelError(str(exc)) from None
+        for sock in self._gate.sockets:
+            self._poller.register(sock, zmq.POLLIN)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def drops(self) -> Mapping[str, int]:
+        """Frames dropped so far, per :class:`DropReason` value (a copy; any thread)."""
+        return self._drops.snapshot()
+
+    def close(self) -> None:
+        """Close the socket (and the context this link created); idempotent, never hangs.
+
+        Frames still queued get a short linger to leave, then are discarded.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._poller = zmq.Poller()
+        self._wait_pollers.clear()
+        if self._gate is not None:
+            self._gate.close()
+        self._socket.close(linger=_CLOSE_LINGER_MS)
+        if self._own_context:
+            self._context.term()
+
+    def __enter__(self: _LinkT) -> _LinkT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelError(f"{type(self).__name__} is closed")
+
+    def _send(self, frames: Sequence[bytes | memoryview], timeout: float) -> None:
+        """Queue one multipart message, waiting up to ``timeout`` for room below the HWM."""
+        deadline_after(timeout)
+        self._socket.setsockopt(zmq.SNDTIMEO, math.ceil(timeout * 1000))
+        try:
+            # copy=False: pyzmq hands large parts to zmq without copying them (it still copies
+            # small ones, which is cheaper than tracking them); track=False: no completion
+            # tracking, so a caller must not modify a part after sending it.
+            self._socket.send_multipart(frames, copy=False, track=False)
+        except zmq.Again:
+            raise ChannelTimeoutError(
+                f"could not send within {timeout}s: {self.limits.hwm} messages are already "
+                "queued for the peer (it is not reading, or the network is slower than the "
+                "sender)"
+            ) from None
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise ChannelError(
+                    "the peer is not connected (it closed, or its connection dropped and it "
+                    "has not sent since reconnecting)"
+                ) from None
+            raise ChannelError(f"send failed: {exc}") from exc
+
+    def _receive(
+        self, timeout: float, handle: Callable[[list[zmq.Frame]], Message | None]
+    ) -> Message:
+        """The first message ``handle`` accepts, blocking in zmq poll up to ``timeout``."""
+        deadline = deadline_after(timeout)
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ChannelTimeoutError(f"no message within {timeout}s") from None
+                events = self._poller.poll(max(1, math.ceil(remaining * 1000)))
+                if self._gate is not None and any(sock is not self._socket for sock, _ in events):
+                    self._gate.service()
+                continue
+            message = handle(frames)
+            if message is not None:
+                return message
+            if time.monotonic() >= deadline:
+                raise ChannelTimeoutError(f"no message within {timeout}s")
+
+    @property
+    def limits(self) -> Limits:
+        """The limits this link enforces."""
+        return self._limits
+
+    def wait(self, timeout: float, fds: Sequence[int] = ()) -> tuple[bool, list[int]]:
+        """Block (in zmq poll, no spinning) until a frame waits on this link, one of ``fds``
+        (plain file descriptors: an eventfd, a pipe) is readable, or ``timeout`` passes.
+
+        Returns ``(frames_waiting, readable_fds)``. A waiting frame may still be dropped: read
+        with ``recv(0)`` until it raises :class:`ChannelTimeoutError`. This lets one thread
+        own a link and also wake for work of its own, since a link is not thread-safe.
+        """
+        self._check_open()
+        deadline = deadline_after(timeout)
+        poller = self._wait_pollers.get(tuple(fds))
+        if poller is None:
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            for fd in fds:
+                poller.register(fd, zmq.POLLIN)
+            for sock in self._gate.sockets if self._gate is not None else ():
+                poller.register(sock, zmq.POLLIN)
+            self._wait_pollers[tuple(fds)] = poller
+        while True:
+            events = dict(poller.poll(math.ceil(max(0.0, deadline - time.monotonic()) * 1000)))
+            ready = [fd for fd in fds if events.get(fd)]
+            frames_waiting = bool(events.get(self._socket))
+            if self._gate is not None and len(events) > frames_waiting + len(ready):
+                self._gate.service()
+            # Woken only by the gate: the caller's wait is not over.
+            if frames_waiting or ready or not events or time.monotonic() >= deadline:
+                return frames_waiting, ready
