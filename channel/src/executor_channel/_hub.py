@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from . import _hub_admission as admission
 from . import _hub_protocol as wire
 from ._doorbell import Doorbell
 from ._hub_member import Member, died_on
+from ._hub_probes import Probes
 from ._link import ChannelError, ChannelTimeoutError, Listener, Message, PeerId
 from ._node_rings import Reply, decode_reply
 
@@ -68,6 +70,9 @@ class Hub:
         #: Replies (and ready frames) from the members, for the transport's poll.
         self.inbox: collections.deque[Reply] = collections.deque()
         self._outbox: collections.deque[list[bytes]] = collections.deque()
+        #: Messages for one member each (probes, ends), sent by the pump.
+        self._directed: collections.deque[tuple[Member, list[bytes]]] = collections.deque()
+        self._probes = Probes()
         self._wake = Doorbell()
         self._wake_closed = False
         self._stopped = False
@@ -164,32 +169,12 @@ class Hub:
                 reason,
             )
             # Best effort: a member gone since it asked must not stop the executor.
+            answer = admission.refused(refusal, reason, self._awaited)
             with contextlib.suppress(ChannelError):
-                self._listener.send(
-                    message.peer,
-                    wire.control(
-                        wire.REFUSED,
-                        {
-                            "reason": reason,
-                            "refusal": refusal.value,
-                            "awaited": sorted(self._awaited),
-                        },
-                    ),
-                    timeout=0,
-                )
+                self._listener.send(message.peer, answer, timeout=0)
             return None
-        rank = int(info["node_rank"])
-        self._awaited.discard(rank)
-        hostname = str(info["hostname"])
-        node = Member(
-            rank,
-            hostname,
-            int(info["pid"]),
-            message.peer,
-            node_id=str(info.get("node_id") or hostname),
-            address=str(info.get("address", "")),
-            port=int(info.get("port", 0)),
-        )
+        node = Member.joined(info, message.peer)
+        self._awaited.discard(node.node_rank)
         self.nodes.append(node)
         self._by_peer[message.peer] = node
         return node
@@ -221,6 +206,24 @@ class Hub:
         """Queue a call frame for every node. Its bytes are copied now: the caller may
         change its arguments as soon as the call is sent."""
         self._outbox.append([wire.CALL, b"".join(parts)])
+        self._wake.ring()
+
+    def probe(self, ranks: Sequence[int], timeout: float) -> Callable[[], set[int]]:
+        """Start the liveness probe of remote ``ranks`` (``PROBE``); the function returned
+        waits for it: the ranks whose member said they did not answer within ``timeout``, or
+        whose member did not answer in time."""
+        token, messages = self._probes.ask(self._live(), ranks, timeout)
+        self._directed.extend(messages)
+        self._wake.ring()
+        asked = [node for node, _ in messages]
+        return functools.partial(self._probes.wait, token, asked, ranks, timeout)
+
+    def end(self, ranks: Sequence[int]) -> None:
+        """Have the members holding ``ranks`` kill those workers now (``END``)."""
+        for node in self._live():
+            held = [rank for rank in ranks if rank in node.ranks]
+            if held:
+                self._directed.append((node, wire.control(wire.END, {"ranks": held})))
         self._wake.ring()
 
     def wake(self) -> None:
@@ -311,6 +314,11 @@ class Hub:
             message = outbox.popleft()
             for node in self._live():
                 self._send(node, message)
+        directed = self._directed
+        while directed:
+            node, message = directed.popleft()
+            if not node.lost:
+                self._send(node, message)
 
     def _send(self, node: Member, parts: Sequence[bytes]) -> None:
         try:
@@ -357,6 +365,8 @@ class Hub:
                 else:
                     node.lost = True
                     self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
+            elif op == wire.PROBED:
+                self._probes.answer(node, wire.read_control(message.parts))
             elif op == wire.BYE:
                 node.done = True
         if got_reply:

@@ -10,7 +10,7 @@ from typing import Any
 from . import _hub_protocol as wire
 from ._hub_member import Member
 
-__all__ = ["refusal"]
+__all__ = ["refusal", "refused"]
 
 
 def refusal(
@@ -93,3 +93,9 @@ def _ranks_text(ranks: Iterable[int]) -> str:
     if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)):
         return f"{ordered[0]} to {ordered[-1]}"
     return str(ordered)
+
+
+def refused(refusal: wire.Refusal, reason: str, awaited: Iterable[int]) -> list[bytes]:
+    """The ``REFUSED`` answer: the reason, the refusal and the node ranks awaited now."""
+    payload = {"reason": reason, "refusal": refusal.value, "awaited": sorted(awaited)}
+    return wire.control(wire.REFUSED, payload)

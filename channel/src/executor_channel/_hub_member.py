@@ -37,6 +37,20 @@ class Member:
     done: bool = False
     lost: bool = False
 
+    @classmethod
+    def joined(cls, info: dict[str, Any], peer: PeerId) -> Member:
+        """The member whose admitted ``JOIN`` said ``info``."""
+        hostname = str(info["hostname"])
+        return cls(
+            int(info["node_rank"]),
+            hostname,
+            int(info["pid"]),
+            peer,
+            node_id=str(info.get("node_id") or hostname),
+            address=str(info.get("address", "")),
+            port=int(info.get("port", 0)),
+        )
+
     def describe(self) -> str:
         """How errors name it: ``node-a at 10.0.0.5 (node rank 1, member pid 4242)``."""
         where = f" at {self.address}" if self.address else ""

@@ -5,9 +5,10 @@ messages carry JSON; a member's spec is opaque bytes (its backend's); calls and 
 codec frames, forwarded as they are.
 
 Hub to member: ``SPEC`` (or ``REFUSED``), ``READY`` once every member is ready, then ``CALL``
-frames (the stop message is a call frame of kind ``KIND_STOP``), ``PING`` and, to stop at
-once, ``KILL``. Member to hub: ``JOIN``, then ``FRAME`` (a worker's ready or reply frame),
-``DIED``, ``FAILED``, ``PING`` and, once its workers have stopped, ``BYE``.
+frames (the stop message is a call frame of kind ``KIND_STOP``), ``PING``, ``PROBE`` and
+``END`` (the hang bound's), and, to stop at once, ``KILL``. Member to hub: ``JOIN``, then
+``FRAME`` (a worker's ready or reply frame), ``DIED``, ``FAILED``, ``PING``, ``PROBED`` and,
+once its workers have stopped, ``BYE``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ __all__ = [
     "BYE",
     "CALL",
     "DIED",
+    "END",
     "FAILED",
     "FRAME",
     "JOIN",
     "KILL",
     "PING",
+    "PROBE",
+    "PROBED",
     "READY",
     "REFUSED",
     "SPEC",
@@ -51,6 +55,14 @@ CALL = b"C"
 FRAME = b"F"
 #: Either way: a heartbeat.
 PING = b"P"
+#: Hub to member: the liveness probe of some of its ranks (JSON: ``token``, ``ranks``,
+#: ``timeout_s``); answered with ``PROBED``.
+PROBE = b"Q"
+#: Member to hub: the answer to ``PROBE`` (JSON: its ``token``, and the ``silent`` ranks: those
+#: whose process did not answer within ``timeout_s``).
+PROBED = b"q"
+#: Hub to member: end these ranks' processes now (JSON: ``ranks``), declared hung.
+END = b"E"
 #: Member to hub: a worker of its node died (JSON: its rank and exit code).
 DIED = b"D"
 #: Member to hub: it could not start its workers or serve on (JSON: why).

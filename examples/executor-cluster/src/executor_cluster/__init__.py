@@ -18,6 +18,8 @@ def executor_register_backends() -> list[BackendSpec]:
             name="cluster",
             executor="executor_cluster._executor:ClusterExecutor",
             description="Example: mp's node agents started by a custom scheduler.",
-            capabilities=Capabilities(pipeline_parallel=True, multi_node=True, recovery="restart"),
+            capabilities=Capabilities(
+                pipeline_parallel=True, multi_node=True, recovery="restart", liveness_probe=True
+            ),
         )
     ]

@@ -66,13 +66,6 @@ class MultiprocTransport(Transport):
         options = MultiprocOptions.from_backend_options(config.backend_options)
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
-        if config.hang_timeout_s is not None and config.num_nodes > 1:
-            raise ConfigError(
-                "hang_timeout_s",
-                config.hang_timeout_s,
-                "the mp backend probes the ranks on the driver's node only, so far; leave "
-                "hang_timeout_s=None with num_nodes > 1",
-            )
         placement = self._placement_cls(config, options) if config.num_nodes > 1 else None
         local = per_node if placement is None or placement.driver_runs_ranks else 0
         if local:
@@ -238,15 +231,22 @@ class MultiprocTransport(Transport):
         self._driver.poll(timeout)
 
     def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
-        group = self._group
+        # The remote ranks' agents are asked first, and answer while the local ranks are.
+        assert self._driver is not None
+        hub, group = self._driver.hub, self._group
+        remote = [rank for rank in ranks if rank >= self._local]
+        wait_remote = hub.probe(remote, timeout) if hub is not None and remote else None
         local = [rank for rank in ranks if rank < self._local]
-        if group is None or not local:
-            return set()
-        return group.probes.probe(local, timeout)
+        silent = group.probes.probe(local, timeout) if group is not None and local else set()
+        return silent | (wait_remote() if wait_remote is not None else set())
 
     def kill(self, ranks: Sequence[int]) -> None:
+        assert self._driver is not None
         if self._group is not None:
             self._group.kill([rank for rank in ranks if rank < self._local])
+        remote = [rank for rank in ranks if rank >= self._local]
+        if self._driver.hub is not None and remote:
+            self._driver.hub.end(remote)
 
     # --- failure and stop ------------------------------------------------------------------
 

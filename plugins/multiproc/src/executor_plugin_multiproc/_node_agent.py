@@ -1,0 +1,397 @@
+"""One session of an ``executor node`` agent with its driver (:class:`NodeAgent`): join, receive
+this node's spec, start its workers on a shared-memory channel of its own, then relay. Each
+call frame from the driver is written once into the node's ring (every local worker reads
+it), and each reply frame is sent back as it is, never unpickled here. One thread owns the
+link; it sleeps in one poll on the link and the reply and death doorbells. It also answers
+the driver's liveness probes of its workers (the hang bound).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from executor_channel import ChannelError, ChannelTimeoutError, Connection
+from executor_channel import hub as wire
+from executor_channel.codec import KIND_STOP
+from executor_channel.shm import Doorbell, NodeRings, Received, Ring
+from executor_core import ConfigError, ExecutorError
+
+from ._agent_status import DRIVER_LOST_EXIT, REFUSED_EXIT, REJOIN, remedy
+from ._group import WorkerGroup
+from ._local import start_workers
+from ._node_protocol import NodeSpec
+from ._process import PARENT_DIED_EXIT
+
+__all__ = ["NodeAgent"]
+
+logger = logging.getLogger("executor_plugin_multiproc.agent")
+
+
+class NodeAgent:
+    """One session with the driver: join, start this node's workers, relay (see the module)."""
+
+    def __init__(
+        self,
+        link: Connection,
+        node_rank: int,
+        join_timeout: float,
+        num_nodes: int | None,
+        identity: dict[str, str],
+    ) -> None:
+        self._link = link
+        self._identity = identity
+        self._node_rank = node_rank
+        self._join_timeout = join_timeout
+        self._num_nodes = num_nodes
+        self._cleanups: list[Callable[[], None]] = []
+        self._deaths: collections.deque[tuple[int, int]] = collections.deque()
+        self._death_bell = Doorbell()
+        self._cleanups.append(self._death_bell.close)
+        self._group: WorkerGroup | None = None
+        self._spec: NodeSpec | None = None
+        self._last_seen = time.monotonic()
+        self._last_sent = 0.0
+        self._all_ready = False
+        #: A worker of this node died (the exit status is then 1).
+        self._lost_worker = False
+        #: Call frames received and not yet written into the ring (it was full).
+        self._pending: collections.deque[memoryview] = collections.deque()
+
+    def run(self) -> int:
+        from . import __version__
+
+        link = self._link
+        expects = {} if self._num_nodes is None else {"num_nodes": self._num_nodes}
+        try:
+            link.send(
+                wire.control(
+                    wire.JOIN,
+                    {
+                        "node_rank": self._node_rank,
+                        "hostname": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "version": __version__,
+                        "expects": expects,
+                        **self._identity,
+                        # Where node 0 hosts the torch rendezvous if the driver runs no ranks.
+                        "port": _free_port(self._identity["address"] or "0.0.0.0"),
+                    },
+                ),
+                timeout=self._join_timeout,
+            )
+            spec = self._receive_spec()
+            if isinstance(spec, int):
+                return spec
+            self._spec = spec
+            try:
+                self._start(spec)
+            except (ConfigError, ExecutorError, OSError) as exc:
+                self._send(
+                    wire.control(
+                        wire.FAILED, {"reason": f"starting its workers: {exc}", "started": False}
+                    )
+                )
+                return 1
+            return self._relay(spec)
+        except ChannelError as exc:
+            # The link failed (a send that could not leave, a closed link): no traceback.
+            print(
+                f"executor node: node rank {self._node_rank}: the link to the driver at "
+                f"{link.address} failed: {exc}",
+                file=sys.stderr,
+            )
+            return DRIVER_LOST_EXIT
+        except KeyboardInterrupt:
+            logger.info("node %d: interrupted; stopping its workers", self._node_rank)
+            with contextlib.suppress(ChannelError):
+                self._send(
+                    wire.control(
+                        wire.FAILED,
+                        {"reason": "its agent was interrupted", "started": self._group is not None},
+                    )
+                )
+            return 130
+        finally:
+            group = self._group
+            if group is not None:
+                group.closing = True
+                group.kill_now()
+            for cleanup in reversed(self._cleanups):
+                with contextlib.suppress(Exception):
+                    cleanup()
+
+    def _receive_spec(self) -> NodeSpec | int:
+        """This node's spec, or the exit status (said why on stderr) if the driver refused
+        this agent, gave up before it started, or did not answer within the join timeout."""
+        link = self._link
+        try:
+            message = link.recv(self._join_timeout)
+        except ChannelTimeoutError:
+            print(
+                f"executor node: the driver at {link.address} took this agent's connection but "
+                f"did not answer its join within --join-timeout={self._join_timeout:g} s. A "
+                "starting driver sends the agents their work once every node has joined: start "
+                "the other nodes' agents, or give a longer --join-timeout. A driver that failed "
+                "or is shutting down no longer answers: start this agent again for the next "
+                "executor.",
+                file=sys.stderr,
+            )
+            return DRIVER_LOST_EXIT
+        op = bytes(message.parts[0]) if message.parts else b""
+        if op == wire.REFUSED:
+            info = wire.read_control(message.parts)
+            reason = str(info.get("reason", "no reason given"))
+            what_to_do = remedy(info)
+            print(
+                f"executor node: the driver at {link.address} refused node rank "
+                f"{self._node_rank}: {reason}" + (f"; {what_to_do}" if what_to_do else ""),
+                file=sys.stderr,
+            )
+            return REFUSED_EXIT
+        if op == wire.KILL and wire.read_control(message.parts).get("rejoin") is True:
+            return REJOIN
+        if op == wire.KILL:
+            print(
+                f"executor node: the driver at {link.address} gave up before this node started "
+                "(its start failed: see its error); start this agent again for the next executor",
+                file=sys.stderr,
+            )
+            return REFUSED_EXIT
+        if op != wire.SPEC or len(message.parts) != 2:
+            raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
+        # The link has authenticated the driver: only a holder of the secret sent this.
+        spec = pickle.loads(message.parts[1])
+        if not isinstance(spec, NodeSpec):
+            raise ExecutorError(f"the driver sent a {type(spec).__name__} as this node's spec")
+        return spec
+
+    def _start(self, spec: NodeSpec) -> None:
+        from ._transport import check_devices
+
+        check_devices(spec.options, spec.device, len(spec.launches), spec.worker_env)
+        channel = NodeRings(len(spec.launches), spec.options.ring_sizes, self._cleanups.append)
+        self._channel = channel
+        first = spec.launches[0].rank
+        self._first_rank = first
+        self._group = start_workers(
+            channel, spec.launches, spec.options, self._cleanups.append, self._on_death
+        )
+        self._group.armed = True
+        logger.info(
+            "node %d (%s): started ranks %d..%d",
+            spec.node_rank,
+            spec.node_id,
+            first,
+            first + len(spec.launches) - 1,
+        )
+
+    def _on_death(self, index: int, exitcode: int) -> None:
+        """Monitor thread: hand the death to the relay thread, which owns the link."""
+        self._deaths.append((index, exitcode))
+        self._death_bell.ring()
+
+    # --- the relay ------------------------------------------------------------------------
+
+    def _relay(self, spec: NodeSpec) -> int:
+        link = self._link
+        channel = self._channel
+        calls = channel.calls
+        timeout = spec.options.node_timeout_s
+        interval = timeout / 4
+        fds = [channel.reply_bell.fd, self._death_bell.fd]
+        looked = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - looked > 2 * interval:
+                # This process was not scheduled (or was busy) for a while: what the driver
+                # sent meanwhile is read below, so its silence only counts from here.
+                self._last_seen = max(self._last_seen, now - interval)
+            frames_waiting, woken = link.wait(max(0.0, min(interval, self._next_ping() - now)), fds)
+            looked = time.monotonic()
+            if woken:
+                channel.reply_bell.clear()
+                self._death_bell.clear()
+            self._forward_replies()
+            # A worker died: the driver decides (KILL to stop, or to rejoin for a recovery);
+            # meanwhile this node keeps its link and heartbeats.
+            self._report_deaths()
+            if frames_waiting:
+                status = self._receive(calls)
+                if status is not None:
+                    return status
+            now = time.monotonic()
+            if now >= self._next_ping():
+                self._send([wire.PING])
+            # Both ends wait out silence longer until every rank is ready (machines are busy
+            # starting workers); the driver says when.
+            limit = timeout if self._all_ready else max(timeout, wire.STARTUP_SILENCE_S)
+            if now - self._last_seen > limit:
+                logger.error(
+                    "node %d: the driver sent nothing for %.1f s; stopping this node's workers",
+                    self._node_rank,
+                    now - self._last_seen,
+                )
+                return DRIVER_LOST_EXIT
+
+    def _next_ping(self) -> float:
+        assert self._spec is not None
+        return self._last_sent + self._spec.options.node_timeout_s / 4
+
+    def _drain(self) -> int | None:
+        """Read everything the driver sent: calls are queued for the ring; an exit status if
+        the driver stopped this node."""
+        while True:
+            try:
+                message = self._link.recv(0)
+            except ChannelTimeoutError:
+                return None
+            self._last_seen = time.monotonic()
+            parts = message.parts
+            op = bytes(parts[0]) if parts else b""
+            if op == wire.CALL and len(parts) == 2:
+                self._pending.append(parts[1])
+            elif op == wire.READY:
+                self._all_ready = True
+            elif op == wire.PROBE:
+                self._answer_probe(wire.read_control(parts))
+            elif op == wire.END:
+                self._end(wire.read_control(parts))
+            elif op == wire.KILL:
+                if wire.read_control(parts).get("rejoin") is True:
+                    return REJOIN
+                logger.info("node %d: the driver stopped this node", self._node_rank)
+                return 1 if self._lost_worker else 0
+
+    def _local(self, info: dict[str, Any]) -> list[int]:
+        """The indices of this node's workers among ``info["ranks"]``."""
+        first, ranks = self._first_rank, info.get("ranks")
+        held = range(first, first + len(self._channel.replies))
+        valid = ranks if isinstance(ranks, list) else []
+        return [r - first for r in valid if type(r) is int and r in held]
+
+    def _answer_probe(self, info: dict[str, Any]) -> None:
+        """The driver's liveness probe: ask this node's workers, answer who was silent. It
+        holds the relay for at most the probe's wait, asked only once a call has waited
+        the hang bound (replies are stalled then anyway)."""
+        assert self._group is not None
+        timeout = info.get("timeout_s")
+        timeout = float(timeout) if isinstance(timeout, int | float) else 1.0
+        silent = self._group.probes.probe(self._local(info), min(max(timeout, 0.0), 5.0))
+        ranks = sorted(self._first_rank + index for index in silent)
+        self._send(wire.control(wire.PROBED, {"token": info.get("token"), "silent": ranks}))
+
+    def _end(self, info: dict[str, Any]) -> None:
+        """The driver declared some of this node's ranks hung: kill them (their deaths are
+        reported as any other)."""
+        assert self._group is not None
+        self._group.kill(self._local(info))
+
+    def _receive(self, calls: Ring) -> int | None:
+        """Handle what the driver sent, writing its calls into the ring in order; an exit
+        status once this node is done."""
+        status = self._drain()
+        if status is not None:
+            return status
+        pending = self._pending
+        while pending:
+            frame = pending.popleft()
+            try:
+                calls.write([frame], frame.nbytes, None, self._while_writing)
+            except _Killed as killed:
+                return killed.status
+            if frame.nbytes and frame[0] == KIND_STOP:
+                return self._stop()
+        return None
+
+    def _while_writing(self) -> None:
+        """The node's call ring is full (its workers are busy): keep replies, heartbeats and
+        the driver's messages flowing meanwhile, so that a long call is no silence."""
+        self._forward_replies()
+        status = self._drain()
+        if status is not None:
+            raise _Killed(status)
+        if time.monotonic() >= self._next_ping():
+            self._send([wire.PING])
+
+    def _stop(self) -> int:
+        """The stop frame is in the ring: wait for the workers to finish, then say BYE."""
+        assert self._group is not None
+        assert self._spec is not None
+        grace = self._spec.options.shutdown_grace_s
+        self._group.closing = True
+        self._forward_replies()
+        self._group.stop(grace, grace)
+        self._forward_replies()
+        self._send([wire.BYE])
+        logger.info("node %d: its workers stopped", self._node_rank)
+        return 0
+
+    def _forward_replies(self) -> None:
+        for ring in self._channel.replies:
+            while ring.poll():
+                frame = ring.read(_owned)
+                if frame is not None:
+                    self._send([wire.FRAME, frame])
+
+    def _report_deaths(self) -> bool:
+        if not self._deaths:
+            return False
+        self._lost_worker = True
+        while self._deaths:
+            index, exitcode = self._deaths.popleft()
+            rank = self._first_rank + index
+            self._forward_replies()  # what it answered before it died comes first
+            self._send(
+                wire.control(
+                    wire.DIED,
+                    {
+                        "rank": rank,
+                        "exitcode": exitcode,
+                        "parent_died": exitcode == PARENT_DIED_EXIT,
+                    },
+                )
+            )
+        return True
+
+    def _send(self, parts: Sequence[Any]) -> None:
+        assert self._spec is not None or parts[0] != wire.PING
+        timeout = self._spec.options.node_timeout_s if self._spec else self._join_timeout
+        self._link.send(parts, timeout=timeout)
+        self._last_sent = time.monotonic()
+
+
+class _Killed(Exception):
+    """The driver said KILL while a call was being written into the full ring."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        #: What :meth:`NodeAgent.run` returns: 0, or :data:`REJOIN`.
+        self.status = status
+
+
+def _owned(view: Received) -> Any:
+    """A reply frame to forward: the ring's slot memory is reused, so keep a copy (a
+    message gathered from several slots is already a copy of its own)."""
+    if isinstance(view, memoryview):
+        return bytes(view)
+    return view  # a PickleBuffer (read without ``assemble``, so never an Assembled)
+
+
+def _free_port(address: str) -> int:
+    """A TCP port free on ``address`` a moment ago (0 if it cannot be bound here)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+            return int(sock.getsockname()[1])
+    except OSError:
+        return 0
