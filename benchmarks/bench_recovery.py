@@ -1,0 +1,183 @@
+"""Recovery: a group restart after a SIGKILL against a new executor, and recovery's cost on
+the hot path, in one run.
+
+    .venv/bin/python benchmarks/bench_recovery.py [--rounds 5] [--layers 4] [--calls 2000]
+        [--backends mp,ray]
+
+Back after a death, on ``mp`` TP 2 and ``ray`` TP 2, with the reference model large enough
+that loading it takes visible time (a checkpoint of ``--layers`` layers, about 80 MB a
+layer, written once into a temporary directory):
+
+* ``group restart``: an executor with ``RecoveryPolicy(backoff_s=0)``; rank 1's process is
+  killed (SIGKILL) and the clock runs from the kill to the first call that succeeds (a call
+  made at once, retried while it fails with the death).
+* ``new executor`` (the baseline): from ``shutdown()`` of a running executor to the first
+  call of a new one with the same config (what an engine without recovery does).
+
+Target: the restart at most 1.1x the new executor (median over ``--rounds``).
+
+The hot path: a no-op ``collective_rpc`` on ``mp`` (2 workers, ``executor bench``'s worker)
+with no recovery, with ``RecoveryPolicy()``, and with ``RecoveryPolicy()`` plus
+``hang_timeout_s=10``, interleaved in rounds (``executor bench``'s timing loop). Target: each
+within 1.05x of no recovery (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from executor_bench import BenchWorker, format_time, interleave, markdown_table, percentile
+from executor_core import (
+    Executor,
+    ExecutorConfig,
+    RecoveryPolicy,
+    WorkerDiedError,
+    create_executor,
+)
+from executor_core.backend import default_registry
+
+
+def _pid(worker: Any) -> int:
+    return os.getpid()
+
+
+def _first_success(executor: Executor, deadline_s: float) -> None:
+    """Call until a call succeeds (a call sent before the death was seen fails with it)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            executor.collective_rpc(_pid, timeout=deadline_s)
+            return
+        except WorkerDiedError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def _reference_config(backend: str, checkpoint: Path, recovery: RecoveryPolicy | None) -> Any:
+    return ExecutorConfig(
+        backend=backend,
+        worker_cls="executor_reference:ReferenceWorker",
+        worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": 4, "cpu_threads": 1},
+        tensor_parallel_size=2,
+        recovery=recovery,
+    )
+
+
+def bench_back(backend: str, checkpoint: Path, rounds: int) -> dict[str, list[float]]:
+    """Seconds from a SIGKILL to the first good call (restart), and from shutdown to a new
+    executor's first call (new executor), interleaved."""
+    policy = RecoveryPolicy(max_restarts=rounds + 2, backoff_s=0.0)
+    restart: list[float] = []
+    fresh: list[float] = []
+    executor = create_executor(_reference_config(backend, checkpoint, policy))
+    try:
+        _first_success(executor, 300)
+        for _ in range(rounds):
+            pids = executor.collective_rpc(_pid, timeout=300)
+            start = time.perf_counter()
+            os.kill(pids[1], signal.SIGKILL)
+            _first_success(executor, 300)
+            restart.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            executor.shutdown()
+            executor = create_executor(_reference_config(backend, checkpoint, policy))
+            _first_success(executor, 300)
+            fresh.append(time.perf_counter() - start)
+    finally:
+        executor.shutdown()
+    return {"group restart": restart, "new executor": fresh}
+
+
+def bench_hot(calls: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per no-op call on mp with recovery off, on, and on with a hang bound."""
+    configs = {
+        "no recovery": {},
+        "RecoveryPolicy()": {"recovery": RecoveryPolicy()},
+        "RecoveryPolicy() + hang_timeout_s=10": {
+            "recovery": RecoveryPolicy(),
+            "hang_timeout_s": 10.0,
+        },
+    }
+    executors = {
+        label: create_executor(
+            ExecutorConfig(backend="mp", worker_cls=BenchWorker, tensor_parallel_size=2, **extra)
+        )
+        for label, extra in configs.items()
+    }
+    try:
+        sides = {
+            label: (lambda executor=executor: executor.collective_rpc("noop"))
+            for label, executor in executors.items()
+        }
+        return interleave(sides, rounds, calls // rounds, warmup=200)
+    finally:
+        for executor in executors.values():
+            executor.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--backends", default="mp,ray")
+    args = parser.parse_args()
+    from executor_reference import ModelConfig, ensure_checkpoint
+
+    installed = {spec.name for spec in default_registry().backends()}
+    model = ModelConfig(
+        vocab_size=8192,
+        hidden_size=1024,
+        num_layers=args.layers,
+        num_heads=16,
+        intermediate_size=4096,
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        checkpoint = ensure_checkpoint(model, tmp)
+        size_mb = checkpoint.stat().st_size / 1e6
+        print(f"checkpoint: {size_mb:.0f} MB ({args.layers} layers)\n")
+        rows = []
+        for backend in args.backends.split(","):
+            if backend not in installed:
+                print(f"skip {backend}: not installed", file=sys.stderr)
+                continue
+            times = bench_back(backend, checkpoint, args.rounds)
+            base = statistics.median(times["new executor"])
+            for label, samples in times.items():
+                median = statistics.median(samples)
+                rows.append(
+                    [
+                        f"{backend} TP 2",
+                        label,
+                        f"{median:.2f} s",
+                        f"{min(samples):.2f}-{max(samples):.2f} s",
+                        f"{median / base:.2f}x",
+                    ]
+                )
+        print(markdown_table(["layout", "back after", "median", "range", "/ new executor"], rows))
+    print()
+    hot = bench_hot(args.calls, 10)
+    base = statistics.median(hot["no recovery"])
+    hot_rows = [
+        [
+            label,
+            format_time(statistics.median(samples)),
+            format_time(percentile(samples, 0.99)),
+            f"{statistics.median(samples) / base:.3f}x",
+        ]
+        for label, samples in hot.items()
+    ]
+    print(markdown_table(["mp no-op, 2 workers", "median", "p99", "/ no recovery"], hot_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
