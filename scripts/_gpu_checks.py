@@ -23,6 +23,7 @@ from _gpu_devices import (
     check_one_gpu_per_rank,
 )
 from _gpu_probe import Env, probe
+from _gpu_recovery import check_recovery_nccl
 from _gpu_tokens import check_tokens, check_tokens_tp2
 from _gpu_worker import check_sleep_wake, check_timing
 
@@ -38,6 +39,12 @@ def _needs_gpu(env: Env) -> str | None:
 def _needs_two_gpus(env: Env) -> str | None:
     if not env.gpu:
         return "no GPU (dry run): covered by tokens (mp tp=2 cpu)"
+    return None if env.gpu_count >= 2 else f"needs two GPUs, {env.gpu_count} visible"
+
+
+def _needs_two_gpus_cpu_elsewhere(env: Env) -> str | None:
+    if not env.gpu:
+        return "no GPU (dry run): the group restart on cpu is tests/test_reference_backends.py's"
     return None if env.gpu_count >= 2 else f"needs two GPUs, {env.gpu_count} visible"
 
 
@@ -100,6 +107,13 @@ CHECKS: tuple[Check, ...] = (
         "more ranks than GPUs: ConfigError before any worker starts",
         check_one_gpu_per_rank,
         45.0,
+    ),
+    Check(
+        "recovery_nccl",
+        "mp tp=2: rank 1 killed mid-NCCL all_reduce; the call fails, the group restarts",
+        check_recovery_nccl,
+        150.0,
+        _needs_two_gpus_cpu_elsewhere,
     ),
     Check(
         "fork_after_cuda",

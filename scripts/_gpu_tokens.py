@@ -18,6 +18,7 @@ from _gpu_common import (
 )
 
 if TYPE_CHECKING:
+    from executor_core import Executor, ExecutorConfig
     from executor_reference import GenerationResult
 
 #: A token difference counts as a rounding tie when the logits agreed this closely (max
@@ -25,22 +26,48 @@ if TYPE_CHECKING:
 TIE_MAX_LOGIT_DELTA = 1e-3
 
 
-def _main_job(ctx: Context, *, backend: str, device: str, tp: int = 1) -> GenerationResult:
-    """Greedy tokens (and logits) of the main job at ``executor run``'s default options: its
-    model size, seed, prompts and batch."""
-    from executor_core import create_executor
-    from executor_reference import add_run_arguments, generate, make_prompts
+def _job() -> argparse.Namespace:
+    """``executor run``'s default options."""
+    from executor_reference import add_run_arguments
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    job = parser.parse_args([])
-    model = reference_model(job.model_size, job.seed)
-    prompts = make_prompts(job.requests, job.prompt_len, model.vocab_size, job.seed)
+    return parser.parse_args([])
+
+
+def main_job_config(
+    ctx: Context, *, backend: str, device: str, tp: int = 1, **changes: Any
+) -> ExecutorConfig:
+    """The main job's config at ``executor run``'s defaults (``changes`` on top of it)."""
+    import attrs
+
+    job = _job()
     # kv_slots as executor run sizes it at pp=1.
     config = reference_config(
-        ctx, model, backend=backend, device=device, tp=tp, kv_slots=job.batch_size * 2
+        ctx,
+        reference_model(job.model_size, job.seed),
+        backend=backend,
+        device=device,
+        tp=tp,
+        kv_slots=job.batch_size * 2,
     )
-    with create_executor(config) as executor:
+    return attrs.evolve(config, **changes)
+
+
+def main_job(
+    ctx: Context, *, backend: str, device: str, tp: int = 1, executor: Executor | None = None
+) -> GenerationResult:
+    """Greedy tokens (and logits) of the main job at ``executor run``'s default options: its
+    model size, seed, prompts and batch (on ``executor`` if given: one of
+    :func:`main_job_config`'s)."""
+    from executor_core import create_executor
+    from executor_reference import generate, make_prompts
+
+    job = _job()
+    vocab = reference_model(job.model_size, job.seed).vocab_size
+    prompts = make_prompts(job.requests, job.prompt_len, vocab, job.seed)
+
+    def run(executor: Executor) -> GenerationResult:
         return generate(
             executor,
             prompts,
@@ -49,6 +76,11 @@ def _main_job(ctx: Context, *, backend: str, device: str, tp: int = 1) -> Genera
             return_logits=True,
             timeout=CALL_TIMEOUT_S,
         )
+
+    if executor is not None:
+        return run(executor)
+    with create_executor(main_job_config(ctx, backend=backend, device=device, tp=tp)) as fresh:
+        return run(fresh)
 
 
 def compare_tokens(reference: GenerationResult, other: GenerationResult, label: str) -> Outcome:
@@ -102,15 +134,15 @@ def compare_tokens(reference: GenerationResult, other: GenerationResult, label: 
 
 
 def check_tokens(ctx: Context) -> Outcome:
-    reference = _main_job(ctx, backend="uni", device="cpu")
+    reference = main_job(ctx, backend="uni", device="cpu")
     if ctx.gpu:
-        other = _main_job(ctx, backend="uni", device="cuda")
+        other = main_job(ctx, backend="uni", device="cuda")
         return compare_tokens(reference, other, "uni cuda vs uni cpu")
-    other = _main_job(ctx, backend="mp", device="cpu", tp=2)
+    other = main_job(ctx, backend="mp", device="cpu", tp=2)
     return compare_tokens(reference, other, "dry run: mp tp=2 cpu vs uni cpu")
 
 
 def check_tokens_tp2(ctx: Context) -> Outcome:
-    reference = _main_job(ctx, backend="uni", device="cpu")
-    other = _main_job(ctx, backend="mp", device="cuda", tp=2)
+    reference = main_job(ctx, backend="uni", device="cpu")
+    other = main_job(ctx, backend="mp", device="cuda", tp=2)
     return compare_tokens(reference, other, "mp tp=2 cuda vs uni cpu")

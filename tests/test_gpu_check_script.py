@@ -27,6 +27,7 @@ CHECKS = [
     "device_per_thread_mp",
     "device_per_thread_ray",
     "one_gpu_per_rank",
+    "recovery_nccl",
     "fork_after_cuda",
 ]
 #: What the dry run must really run, and pass, on the CPU.
@@ -39,7 +40,7 @@ RUN_ON_CPU = {
     "one_gpu_per_rank",
 }
 #: What only a GPU can run: listed as SKIP in the dry run.
-CUDA_ONLY = {"tokens_tp2", "fork_after_cuda"}
+CUDA_ONLY = {"tokens_tp2", "recovery_nccl", "fork_after_cuda"}
 #: The script's own promise is under a minute on two cores; this leaves room for a busy host.
 TIMEOUT_S = 240
 
