@@ -20,7 +20,15 @@ from mp_nodes import Agents, agent_env, agents, node_secret
 from mp_test_helpers import wait_gone
 
 from executor_channel.testing import flood_unauthenticated, gate_token, throw_garbage
-from executor_core import ConfigError, Executor, ExecutorError, WorkerDiedError, create_executor
+from executor_core import (
+    ConfigError,
+    Executor,
+    ExecutorError,
+    ExecutorState,
+    RecoveryPolicy,
+    WorkerDiedError,
+    create_executor,
+)
 from executor_core.backend import Registry, find_free_port
 from executor_core.testing import ExecutorConformanceTests, conformance_config
 from executor_core.testing._base import ExecutorFactory
@@ -125,6 +133,40 @@ class TestNodes:
         finally:
             executor.shutdown()
         assert wait_gone(pids, 5.0) == []
+
+    def test_a_lost_agent_comes_back_when_one_joins_again(self, agents: Agents) -> None:
+        """With a recovery policy, a killed agent's node comes back once an agent for its node
+        rank joins again (started by systemd, a scheduler or a person) within
+        startup_timeout; without one it fails, saying which node rank did not join."""
+        port = find_free_port()
+        agents.start(port)
+        config = conformance_config(
+            "mp",
+            world_size=2,
+            num_nodes=2,
+            recovery=RecoveryPolicy(max_restarts=2, backoff_s=0.0),
+            backend_options={"node_port": port, "shutdown_grace_s": 1.0, "startup_timeout": 10.0},
+        )
+        with create_executor(config) as executor:
+            executor.collective_rpc("get_rank", timeout=30)
+            agents.started[-1].kill()
+            deadline = time.monotonic() + 10
+            while executor.state is ExecutorState.RUNNING:
+                assert time.monotonic() < deadline, "the agent's death was not seen"
+                time.sleep(0.01)
+            time.sleep(1.0)  # the agent comes back a while later
+            agents.start(port)
+            assert executor.collective_rpc("get_rank", timeout=30) == [0, 1]
+            assert executor.state is ExecutorState.RUNNING
+            # Its second loss uses up the policy: no agent comes, and the failure says which.
+            agents.started[-1].kill()
+            deadline = time.monotonic() + 40
+            while executor.state is not ExecutorState.FAILED:
+                assert time.monotonic() < deadline, f"still {executor.state}"
+                time.sleep(0.05)
+            assert "node rank(s) [1] did not join within startup_timeout=10" in str(
+                executor.failure
+            )
 
     def test_agent_stopped_with_sigterm(self, agents: Agents) -> None:
         executor = _two_nodes(agents)
