@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from . import _buffers
-from ._ring import Assembled
+from ._ring_reader import Assembled
 
 __all__ = [
     "KIND_CALL",
@@ -353,7 +353,7 @@ def decode(buf: memoryview | pickle.PickleBuffer | Assembled) -> tuple[int, bool
     :class:`pickle.PickleBuffer` is memory the receiver owns already (the ring hands a
     message that spanned several slots that way, after copying it out once): its buffers are
     used in place, so a large payload is not copied twice; so are the pieces of an
-    :class:`~._ring.Assembled` frame (see :func:`plan_assembly`).
+    :class:`~._ring_reader.Assembled` frame (see :func:`plan_assembly`).
     """
     if isinstance(buf, Assembled):
         return _decode_assembled(buf.parts)

@@ -20,7 +20,8 @@ from executor_core.backend import Call, RemoteFailure, TransportHost
 from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
-from ._ring import Ring, RingAbortedError, RingStalledError
+from ._ring import Ring, RingAbortedError
+from ._ring_writer import RingStalledError
 from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.

@@ -2,8 +2,8 @@
 the calls in its own process (a Ray actor on another machine, say), with no workers of its own.
 
 It speaks the hub's protocol (:mod:`._hub_protocol`) as a node agent does: ``JOIN``, then
-the ``SPEC`` (whose content it ignores), then a ready frame for its rank, then replies. Two
-daemon threads serve:
+the ``SPEC`` (whose content it ignores), then a ready frame for its rank (its start-up,
+:mod:`._member_join`), then replies. Two daemon threads serve:
 
 - the *link thread* owns the :class:`~._link.Connection` (not thread-safe). It sleeps in one
   poll on the link and the outbox doorbell, sends the reply frames the call thread queued,
@@ -25,9 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,10 +36,11 @@ import attrs
 from executor_core.backend import RemoteFailure, method_name
 
 from . import _hub_protocol as wire
-from ._codec import KIND_READY, KIND_STOP, Frame, encode
+from ._codec import KIND_STOP
 from ._doorbell import Doorbell
 from ._hub import STARTUP_SILENCE_S
 from ._link import ChannelError, ChannelTimeoutError, Connection
+from ._member_join import join_hub
 from ._secret import Secret
 from ._serve import Handler, decode_call, reply_frame
 
@@ -128,7 +127,7 @@ class MemberServer:
             self._bell.close()
             raise
         try:
-            self._join(version, join_timeout, prepare)
+            join_hub(self._link, rank, version, join_timeout, prepare)
         except BaseException:
             self._link.close()
             self._bell.close()
@@ -175,52 +174,6 @@ class MemberServer:
         for thread in (self._link_thread, self._call_thread):
             if thread is not current:
                 thread.join(max(0.0, deadline - time.monotonic()))
-
-    # --- start-up (the constructor's thread owns the link) --------------------------------
-
-    def _join(self, version: str, join_timeout: float, prepare: Callable[[], None] | None) -> None:
-        link = self._link
-        link.send(
-            wire.control(
-                wire.JOIN,
-                {
-                    "node_rank": self._rank,
-                    "hostname": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "version": version,
-                },
-            ),
-            timeout=join_timeout,
-        )
-        try:
-            message = link.recv(join_timeout)
-        except ChannelTimeoutError:
-            raise ChannelTimeoutError(
-                f"the driver at {link.address} sent no spec for rank {self._rank} within "
-                f"{join_timeout:g} s"
-            ) from None
-        op = bytes(message.parts[0]) if message.parts else b""
-        if op == wire.REFUSED:
-            reason = wire.read_control(message.parts).get("reason", "?")
-            raise ChannelError(f"the driver refused rank {self._rank}: {reason}")
-        if op == wire.KILL:
-            raise ChannelError(f"the driver gave up before rank {self._rank} started")
-        if op != wire.SPEC:
-            raise ChannelError(f"the driver sent {op!r} instead of rank {self._rank}'s spec")
-        # The spec's content is for node agents; a member serves the rank it joined as.
-        failure: RemoteFailure | None = None
-        if prepare is not None:
-            try:
-                prepare()
-            except Exception as exc:  # noqa: BLE001 - reported to the driver, then raised
-                failure = RemoteFailure.capture(self._rank, "prepare", exc)
-        ready = (True, os.getpid()) if failure is None else (False, failure)
-        self._send_frame(encode(KIND_READY, ready[0], self._rank, 0, ready[1]), join_timeout)
-        if failure is not None:
-            raise ChannelError(
-                f"rank {self._rank} failed to start (the driver was told): "
-                f"{failure.exc_type}: {failure.message}"
-            )
 
     # --- the link thread --------------------------------------------------------------------
 
@@ -330,10 +283,6 @@ class MemberServer:
 
     def _send(self, parts: Sequence[Any]) -> None:
         self._link.send(parts, timeout=self._timeout)
-        self._last_sent = time.monotonic()
-
-    def _send_frame(self, frame: Frame, timeout: float) -> None:
-        self._link.send([wire.FRAME, b"".join(frame[0])], timeout=timeout)
         self._last_sent = time.monotonic()
 
     # --- the call thread --------------------------------------------------------------------

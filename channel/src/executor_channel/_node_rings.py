@@ -18,7 +18,9 @@ from executor_core import WorkerError
 
 from ._codec import DecodeError, decode
 from ._doorbell import Doorbell
-from ._ring import Received, Ring, RingLayout
+from ._ring import Ring
+from ._ring_layout import RingLayout
+from ._ring_reader import Received
 from ._segment import SharedSegment
 from ._spin import Spinner
 

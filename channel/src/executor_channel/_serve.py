@@ -14,7 +14,8 @@ import attrs
 from executor_core.backend import RemoteFailure
 
 from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode, plan_assembly
-from ._ring import Received, Ring
+from ._ring import Ring
+from ._ring_reader import Received
 
 __all__ = ["Handler", "decode_call", "reply_frame", "serve_rings"]
 

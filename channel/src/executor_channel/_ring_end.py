@@ -1,0 +1,77 @@
+"""What a ring's writer and its readers share: where this end finds the ring's counters and
+slots in the segment, its own count, its doorbells and its spinner (:class:`RingEnd`).
+
+The writer's side is :mod:`._ring_writer`, a reader's :mod:`._ring_reader`; :mod:`._ring`
+joins them and states the counter protocol between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._doorbell import Doorbell
+from ._fence import load_acquire
+from ._ring_layout import LINE, RingLayout
+from ._spin import Spinner
+
+__all__ = ["MAX_SLEEP_S", "RingEnd"]
+
+#: Longest single sleep; waits re-check their abort condition at least this often.
+MAX_SLEEP_S = 0.1
+
+
+class RingEnd:
+    """One end of a ring: the writer (``reader=None``) or reader number ``reader``, as
+    :class:`~._ring.Ring` takes them."""
+
+    def __init__(
+        self,
+        buf: memoryview,
+        layout: RingLayout,
+        *,
+        reader: int | None,
+        data_bells: Sequence[Doorbell],
+        space_bell: Doorbell,
+        spin: Spinner | None = None,
+        wait_spin_s: float | None = None,
+        ends_bulk: bool = True,
+    ) -> None:
+        self._buf = buf
+        #: Which spinner a message of one slot on this ring takes out of its ``bulk`` state
+        #: (see :meth:`Spinner.contended`): on a ring of calls, a small call starts a new
+        #: exchange; a small reply (``ends_bulk=False``) may answer a large call that the
+        #: other readers are still copying.
+        self._ends_bulk = spin if ends_bulk else None
+        #: A reader's spin while it waits for its next message (default: ``spin``'s own).
+        self._wait_spin_s = wait_spin_s
+        self._layout = layout
+        self._reader = reader
+        self._spin = spin
+        self._data_bells = list(data_bells)
+        self._space_bell = space_bell
+        self._written_off = layout.offset
+        self._waiting_off = layout.offset + 8
+        self._consumed_offs = [layout.offset + LINE * (1 + i) for i in range(layout.readers)]
+        self._slot_data = layout.slot_bytes
+        self._nslots = layout.slots
+        self._streaming = False
+        #: Set when a multi-chunk transfer was interrupted half-way: the ring cannot be used.
+        self.broken = False
+        self._slot_offs = [
+            layout.slots_offset + k * layout.slot_stride for k in range(layout.slots)
+        ]
+        # This side's own count: chunks written (writer) or consumed (reader).
+        self._own_off = self._written_off if reader is None else self._consumed_offs[reader]
+        self._count: int = load_acquire(buf, self._own_off)[0]
+        #: Writer: slots known to be free (a lower bound: readers only ever free more), so
+        #: that the readers' counters are loaded only when it runs out.
+        self._free = 0
+
+    @property
+    def spinner(self) -> Spinner | None:
+        """The spin budget this side's waits use (None: they never spin)."""
+        return self._spin
+
+    def fits_one_slot(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` is published at once, in a single slot."""
+        return nbytes <= self._slot_data
