@@ -23,6 +23,7 @@ from typing import Any
 from executor_core import ExecutorConfig, WorkerContext, create_executor, hookimpl
 from executor_core.backend import Registry
 
+from ._intervals import Estimate, difference_estimate
 from ._worker import BenchWorker
 
 __all__ = [
@@ -95,11 +96,18 @@ class Overhead:
     us_per_call: dict[str, float]
     calls: int
     rounds: int
+    #: Each round's mean µs per call, by way, in round order.
+    rounds_us: dict[str, list[float]]
 
     def over_direct(self) -> dict[str, float]:
         """µs per call over the direct method call, for every way but the direct one."""
         direct = self.us_per_call["direct"]
         return {k: v - direct for k, v in self.us_per_call.items() if k != "direct"}
+
+    def over_direct_estimate(self, way: str) -> Estimate:
+        """``way``'s µs per call over the direct call's, round by round: their median, with
+        its bootstrap interval."""
+        return difference_estimate(self.rounds_us[way], self.rounds_us["direct"])
 
 
 def _mean_us(fn: Callable[[], Any], calls: int) -> float:
@@ -177,5 +185,8 @@ def measure_overhead(calls: int = 20_000, rounds: int = 7) -> Overhead:
     if observer.seen < 2 * calls * rounds or call_observer.finished < calls * rounds:
         raise RuntimeError("an observer saw fewer calls than were made")
     return Overhead(
-        {name: statistics.median(values) for name, values in samples.items()}, calls, rounds
+        {name: statistics.median(values) for name, values in samples.items()},
+        calls,
+        rounds,
+        samples,
     )

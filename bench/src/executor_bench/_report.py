@@ -9,6 +9,7 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ._intervals import CONFIDENCE, MIN_P99_CALLS, MIN_UNITS, Estimate, ratio_estimate
 from ._overhead import OVERHEAD_LIMITS
 from ._result import BenchResult
 from ._workloads import Row, Summary, format_time
@@ -29,7 +30,8 @@ class Target:
     row: str
     #: ``median`` or ``p99``.
     statistic: str
-    #: The largest ratio backend / baseline that meets it.
+    #: The largest ratio backend / baseline that meets it: met when the ratio's interval
+    #: lies within it (see :mod:`executor_bench._intervals`).
     limit: float
 
 
@@ -116,23 +118,42 @@ def _summaries(result: BenchResult) -> dict[tuple[str, str], Summary]:
     }
 
 
-def _targets(
-    result: BenchResult, summaries: dict[tuple[str, str], Summary]
-) -> list[dict[str, Any]]:
+def _judged(estimate: Estimate, limit: float, unit: str, what: str) -> dict[str, Any]:
+    """A target's verdict, interval and note (how it was judged), for the JSON document."""
+    verdict = estimate.verdict(limit)
+    notes = [f"median of {_count(estimate.units, what)}"]
+    if estimate.blocked:
+        notes[0] = (
+            f"median of {_count(estimate.units, 'block')} of adjacent rounds (up to "
+            f"{estimate.rounds_per_block} a block: a round has fewer than {MIN_P99_CALLS} "
+            "calls for a p99), block bootstrap"
+        )
+    if estimate.units < MIN_UNITS:
+        notes.append(f"too few for a verdict ({MIN_UNITS} needed)")
+    return {
+        "interval": [estimate.low, estimate.high],
+        "verdict": verdict,
+        "met": verdict == "met",
+        "units": estimate.units,
+        "note": "; ".join(notes) + f"; {CONFIDENCE:.0%} bootstrap interval ({unit})",
+    }
+
+
+def _targets(result: BenchResult) -> list[dict[str, Any]]:
     out = []
     for target in TARGETS:
-        mine = summaries.get((target.row, target.backend))
-        theirs = summaries.get((target.row, target.baseline))
-        if mine is None or theirs is None:
+        mine = result.rounds(target.row, target.backend)
+        theirs = result.rounds(target.row, target.baseline)
+        if not any(mine) or not any(theirs):
             continue
-        ratio = getattr(mine, f"{target.statistic}_s") / getattr(theirs, f"{target.statistic}_s")
+        estimate = ratio_estimate(mine, theirs, target.statistic)
         title = Row(target.row).title(result.plan.idle_s)
         out.append(
             {
                 **asdict(target),
                 "title": f"{target.backend} {title}, {target.statistic}",
-                "ratio": ratio,
-                "met": ratio <= target.limit,
+                "ratio": estimate.point,
+                **_judged(estimate, target.limit, "ratio", "per-round ratio"),
             }
         )
     return out
@@ -187,7 +208,7 @@ def to_json(result: BenchResult, machine: dict[str, Any], command: str) -> dict[
             }
             for row, side, _ in result.summary_rows()
         ],
-        "targets": _targets(result, summaries),
+        "targets": _targets(result),
         "overhead": _overhead(result),
         "imports": result.imports,
     }
@@ -204,10 +225,19 @@ def _overhead(result: BenchResult) -> dict[str, Any] | None:
         "us_per_call": overhead.us_per_call,
         "us_over_direct": over,
         "targets": [
-            {"way": way, "us_over_direct": over[way], "limit_us": limit, "met": over[way] <= limit}
+            {
+                "way": way,
+                "us_over_direct": (estimate := overhead.over_direct_estimate(way)).point,
+                "limit_us": limit,
+                **_judged(estimate, limit, "µs", "per-round difference"),
+            }
             for way, limit in OVERHEAD_LIMITS.items()
         ],
     }
+
+
+def _verdict(target: dict[str, Any]) -> str:
+    return {"met": "met", "not met": "NOT MET"}.get(target["verdict"], "undecided (not met)")
 
 
 def _cell(text: str) -> str:
@@ -265,11 +295,19 @@ def to_markdown(document: dict[str, Any]) -> str:
             lines += ["", f"{heading}:", ""]
             lines += [f"- {e['name']} ({e['role']}): {e['reason']}" for e in entries]
     if document["targets"]:
-        lines += ["", "## Targets", "", "| target | ratio | limit | met |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "## Targets",
+            "",
+            f"| target | ratio | {CONFIDENCE:.0%} interval | limit | verdict | how |",
+            "|---|---|---|---|---|---|",
+        ]
         for t in document["targets"]:
+            low, high = t["interval"]
+            interval = f"{low:.2f}-{high:.2f}" if t["units"] > 1 else "-"
             lines.append(
-                f"| {t['title']} / {t['baseline']} | {t['ratio']:.2f} | ≤ {t['limit']:g} "
-                f"| {'yes' if t['met'] else 'NO'} |"
+                f"| {t['title']} / {t['baseline']} | {t['ratio']:.2f} | {interval} "
+                f"| ≤ {t['limit']:g} | {_verdict(t)} | {t['note']} |"
             )
     if document.get("imports"):
         lines += ["", "## Import time (fresh interpreters, median)", "", "| what | ms |"]
@@ -288,19 +326,25 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"{overhead['rounds']} interleaved rounds of {overhead['calls']:,} calls (a "
             "`non_block` call: a quarter as many).",
             "",
-            "| way | µs per call | µs over direct | limit |",
+            "| way | µs per call | µs over direct | target |",
             "|---|---|---|---|",
         ]
         limits = {t["way"]: t for t in overhead["targets"]}
         for way, us in overhead["us_per_call"].items():
             over = overhead["us_over_direct"].get(way)
             target = limits.get(way)
-            limit = (
-                f"≤ {target['limit_us']:g} µs: {'yes' if target['met'] else 'NO'}" if target else ""
-            )
+            limit = ""
+            if target:
+                low, high = target["interval"]
+                limit = (
+                    f"+{target['us_over_direct']:.2f} µs ({CONFIDENCE:.0%}: {low:+.2f} to "
+                    f"{high:+.2f}) ≤ {target['limit_us']:g} µs: {_verdict(target)}"
+                )
             lines.append(
                 f"| {way} | {us:.2f} | {'' if over is None else f'{over:.2f}'} | {limit} |"
             )
+        notes = {t["note"] for t in overhead["targets"]}
+        lines += ["", "Targets: " + " / ".join(sorted(notes)) + "."]
     baselines = [s["name"] for s in document["sides"] if s["role"] == "baseline"]
     if not document["results"]:
         return "\n".join([*lines, "", "## Results", "", "Nothing was measured."]) + "\n"

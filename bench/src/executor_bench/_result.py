@@ -28,6 +28,9 @@ class BenchResult:
     rows: list[Row]
     #: (row key, side name) -> seconds per call.
     samples: dict[tuple[str, str], list[float]]
+    #: (row key, side name) -> calls in each round of its samples, in order (none recorded:
+    #: the samples are one round).
+    round_calls: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     #: Facts for the report: the plugins loaded, Ray's start, each phase's duration...
     facts: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -44,3 +47,12 @@ class BenchResult:
             for side in self.sides
             if self.samples.get((row.key, side.name))
         ]
+
+    def rounds(self, row: str, side: str) -> list[list[float]]:
+        """The samples of ``row`` (a key) and ``side``, round by round."""
+        samples = self.samples.get((row, side), [])
+        out, start = [], 0
+        for calls in self.round_calls.get((row, side), [len(samples)]):
+            out.append(samples[start : start + calls])
+            start += calls
+        return out

@@ -114,6 +114,7 @@ class Bench(TimingLoop):
             failed=self.failed,
             rows=self.rows,
             samples={k: v for k, v in self.samples.items() if k[1] not in self.out},
+            round_calls={k: v for k, v in self.round_calls.items() if k[1] not in self.out},
             facts=self.facts,
             wall_s=time.perf_counter() - self.began,
             overhead=overhead,

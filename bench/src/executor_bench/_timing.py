@@ -56,6 +56,8 @@ class TimingLoop:
         self.skipped: list[Skipped] = []
         self.failed: list[Skipped] = []
         self.samples: dict[tuple[str, str], list[float]] = {}
+        #: (row key, side name) -> calls in each round, in order: the rounds of ``samples``.
+        self.round_calls: dict[tuple[str, str], list[int]] = {}
         self.live: dict[str, Side] = {}
         self.payloads: dict[str, Any] = {}
         #: Sides taken out of the run (skipped or failed).
@@ -143,13 +145,15 @@ class TimingLoop:
             out = self.samples.setdefault((row.key, side.name), [])
             if not cold:  # untimed: the first call after another row wakes the side up
                 _check(side, row, live.call(method, args))
-            for _ in range(self.plan.calls(row)):
+            calls = self.plan.calls(row)
+            for _ in range(calls):
                 if cold:
                     time.sleep(self.plan.idle_s)
                 start = clock()
                 result = live.call(method, args)
                 out.append(clock() - start)
                 _check(side, row, result)
+            self.round_calls.setdefault((row.key, side.name), []).append(calls)
         self._settle(side)
 
     def _args(self, row: Row) -> tuple[Any, ...]:
