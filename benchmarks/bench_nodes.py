@@ -75,8 +75,9 @@ def stop_agent(agent: subprocess.Popen[bytes], log: Any) -> None:
     print(f"agent pid {agent.pid} ended with code {agent.returncode}")
 
 
-def rows(case: str, samples: dict[str, list[float]]) -> list[list[Any]]:
-    raw = statistics.median(samples[RAW])
+def rows(case: str, samples: dict[str, list[float]], base: str = RAW) -> list[list[Any]]:
+    """One row per side: its calls, median, p99 and ratio to ``base``'s median."""
+    raw = statistics.median(samples[base])
     return [
         [
             case,
@@ -90,12 +91,18 @@ def rows(case: str, samples: dict[str, list[float]]) -> list[list[Any]]:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def call_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the timed calls (``--noop-calls``, ``--mb-calls``, ``--rounds``,
+    ``--warmup``)."""
     parser.add_argument("--noop-calls", type=int, default=300, help="timed no-op calls a side")
     parser.add_argument("--mb-calls", type=int, default=100, help="timed 1 MiB calls a side")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=30, help="untimed calls a side first")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    call_options(parser)
     parser.add_argument("--no-ray-token", action="store_true", help="Ray without token auth")
     args = parser.parse_args()
     os.environ["EXECUTOR_PLUGINS"] = "multiproc"

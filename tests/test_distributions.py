@@ -16,6 +16,7 @@ DISTRIBUTIONS = {
     "plugins/uniproc": ("executor-plugin-uniproc", "executor_plugin_uniproc"),
     "plugins/multiproc": ("executor-plugin-multiproc", "executor_plugin_multiproc"),
     "plugins/ray": ("executor-plugin-ray", "executor_plugin_ray"),
+    "plugins/slurm": ("executor-plugin-slurm", "executor_plugin_slurm"),
     "examples/executor-threads": ("executor-threads", "executor_threads"),
     "examples/executor-cluster": ("executor-cluster", "executor_cluster"),
     "bench": ("executor-bench", "executor_bench"),

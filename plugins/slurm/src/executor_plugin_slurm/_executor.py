@@ -1,0 +1,327 @@
+"""The ``slurm`` backend: ``mp``'s executor whose node agents run as Slurm job steps.
+
+:class:`SlurmPlacement` is a :class:`~executor_plugin_multiproc.launcher.Placement`: for each
+node it runs ``executor node`` in a step of its own (``srun --nodes=1 --ntasks=1 --nodelist
+NODE``), inside the allocation this process is in, or in one it asks for with ``salloc`` (and
+releases once the last agent is stopped). Everything else (the secret, the port, the
+admission of agents, heartbeats, the rings, every rule of a call) is ``mp``'s.
+
+Two things the launcher contract does not carry are carried here, keyed by the executor's
+config object (one per executor, the same across its recoveries): this backend's own
+options (``mp``'s transport parses ``backend_options`` with ``MultiprocOptions``, so the
+executor hands it a config without the Slurm keys), and a weak reference to the executor, so
+that a step Slurm ends after the start (a cancelled or preempted job, a node failure) fails
+the executor with what Slurm said.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+import threading
+import weakref
+from typing import Any, Self
+
+import attrs
+
+from executor_core import ConfigError, Executor, ExecutorConfig, ExecutorError, WorkerDiedError
+from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
+from executor_plugin_multiproc.launcher import AgentLaunch, Placement
+
+from . import _commands
+from ._allocation import Allocation, Where, where_am_i
+from ._options import MP_KEYS, SlurmOptions
+from ._step import AgentStep
+
+__all__ = ["SlurmExecutor", "SlurmPlacement"]
+
+logger = logging.getLogger("executor_plugin_slurm")
+
+
+@attrs.define
+class _Entry:
+    """What an executor's placements need that the contract does not pass."""
+
+    options: SlurmOptions
+    executor: weakref.ref[Executor]
+    #: True once the executor's first start returned (a later step end fails it).
+    started: bool = False
+    #: The placement of the executor's current incarnation (weak: the entry lives until
+    #: the config is collected, and must not keep it alive).
+    placement: weakref.ref[SlurmPlacement] | None = None
+
+
+#: id(the config the executor passed on) -> its entry; dropped with that config.
+_ENTRIES: dict[int, _Entry] = {}
+_ENTRIES_LOCK = threading.Lock()
+
+
+def _entry(config: ExecutorConfig) -> _Entry:
+    with _ENTRIES_LOCK:
+        entry = _ENTRIES.get(id(config))
+    if entry is None:
+        raise ExecutorError(
+            "SlurmPlacement is made by SlurmExecutor (backend 'slurm'), not on its own"
+        )
+    return entry
+
+
+def _ranks(node_rank: int, config: ExecutorConfig) -> tuple[int, ...]:
+    per_node = config.world_size // config.num_nodes
+    return tuple(range(node_rank * per_node, (node_rank + 1) * per_node))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SlurmPlacement(Placement):
+    """Each node's agent in a job step of its own, on the nodes of a Slurm allocation.
+
+    Made as :class:`_NodeZero` (``driver_runs_ranks = True``) when this process runs on a
+    node of the allocation (see :attr:`SlurmOptions.driver_runs_ranks`)."""
+
+    driver_runs_ranks = False
+    #: Where this process runs, as Slurm's environment says (read once, when made).
+    where: Where
+
+    def __new__(cls, config: ExecutorConfig, options: MultiprocOptions) -> Self:
+        where = where_am_i()
+        if cls is SlurmPlacement and _runs_ranks(_entry(config).options, where):
+            cls = _NodeZero  # type: ignore[assignment]
+        placement = super().__new__(cls)
+        placement.where = where
+        return placement
+
+    def __init__(self, config: ExecutorConfig, options: MultiprocOptions) -> None:
+        super().__init__(config, options)
+        entry = _entry(config)
+        self.entry = entry
+        self.slurm = entry.options
+        self.allocation: Allocation | None = None
+        #: The Slurm node of each node rank (node 0 first: this one, if it runs ranks).
+        self.node_names: tuple[str, ...] = ()
+        self.steps: dict[int, AgentStep] = {}
+        self.stopping = False
+        entry.placement = weakref.ref(self)
+
+    # --- the contract ------------------------------------------------------------------
+
+    def start(self, launch: AgentLaunch) -> None:
+        if self.allocation is None:
+            self.allocation = self._allocate()
+        allocation = self.allocation
+        try:
+            node = self.node_names[launch.node_rank]
+            self.steps[launch.node_rank] = AgentStep(
+                allocation.job_id,
+                node,
+                [*launch.argv, "--node-id", node],
+                launch.env,
+                self.slurm.srun_args,
+                self._watch,
+            )
+        except BaseException:
+            if not self.steps:
+                self._release()
+            raise
+
+    def check(self, launch: AgentLaunch) -> None:
+        step = self.steps[launch.node_rank]
+        status = step.ended()
+        if status is not None:
+            raise ExecutorError(
+                f"the srun step of node {launch.node_rank} ({step.node}, job "
+                f"{step.job_id}) ended with status {status} before its agent joined: "
+                f"{step.said()}{self._job_said()}"
+            )
+
+    def stop(self, launch: AgentLaunch) -> None:
+        self.stopping = True
+        step = self.steps.pop(launch.node_rank, None)
+        try:
+            if step is not None:
+                step.stop(self.options.shutdown_grace_s + 5.0)
+        finally:
+            if not self.steps:
+                self._release()
+
+    def hint(self, launches: tuple[AgentLaunch, ...]) -> str:
+        job = self.allocation.job_id if self.allocation is not None else "?"
+        return (
+            f"their srun steps run in Slurm job {job} on {', '.join(self.node_names)} "
+            f"('squeue --steps --jobs {job}'; srun passes their output on): each agent must "
+            f"reach {launches[0].address} (set ExecutorConfig.distributed_host to this "
+            "machine's address on the nodes' network)"
+        )
+
+    # --- the allocation ----------------------------------------------------------------
+
+    def _allocate(self) -> Allocation:
+        config, where = self.config, self.where
+        if where.job_id is not None:
+            allocation = Allocation(where.job_id, where.nodes, None)
+        else:
+            name = f"executor-{os.getpid()}"
+            allocation = Allocation.request(self.slurm, config.num_nodes, name)
+        try:
+            self.node_names = self._name_nodes(allocation)
+            self._check_reachable()
+        except BaseException:
+            allocation.release()
+            raise
+        return allocation
+
+    def _name_nodes(self, allocation: Allocation) -> tuple[str, ...]:
+        nodes = allocation.nodes
+        if self.driver_runs_ranks:
+            assert self.where.node is not None
+            nodes = (self.where.node, *(n for n in nodes if n != self.where.node))
+        need = self.config.num_nodes
+        if len(nodes) < need:
+            raise ConfigError(
+                "num_nodes",
+                need,
+                f"Slurm job {allocation.job_id} has {len(nodes)} node(s) "
+                f"({','.join(nodes)}): ask for num_nodes nodes (salloc/sbatch --nodes) or "
+                "lower num_nodes",
+            )
+        return nodes[:need]
+
+    def _check_reachable(self) -> None:
+        """A driver listening on loopback is reachable only from agents on this machine."""
+        host = self.config.distributed_host
+        if not _is_loopback(host):
+            return
+        placed = self.node_names[int(self.driver_runs_ranks) :]
+        far = {
+            node: addr
+            for node, addr in _commands.node_addresses(placed).items()
+            if not _is_loopback(addr)
+        }
+        if far:
+            raise ConfigError(
+                "distributed_host",
+                host,
+                f"the agents run on {', '.join(f'{n} ({a})' for n, a in far.items())} and "
+                "cannot reach a driver listening on loopback: set distributed_host to this "
+                "machine's address as those nodes reach it (or '0.0.0.0')",
+            )
+
+    def _release(self) -> None:
+        allocation, self.allocation = self.allocation, None
+        if allocation is not None:
+            allocation.release()
+
+    # --- a step that ends by itself ------------------------------------------------------
+
+    def _job_said(self) -> str:
+        allocation = self.allocation
+        if allocation is None:
+            return ""
+        ended = allocation.ended()
+        if ended is not None:
+            return f"; salloc: {ended}"
+        try:
+            state = _commands.job_state(allocation.job_id)
+        except ExecutorError:
+            return ""
+        if state is None:
+            return f"; job {allocation.job_id} has ended"
+        if state[0] != "RUNNING":
+            return f"; job {allocation.job_id} is {state[0]} ({state[1]})"
+        return ""
+
+    def _watch(self, step: AgentStep, line: str | None) -> None:
+        """srun's reader thread: a line srun wrote, or None once it exited (nobody stopped
+        it). Before the start returned, :meth:`check` reports a step that ended; after,
+        when Slurm ends the job or a node (a cancel, a preemption, a time limit, a node
+        failure) the executor fails with what Slurm said, naming the ranks and the node. A
+        step whose agent failed alone is ``mp``'s to report (a lost node)."""
+        entry = self.entry
+        current = entry.placement() if entry.placement is not None else None
+        if self.stopping or not entry.started or current is not self:
+            return
+        if line is not None:
+            found = _SLURM_ENDS.search(line)
+            if found is None or (not found["node"] and "NODE FAILURE" in line):
+                return  # a step cancelled for another node's failure: that one is named
+            node = found["node"] or step.node
+            detail = f"Slurm: {line.strip()}"
+        else:
+            if step.ended() == 0:
+                return  # an agent exits 0 only when told to stop
+            job = self._job_said()
+            if not job:
+                logger.warning("slurm: the step of %s ended: %s", step.node, step.said())
+                return
+            node, detail = step.node, f"Slurm ended its step: {step.said()}{job}"
+        self._fail(node, detail)
+
+    def _fail(self, node: str, detail: str) -> None:
+        executor = self.entry.executor()
+        if executor is None or executor.is_closed or node not in self.node_names:
+            return
+        ranks = _ranks(self.node_names.index(node), self.config)
+        error = WorkerDiedError(ranks[0], detail=detail, ranks=ranks, node=node)
+        if executor.fail(error):
+            logger.warning("slurm: %s", error)
+
+
+#: What srun and slurmstepd write when Slurm ends a step, its node or its job.
+_SLURM_ENDS = re.compile(r"Node failure on (?P<node>\S+)|\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED")
+
+
+class _NodeZero(SlurmPlacement):
+    """This process runs node 0's ranks on its own node; agents on the others."""
+
+    driver_runs_ranks = True
+
+
+def _runs_ranks(options: SlurmOptions, where: Where) -> bool:
+    """Whether the driver runs node 0's ranks (see :attr:`SlurmOptions.driver_runs_ranks`)."""
+    if options.driver_runs_ranks is None:
+        return where.node is not None
+    if options.driver_runs_ranks and where.node is None:
+        raise ConfigError(
+            "backend_options",
+            {"driver_runs_ranks": True},
+            "this process runs on no node of a Slurm allocation (SLURMD_NODENAME is unset or "
+            "not in SLURM_JOB_NODELIST): run it in the batch script or an srun step, or "
+            "leave driver_runs_ranks unset",
+        )
+    return options.driver_runs_ranks
+
+
+class SlurmExecutor(MultiprocExecutor):
+    """``mp`` with its node agents placed by :class:`SlurmPlacement` (backend ``"slurm"``).
+
+    ``executor.config.backend_options`` holds ``mp``'s keys only; the Slurm ones are read
+    when the executor is made (see :class:`~executor_plugin_slurm.SlurmOptions`)."""
+
+    options_cls = SlurmOptions
+    placement_cls = SlurmPlacement
+
+    def __init__(self, config: ExecutorConfig, **kwargs: Any) -> None:
+        options = SlurmOptions.from_backend_options(config.backend_options, "slurm")
+        mp_options = {k: v for k, v in config.backend_options.items() if k in MP_KEYS}
+        passed = attrs.evolve(config, backend_options=mp_options)
+        entry = _Entry(options, weakref.ref(self))
+        key = id(passed)
+        with _ENTRIES_LOCK:
+            _ENTRIES[key] = entry
+        weakref.finalize(passed, _forget, key)
+        super().__init__(passed, **kwargs)
+        entry.started = True
+
+
+def _forget(key: int) -> None:
+    with _ENTRIES_LOCK:
+        _ENTRIES.pop(key, None)
