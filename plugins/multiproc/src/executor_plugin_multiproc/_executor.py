@@ -36,4 +36,10 @@ class MultiprocExecutor(Executor):
     placement_cls: ClassVar[type[Placement]] = ManualPlacement
 
     def _create_transport(self, host: TransportHost) -> Transport:
-        return MultiprocTransport(host, self.placement_cls)
+        options_cls = self.options_cls
+        if not issubclass(options_cls, MultiprocOptions):
+            raise TypeError(
+                f"{type(self).__qualname__}.options_cls must subclass MultiprocOptions (the "
+                f"transport reads mp's keys from it), not {options_cls.__qualname__}"
+            )
+        return MultiprocTransport(host, self.placement_cls, options_cls)

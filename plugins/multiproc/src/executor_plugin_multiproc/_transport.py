@@ -47,10 +47,15 @@ class MultiprocTransport(Transport):
     polls: ClassVar[bool] = True
 
     def __init__(
-        self, host: TransportHost, placement_cls: type[Placement] = ManualPlacement
+        self,
+        host: TransportHost,
+        placement_cls: type[Placement] = ManualPlacement,
+        options_cls: type[MultiprocOptions] = MultiprocOptions,
     ) -> None:
         super().__init__(host)
         self._placement_cls = placement_cls
+        #: The executor's options class: mp's, or a backend's subclass with keys of its own.
+        self._options_cls = options_cls
         self._options: MultiprocOptions | None = None
         #: Carries calls and replies: this node's rings, and the hub of the other nodes.
         self._driver: ChannelDriver | None = None
@@ -63,7 +68,7 @@ class MultiprocTransport(Transport):
     def start(self) -> None:
         host = self.host
         config = host.config
-        options = MultiprocOptions.from_backend_options(config.backend_options)
+        options = self._options_cls.from_backend_options(config.backend_options)
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
         placement = self._placement_cls(config, options) if config.num_nodes > 1 else None
