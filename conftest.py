@@ -7,8 +7,12 @@ import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from third_party import ThirdPartyVenv
 
 #: The tests' plugins (three broken on purpose, one observer): never installed in the
 #: environment, exposed to the tests that ask for them by the ``fixture_plugins`` fixture.
@@ -64,3 +68,14 @@ def fixture_plugins(
     yield pythonpath
     for module in [m for m in sys.modules if m.split(".")[0] == "executor_fixture_plugins"]:
         del sys.modules[module]
+
+
+@pytest.fixture(scope="session")
+def third_party_venv(tmp_path_factory: pytest.TempPathFactory) -> ThirdPartyVenv:
+    """A fresh virtual environment with the core's and the example backend's wheels only
+    (tests/third_party.py), built once a session (two wheels and an environment take
+    seconds): the tests that use it (tests/test_example_backend_wheel.py and
+    tests/test_reference_plugin.py) only run its commands; none installs anything into it."""
+    from third_party import make_third_party_venv  # tests/: on the path of those that use it
+
+    return make_third_party_venv(tmp_path_factory.mktemp("third-party"))

@@ -1,5 +1,8 @@
 """scripts/gpu_check.py, the GPU check a person with one GPU runs: its dry run on the CPU lists
-every check, runs the ones that need no GPU and passes; its exit status reports a failure."""
+every check, runs the ones that need no GPU and passes; its exit status reports a failure.
+
+The whole dry run is run once, from the offline bundle (tests/test_gpu_bundle.py, checked by
+:func:`assert_full_dry_run`); here only its Ray check, which needs this environment's Ray."""
 
 from __future__ import annotations
 
@@ -81,33 +84,60 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
     return proc, report
 
 
-@pytest.mark.slow
-def test_dry_run_lists_every_check_and_passes(tmp_path: Path) -> None:
-    proc, report = _run(tmp_path, "--dry-run")
-    output = f"{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, output
+def assert_full_dry_run(stdout: str, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What a whole dry run (no ``--only``) must show: every check listed in order, those that
+    need no GPU really run and passed, the CUDA-only ones SKIP, a line per check on stdout and
+    the summary; returns the rows by name. The suite's one whole dry run is the one from the
+    offline bundle (tests/test_gpu_bundle.py), so the checks are not run twice."""
     assert report["mode"] == "dry-run"
     assert report["exit_status"] == 0
     rows = {row["name"]: row for row in report["checks"]}
-    assert [row["name"] for row in report["checks"]] == CHECKS, output
+    assert [row["name"] for row in report["checks"]] == CHECKS, stdout
     failed = {name: row["summary"] for name, row in rows.items() if row["status"] == "FAIL"}
-    assert not failed, output
+    assert not failed, stdout
     for name in RUN_ON_CPU:
         assert rows[name]["status"] == "PASS", (name, rows[name])
         assert rows[name]["seconds"] > 0  # really run, in a process of its own
     for name in CUDA_ONLY:
         assert rows[name]["status"] == "SKIP", (name, rows[name])
         assert "no GPU" in rows[name]["summary"]
-    ray = rows["device_per_thread_ray"]
-    assert ray["status"] == "PASS" or (ray["status"] == "SKIP" and "Ray" in ray["summary"]), ray
     # The tokens check compared two backends on the CPU and found them equal.
     assert rows["tokens"]["figures"]["prompts"] > 0
     assert rows["tokens"]["figures"]["differing_prompts"] == 0
     # One line per check on stdout, with its status, and the summary with the exit status.
     for name in CHECKS:
-        line = re.search(rf"^(PASS|FAIL|SKIP)\s+{name}\s", proc.stdout, re.MULTILINE)
-        assert line, f"no line for {name}:\n{proc.stdout}"
+        line = re.search(rf"^(PASS|FAIL|SKIP)\s+{name}\s", stdout, re.MULTILINE)
+        assert line, f"no line for {name}:\n{stdout}"
         assert line.group(1) == rows[name]["status"]
+    assert "dry run" in stdout.splitlines()[0]
+    assert re.search(r"^summary: \d+ PASS, 0 FAIL, \d+ SKIP .*exit status 0$", stdout, re.M)
+    return rows
+
+
+@pytest.mark.slow
+def test_dry_run_with_this_environment_runs_the_ray_check(tmp_path: Path) -> None:
+    """The dry run with this repository's environment (editable installs, Ray): the check the
+    run from the offline bundle, which leaves Ray out, cannot run. That run (every check, by
+    assert_full_dry_run) is tests/test_gpu_bundle.py's."""
+    proc, report = _run(tmp_path, "--dry-run", "--only", "device_per_thread_ray")
+    output = f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, output
+    assert report["mode"] == "dry-run"
+    assert report["exit_status"] == 0
+    assert report["complete"]
+    environment = report["environment"]
+    assert Path(environment["executor_core_path"]).is_relative_to(ROOT), environment
+    [ray] = report["checks"]
+    assert ray["name"] == "device_per_thread_ray"
+    if environment["ray_installed"]:
+        assert ray["status"] == "PASS", ray
+        assert ray["seconds"] > 0  # really run, in a process of its own
+    else:
+        assert ray["status"] == "SKIP", ray
+        assert "Ray" in ray["summary"], ray
+    line = re.search(r"^(PASS|FAIL|SKIP)\s+device_per_thread_ray\s", proc.stdout, re.M)
+    assert line, output
+    assert line.group(1) == ray["status"]
     assert "dry run" in proc.stdout.splitlines()[0]
     assert re.search(r"^summary: \d+ PASS, 0 FAIL, \d+ SKIP .*exit status 0$", proc.stdout, re.M)
 

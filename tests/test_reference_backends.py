@@ -342,10 +342,11 @@ def _run_cli(tmp_path: Path, name: str, *args: str, torchrun: bool = False) -> d
     return data
 
 
+#: ``executor run`` without a fault. mp (tp 2; pp 2 with --async-overlap) and ray (tp 2) run
+#: in RECOVERY_RUNS instead: the same job and config, plus a recovery policy and a kill at
+#: step 3, must give these same tokens; their runs without a policy are
+#: test_same_tokens_and_logits_as_one_process's (the same generate(), on the same layouts).
 CLI_RUNS = [
-    ("mp", ["--tp", "2"]),
-    ("mp", ["--pp", "2", "--async-overlap"]),
-    ("ray", ["--tp", "2"]),
     ("external_launcher", ["--tp", "2"]),
 ]
 
@@ -464,6 +465,8 @@ def test_main_job_across_three_nodes_gives_the_same_tokens(
                 agent.wait(10)
 
 
+#: ``executor run --recover`` with a fault, on each backend that recovers (the tokens of a
+#: run without one too: see CLI_RUNS).
 RECOVERY_RUNS = [
     ("mp", ["--tp", "2"]),
     ("mp", ["--pp", "2", "--async-overlap"]),
@@ -503,6 +506,7 @@ def test_main_job_recovers_from_a_killed_rank_with_the_same_tokens(
         "3",
     )
     summary = data["summary"]
+    assert summary["backend"] == backend
     assert summary["recoveries"] == 1
     assert summary["lost_ranks"] == [[1]]
     assert 0 < summary["recovery_s"][0] < 60

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from third_party import ThirdPartyVenv
 
 import executor_reference
 from executor_core import _cli
@@ -115,13 +116,11 @@ def _run(*args: str | Path, cwd: Path, check: bool = True) -> subprocess.Complet
     return done
 
 
-@pytest.mark.slow  # builds a wheel and a fresh virtual environment
+@pytest.mark.slow  # builds wheels and a fresh virtual environment (once a session)
 def test_the_core_wheel_holds_no_model_code_and_asks_for_executor_reference(
-    tmp_path: Path,
+    tmp_path: Path, third_party_venv: ThirdPartyVenv
 ) -> None:
-    pip = (sys.executable, "-m", "pip", "--disable-pip-version-check", "-q")
-    _run(*pip, "wheel", "--no-deps", "-w", tmp_path, ROOT / "core", cwd=tmp_path)
-    [wheel] = tmp_path.glob("executor_core-*.whl")
+    wheel = third_party_venv.core_wheel
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         found = [
@@ -141,13 +140,9 @@ def test_the_core_wheel_holds_no_model_code_and_asks_for_executor_reference(
     # The [torch] extra is what executor_core.torch needs, nothing of the model's.
     assert not [r for r in requires if r.startswith(("safetensors", "tqdm", "numpy"))], requires
 
-    # A third party with the core alone: no `run`, and the error says what to install.
-    venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
-    _run(
-        venv / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q",
-        "-c", ROOT / "constraints.txt", wheel, cwd=tmp_path,
-    )  # fmt: skip
+    # A third party with the core (and another plugin, the example backend) but without
+    # executor-reference: no `run`, and the error says what to install.
+    venv = third_party_venv.path
     done = _run(venv / "bin" / "executor", "run", "--tp", "2", cwd=tmp_path, check=False)
     assert done.returncode == 2
     assert "unknown command 'run'." in done.stderr

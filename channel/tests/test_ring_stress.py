@@ -36,10 +36,14 @@ import pytest
 from executor_channel import _fence
 from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
 
-#: Messages in the test's main run (the default takes about 35 s on 2 cores shared by the
-#: writer and three readers; the other two runs take a thirtieth of it each).
+#: Messages in the test's main run (the default takes about 20 s on 2 cores shared by the
+#: writer and three readers, and twice that on a busy machine: over 4,000 rounds of every
+#: message size, the writer blocked thousands of times; set the variable for a longer soak).
 ENV_MESSAGES = "EXECUTOR_RING_STRESS_MESSAGES"
-DEFAULT_MESSAGES = 1_500_000
+DEFAULT_MESSAGES = 300_000
+#: Messages in each run with every fence issued (or the lock fence): a thirtieth of the main
+#: run's, and never fewer than this.
+MIN_FENCE_MESSAGES = 50_000
 #: The message header: sequence number, payload bytes, CRC-32 of the payload.
 HEADER = struct.Struct("<QQQ")
 #: Payload variants per size (a prime: a slot's earlier messages used other variants).
@@ -307,7 +311,7 @@ def test_many_messages_three_readers() -> None:
 def test_every_fence_issued(fence: str) -> None:
     """As on a weakly ordered CPU (every acquire and release fence issued), with libatomic's
     fences and with the lock fence; two slots, so the writer waits more often."""
-    _run_script(max(_messages() // 30, 10_000), fence, readers=2, slots=2)
+    _run_script(max(_messages() // 30, MIN_FENCE_MESSAGES), fence, readers=2, slots=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import ray
 from ray._private.authentication.authentication_token_setup import _enable_token_auth
 from ray.cluster_utils import Cluster
+from ray_nodes import node_process_ids
 
 from executor_plugin_ray import _cluster
 from executor_plugin_ray._cluster import RayLease, acquire_ray
@@ -108,25 +108,8 @@ class RaySessions:
         self.kind = None
 
 
-def node_process_ids(node: Any) -> list[int]:
-    """Process ids of a simulated node's Ray processes (``ray._private.node.Node``)."""
-    return [
-        info.process.pid
-        for infos in node.all_processes.values()
-        for info in infos
-        if info.process is not None
-    ]
-
-
 def _node_process_ids(cluster: Cluster) -> list[int]:
     return [pid for node in cluster.list_all_nodes() for pid in node_process_ids(node)]
-
-
-def remove_node_cleanly(cluster: Cluster, node: Any) -> None:
-    """``cluster.remove_node``, then drop the semaphores its killed object store left."""
-    pids = node_process_ids(node)
-    cluster.remove_node(node)
-    remove_orphan_semaphores(pids, wait_s=10.0)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import cloudpickle  # type: ignore[import-untyped]  # no type information
 import pytest
 from ray.cluster_utils import Cluster
+from ray_nodes import remove_node_cleanly
 
-from conftest import remove_node_cleanly
 from executor_core import WorkerDiedError, WorkerError, create_executor
 from executor_core.testing import conformance_config
 from executor_plugin_ray._executor import RayExecutor
