@@ -182,8 +182,10 @@ def test_non_reply_rank_error_surfaces() -> None:
 
 DRIVER = textwrap.dedent(
     """
-    import json, sys, time
+    import faulthandler, json, sys, time
     from executor_core import create_executor
+
+    faulthandler.enable(all_threads=True)
     from executor_core.testing import conformance_config
 
     executor = create_executor(conformance_config("mp", world_size=2))
@@ -235,7 +237,15 @@ def test_ctrl_c_in_driver_leaves_nothing() -> None:
     driver, pids = _start_driver("busy")
     time.sleep(0.3)
     driver.send_signal(signal.SIGINT)
-    _out, err = driver.communicate(timeout=20)
+    try:
+        _out, err = driver.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        # Where it hangs: the driver's threads, dumped by faulthandler on SIGABRT.
+        driver.send_signal(signal.SIGABRT)
+        _out, err = driver.communicate(timeout=10)
+        for pid in wait_gone(pids, 0):
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the driver did not exit within 20 s of Ctrl-C:\n{err[-6000:]}")
     assert "KeyboardInterrupt" in err
     assert "resource_tracker" not in err
     assert "leaked" not in err
