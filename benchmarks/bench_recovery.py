@@ -1,20 +1,23 @@
-"""Recovery: a group restart after a SIGKILL against a new executor, and recovery's cost on
-the hot path, in one run.
+"""Recovery: a rank replacement and a group restart after a SIGKILL against a new executor,
+and recovery's cost on the hot path, in one run.
 
     .venv/bin/python benchmarks/bench_recovery.py [--rounds 5] [--layers 4] [--calls 2000]
         [--backends mp,ray]
 
 Back after a death, on ``mp`` TP 2 and ``ray`` TP 2, with the reference model large enough
 that loading it takes visible time (a checkpoint of ``--layers`` layers, about 80 MB a
-layer, written once into a temporary directory):
+layer, written once into a temporary directory), interleaved in rounds:
 
-* ``group restart``: an executor with ``RecoveryPolicy(backoff_s=0)``; rank 1's process is
-  killed (SIGKILL) and the clock runs from the kill to the first call that succeeds (a call
-  made at once, retried while it fails with the death).
+* ``rank replacement``: an executor with ``RecoveryPolicy(backoff_s=0)``; rank 1's process
+  is killed (SIGKILL) and the clock runs from the kill to the first call that succeeds (a
+  call made at once, retried while it fails with the death). Rank 0 keeps its process and
+  weights: its ``load_model`` calls are counted (target 0).
+* ``group restart``: the same with ``replace_ranks=False``: every rank starts again.
 * ``new executor`` (the baseline): from ``shutdown()`` of a running executor to the first
   call of a new one with the same config (what an engine without recovery does).
 
-Target: the restart at most 1.1x the new executor (median over ``--rounds``).
+Targets: the replacement at most 0.5x the new executor, the restart at most 1.1x (medians
+over ``--rounds``).
 
 The hot path: a no-op ``collective_rpc`` on ``mp`` (2 workers, ``executor bench``'s worker)
 with no recovery, with ``RecoveryPolicy()``, and with ``RecoveryPolicy()`` plus
@@ -33,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from executor_bench import BenchWorker, format_time, interleave, markdown_table, percentile
 from executor_core import (
@@ -73,29 +78,45 @@ def _reference_config(backend: str, checkpoint: Path, recovery: RecoveryPolicy |
     )
 
 
+def _loads(worker: Any) -> int:
+    return int(worker.model_loads)
+
+
 def bench_back(backend: str, checkpoint: Path, rounds: int) -> dict[str, list[float]]:
-    """Seconds from a SIGKILL to the first good call (restart), and from shutdown to a new
-    executor's first call (new executor), interleaved."""
-    policy = RecoveryPolicy(max_restarts=rounds + 2, backoff_s=0.0)
-    restart: list[float] = []
-    fresh: list[float] = []
-    executor = create_executor(_reference_config(backend, checkpoint, policy))
+    """Seconds from a SIGKILL to the first good call (rank replacement, group restart), and
+    from shutdown to a new executor's first call (new executor), interleaved in rounds. Also
+    the survivors' load_model calls during the replacements (``"survivor loads"``)."""
+    replace = RecoveryPolicy(max_restarts=rounds + 2, backoff_s=0.0)
+    restart = attrs.evolve(replace, replace_ranks=False)
+    times: dict[str, list[float]] = {
+        "rank replacement": [],
+        "group restart": [],
+        "new executor": [],
+        "survivor loads": [],
+    }
+    replacing = create_executor(_reference_config(backend, checkpoint, replace))
+    restarting = create_executor(_reference_config(backend, checkpoint, restart))
     try:
-        _first_success(executor, 300)
+        for executor in (replacing, restarting):
+            _first_success(executor, 300)
         for _ in range(rounds):
-            pids = executor.collective_rpc(_pid, timeout=300)
+            for label, executor in (("rank replacement", replacing), ("group restart", restarting)):
+                pids = executor.collective_rpc(_pid, timeout=300)
+                start = time.perf_counter()
+                os.kill(pids[1], signal.SIGKILL)
+                _first_success(executor, 300)
+                times[label].append(time.perf_counter() - start)
+            loads = replacing.collective_rpc(_loads, timeout=300)
+            times["survivor loads"].append(float(loads[0] - 1))
             start = time.perf_counter()
-            os.kill(pids[1], signal.SIGKILL)
-            _first_success(executor, 300)
-            restart.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            executor.shutdown()
-            executor = create_executor(_reference_config(backend, checkpoint, policy))
-            _first_success(executor, 300)
-            fresh.append(time.perf_counter() - start)
+            restarting.shutdown()
+            restarting = create_executor(_reference_config(backend, checkpoint, restart))
+            _first_success(restarting, 300)
+            times["new executor"].append(time.perf_counter() - start)
     finally:
-        executor.shutdown()
-    return {"group restart": restart, "new executor": fresh}
+        replacing.shutdown()
+        restarting.shutdown()
+    return times
 
 
 def bench_hot(calls: int, rounds: int) -> dict[str, list[float]]:
@@ -152,6 +173,8 @@ def main() -> int:
                 print(f"skip {backend}: not installed", file=sys.stderr)
                 continue
             times = bench_back(backend, checkpoint, args.rounds)
+            loads = times.pop("survivor loads")
+            print(f"{backend}: survivors' load_model calls in the replacements: {sum(loads):g}")
             base = statistics.median(times["new executor"])
             for label, samples in times.items():
                 median = statistics.median(samples)

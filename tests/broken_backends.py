@@ -381,34 +381,21 @@ class _Processes(Transport):
     incarnations: ClassVar[int] = 0
 
     def start(self) -> None:
-        import multiprocessing
-        import pickle
-
         _Processes.incarnations += 1
-        spawn = multiprocessing.get_context("spawn")
         nodes = None
         if self.defect == "renames_nodes":  # each incarnation on "another node"
             nodes = [f"node-{_Processes.incarnations}"] * self.host.config.world_size
+        self.nodes = nodes
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.probes: list[Any] = []
         for context in self.host.contexts(nodes):
-            parent, child = spawn.Pipe()
-            ours, theirs = spawn.Pipe()
-            portable = pickle.dumps(self.host.wrapper(context).portable())
-            process = spawn.Process(target=_serve_pipe, args=(portable, child, theirs), daemon=True)
-            process.start()
-            child.close()
-            theirs.close()
+            process, parent, ours = self._spawn(context)
             self.procs.append(process)
             self.conns.append(parent)
             self.probes.append(ours)
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(30):
-                raise TimeoutError(f"rank {rank} did not start")
-            _, ok, failure = conn.recv()
-            if not ok:
-                raise failure.to_error()
+        for rank in range(len(self.conns)):
+            self._await_ready(rank)
         self.lock = threading.Lock()
         self.readers = [
             threading.Thread(target=self._read, args=(rank,), daemon=True)
@@ -416,6 +403,28 @@ class _Processes(Transport):
         ]
         for reader in self.readers:
             reader.start()
+
+    def _spawn(self, context: WorkerContext) -> tuple[Any, Any, Any]:
+        import multiprocessing
+        import pickle
+
+        spawn = multiprocessing.get_context("spawn")
+        parent, child = spawn.Pipe()
+        ours, theirs = spawn.Pipe()
+        portable = pickle.dumps(self.host.wrapper(context).portable())
+        process = spawn.Process(target=_serve_pipe, args=(portable, child, theirs), daemon=True)
+        process.start()
+        child.close()
+        theirs.close()
+        return process, parent, ours
+
+    def _await_ready(self, rank: int) -> None:
+        conn = self.conns[rank]
+        if not conn.poll(30):
+            raise TimeoutError(f"rank {rank} did not start")
+        _, ok, failure = conn.recv()
+        if not ok:
+            raise failure.to_error()
 
     def _read(self, rank: int) -> None:
         conn = self.conns[rank]
@@ -489,12 +498,44 @@ class _Processes(Transport):
             conn.close()
 
 
+class _ReplacingProcesses(_Processes):
+    """:class:`_Processes` that replaces dead ranks (``Transport.replace``)."""
+
+    def replace(self, ranks: Sequence[int], rejoin: Any) -> None:
+        # Every rank's new context: the same places, a new rendezvous.
+        contexts = self.host.contexts(self.nodes)
+        for rank in ranks:
+            old = self.procs[rank]
+            old.kill()
+            old.join(5.0)
+            self.readers[rank].join(5.0)
+            self.conns[rank].close()
+            self.probes[rank].close()
+            process, parent, ours = self._spawn(contexts[rank])
+            self.procs[rank], self.conns[rank], self.probes[rank] = process, parent, ours
+        if self.defect == "replace_reloads":  # the survivors load their model again
+            with self.lock:
+                for rank, conn in enumerate(self.conns):
+                    if rank not in ranks:
+                        conn.send((0, "load_model", (), None, None))
+        if self.defect != "replace_forgets_rejoin":
+            rejoin(contexts)
+        for rank in ranks:
+            self._await_ready(rank)
+            self.readers[rank] = threading.Thread(target=self._read, args=(rank,), daemon=True)
+            self.readers[rank].start()
+
+
 class _ProcessExecutor(Executor):
     transport_cls = _Processes
 
 
-def _processes(defect: str) -> type[Executor]:
-    transport = type(f"_Processes_{defect}", (_Processes,), {"defect": defect})
+class _ReplacingProcessExecutor(Executor):
+    transport_cls = _ReplacingProcesses
+
+
+def _processes(defect: str, base: type[_Processes] = _Processes) -> type[Executor]:
+    transport = type(f"_Processes_{defect}", (base,), {"defect": defect})
     return type(f"_ProcessExecutor_{defect}", (_ProcessExecutor,), {"transport_cls": transport})
 
 
@@ -508,6 +549,14 @@ BROKEN_RECOVERY: dict[str, tuple[type[Executor], str]] = {
     "renames_nodes": (
         _processes("renames_nodes"),
         "a recovered executor has the same ranks, local ranks and nodes",
+    ),
+    "replace_forgets_rejoin": (
+        _processes("replace_forgets_rejoin", _ReplacingProcesses),
+        "a backend that declares replacement replaced ranks",
+    ),
+    "replace_reloads": (
+        _processes("replace_reloads", _ReplacingProcesses),
+        "only the new rank loads its model again",
     ),
 }
 

@@ -128,10 +128,13 @@ def test_hang_tests_fail_the_broken_backend(name: str, tmp_path: Path) -> None:
 
 def test_recovery_tests_pass_the_correct_process_backend(tmp_path: Path) -> None:
     (tmp_path / "test_processes_kit.py").write_text(
-        "from broken_backends import _ProcessExecutor\n"
+        "from broken_backends import _ProcessExecutor, _ReplacingProcessExecutor\n"
         "from executor_core.testing import HangTests, RecoveryTests\n\n\n"
         "class TestProcesses(RecoveryTests, HangTests):\n"
         "    backend = _ProcessExecutor\n    workers_are_processes = True\n"
+        "    recovery_kills = 5\n\n\n"
+        "class TestReplacingProcesses(RecoveryTests):\n"
+        "    backend = _ReplacingProcessExecutor\n    workers_are_processes = True\n"
         "    recovery_kills = 5\n"
     )
     env = {

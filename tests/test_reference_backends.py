@@ -421,7 +421,10 @@ def test_every_rank_reports_its_step_times(executor: Executor) -> None:
 def test_main_job_across_three_nodes_gives_the_same_tokens(
     tmp_path: Path, cli_reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``executor run --backend mp`` with two node agents: one pipeline stage per node."""
+    """``executor run --backend mp`` with two node agents, one pipeline stage per node, and
+    the rank of the last node killed mid-run: its agent starts it again (a rank
+    replacement), the others keep theirs, and the tokens are those of a run without a
+    fault."""
     from executor_core.backend import find_free_port
 
     monkeypatch.setenv("EXECUTOR_CHANNEL_SECRET", secrets.token_hex(32))
@@ -455,7 +458,13 @@ def test_main_job_across_three_nodes_gives_the_same_tokens(
             "127.0.0.2",
             "--backend-option",
             f"node_port={port}",
+            "--recover",
+            "--kill-rank",
+            "2",
+            "--kill-at-step",
+            "3",
         )
+        assert data["summary"]["restarted_ranks"] == [[2]]
         assert data["tokens"] == cli_reference["tokens"]
         assert [agent.wait(10) for agent in agents] == [0, 0]
     finally:
@@ -491,8 +500,8 @@ def test_main_job_recovers_from_a_killed_rank_with_the_same_tokens(
     tmp_path: Path, cli_reference: dict[str, Any], backend: str, args: list[str]
 ) -> None:
     """``executor run --recover --kill-rank 1 --kill-at-step 3``: the step in flight fails,
-    every rank is restarted, the batches in flight are replayed, and the tokens are those
-    of the run without a fault (greedy decoding)."""
+    the dead rank alone is replaced (the backends declare it), the batches in flight are
+    replayed, and the tokens are those of the run without a fault (greedy decoding)."""
     data = _run_cli(
         tmp_path,
         f"{backend}-recovered",
@@ -509,6 +518,7 @@ def test_main_job_recovers_from_a_killed_rank_with_the_same_tokens(
     assert summary["backend"] == backend
     assert summary["recoveries"] == 1
     assert summary["lost_ranks"] == [[1]]
+    assert summary["restarted_ranks"] == [[1]], "only the dead rank got a new process"
     assert 0 < summary["recovery_s"][0] < 60
     assert data["tokens"] == cli_reference["tokens"]
 

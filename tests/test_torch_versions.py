@@ -32,6 +32,7 @@ from executor_reference import MODEL_SIZES, ensure_checkpoint, generate, make_pr
 NEWER_APIS: dict[str, tuple[str, bool]] = {
     "torch._C._host_emptyCache": ("2.5", True),
     "torch.accelerator": ("2.6", False),
+    "torch.distributed.distributed_c10d._abort_process_group": ("2.5", False),
     "torch.distributed.get_default_backend_for_device": ("2.6", False),
     "torch.cuda.host_memory_stats": ("2.7", False),
     "torch.accelerator.empty_host_cache": ("2.12", False),

@@ -70,6 +70,12 @@ class ChannelDriver:
         #: The first failure reported before every rank was ready: the start raises it.
         self._start_error: ExecutorFailedError | None = None
 
+    def rebind(self, host: TransportHost) -> None:
+        """Rank replacement: carry on for ``host``, the executor's new one (its calls, its
+        failures); :meth:`interrupt` is undone."""
+        self.host = host
+        self.aborted = False
+
     @property
     def reply_bell(self) -> Doorbell:
         """The doorbell that wakes the driver for replies (the hub rings it too)."""
@@ -91,24 +97,28 @@ class ChannelDriver:
     ) -> None:
         """Wait until every one of ``ranks`` has sent its ready frame; a failed one raises
         its error. ``check(pending)`` runs between waits and raises if a pending rank can
-        no longer answer (its process died, say)."""
+        no longer answer (its process died, say). Any other reply read meanwhile (from the
+        ranks that kept running, when some were replaced) goes to the host."""
         deadline = time.monotonic() + timeout
         pending = set(ranks)
         inbox = self.hub.inbox if self.hub is not None else None
+        deliver = self.host.deliver
         while True:
             for ring in self._reply_rings:
                 while ring.poll():
                     reply = ring.read(decode_reply, None, None, plan_assembly)
                     if reply is not None:
-                        _ready(reply, pending)
+                        _ready(reply, pending, deliver)
             while inbox:
-                _ready(inbox.popleft(), pending)
+                _ready(inbox.popleft(), pending, deliver)
             if not pending:
                 return
             if self._start_error is not None:
                 raise self._start_error
-            if self.aborted:  # shut down while starting (during a recovery, say)
-                raise ExecutorClosedError("the executor was shut down while its workers started")
+            if self.aborted:  # shut down or failed while starting (during a recovery, say)
+                raise self.host.closed_error or ExecutorClosedError(
+                    "the executor was shut down while its workers started"
+                )
             check(pending)
             now = time.monotonic()
             if now >= deadline:
@@ -301,9 +311,10 @@ class ChannelDriver:
             self.hub.stop(graceful, grace_s, rejoin)
 
 
-def _ready(reply: Reply, pending: set[int]) -> None:
-    kind, _seq, rank, ok, value = reply
+def _ready(reply: Reply, pending: set[int], deliver: Callable[[int, int, bool, Any], None]) -> None:
+    kind, seq, rank, ok, value = reply
     if kind != KIND_READY:
+        deliver(seq, rank, ok, value)
         return
     if not ok:
         raise _error_of(value)

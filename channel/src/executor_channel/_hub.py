@@ -226,6 +226,14 @@ class Hub:
                 self._directed.append((node, wire.control(wire.END, {"ranks": held})))
         self._wake.ring()
 
+    def replace(self, ranks: Sequence[int], launches: bytes) -> None:
+        """Have the members holding ``ranks`` start new processes for them (``REPLACE``,
+        queued in order with the calls: it follows every call sent before, and precedes
+        every call sent after). ``launches`` is the backend's bytes for those ranks."""
+        payload = wire.control(wire.REPLACE, {"ranks": list(ranks)})
+        self._outbox.append([*payload, launches])
+        self._wake.ring()
+
     def wake(self) -> None:
         """Make the pump look at its state now (``ready`` was set)."""
         self._wake.ring()

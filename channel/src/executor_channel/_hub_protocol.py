@@ -5,8 +5,9 @@ messages carry JSON; a member's spec is opaque bytes (its backend's); calls and 
 codec frames, forwarded as they are.
 
 Hub to member: ``SPEC`` (or ``REFUSED``), ``READY`` once every member is ready, then ``CALL``
-frames (the stop message is a call frame of kind ``KIND_STOP``), ``PING``, ``PROBE`` and
-``END`` (the hang bound's), and, to stop at once, ``KILL``. Member to hub: ``JOIN``, then
+frames (the stop message is a call frame of kind ``KIND_STOP``) and, in order with them,
+``REPLACE`` (a rank replacement), ``PING``, ``PROBE`` and ``END`` (the hang bound's), and,
+to stop at once, ``KILL``. Member to hub: ``JOIN``, then
 ``FRAME`` (a worker's ready or reply frame), ``DIED``, ``FAILED``, ``PING``, ``PROBED`` and,
 once its workers have stopped, ``BYE``.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "PROBED",
     "READY",
     "REFUSED",
+    "REPLACE",
     "SPEC",
     "Refusal",
     "control",
@@ -65,6 +67,10 @@ PROBED = b"q"
 END = b"E"
 #: Member to hub: a worker of its node died (JSON: its rank and exit code).
 DIED = b"D"
+#: Hub to every member, in order with the calls (a rank replacement): start new processes
+#: for these of its ranks (JSON: ``ranks``; then the backend's bytes for them). The calls
+#: before it are for the dead processes; the new ones read from the next call on.
+REPLACE = b"W"
 #: Member to hub: it could not start its workers or serve on (JSON: why).
 FAILED = b"X"
 #: Hub to member: stop every worker now, without waiting for calls in flight. JSON,

@@ -99,6 +99,11 @@ class SegmentLayout:
         return cls(broadcast, tuple(replies))
 
 
+_BROKEN_CALLS = (
+    "a call was interrupted half-way through a transfer that spans several ring slots, so "
+    "the surviving ranks are out of step with a new one"
+)
+
 #: kind, seq, rank, ok, value (a RemoteFailure or a WorkerError when not ok)
 Reply = tuple[int, int, int, bool, Any]
 
@@ -184,6 +189,15 @@ class NodeRings:
             reply_bell=self.reply_bell.fd,
             reply_space_bell=self.reply_spaces[index].fd,
         )
+
+    def resume_worker(self, index: int) -> None:
+        """Worker ``index``'s process is gone and another takes its place (rank replacement):
+        it will read calls from the next one written, and write replies into an empty reply
+        ring. Raises if the broadcast ring is mid-message (then every rank must restart)."""
+        if self.calls.broken:
+            raise RuntimeError(_BROKEN_CALLS)
+        self.calls.resume_reader(index)
+        self.replies[index].resume_reader(0)
 
     @property
     def broken(self) -> bool:

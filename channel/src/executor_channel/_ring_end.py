@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ._doorbell import Doorbell
-from ._fence import load_acquire
+from ._fence import load_acquire, store_release
 from ._ring_layout import LINE, RingLayout
 from ._spin import Spinner
 
@@ -66,6 +66,25 @@ class RingEnd:
         #: Writer: slots known to be free (a lower bound: readers only ever free more), so
         #: that the readers' counters are loaded only when it runs out.
         self._free = 0
+
+    def resume_reader(self, index: int) -> None:
+        """A reader's process was replaced (rank replacement): on the writer's side, count
+        reader ``index`` as having read everything written, so that the new reader starts at
+        the next message and no slot waits for the dead one; on that ring's reader's side
+        (``index`` is this reader), skip whatever its dead writer left, whole or half
+        written, so that a new writer starts clean. Only while nothing is written or read
+        on this ring (the executor is recovering)."""
+        buf = self._buf
+        if self._reader is None:
+            store_release(buf, self._consumed_offs[index], self._count)
+            self._free = 0  # look at the counters again before the next write
+        else:
+            if index != self._reader:
+                raise ValueError(f"reader {self._reader} cannot resume reader {index}")
+            self._count = load_acquire(buf, self._written_off)[0]
+            store_release(buf, self._own_off, self._count)
+            store_release(buf, self._waiting_off, 0)
+            self.broken = False  # a message its dead writer left half-written is skipped
 
     @property
     def spinner(self) -> Spinner | None:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
         create_executor,
     )
     from ._hookspecs import hookimpl
-    from ._recovery import ExecutorState, RecoveryPolicy
+    from ._recovery import ExecutorState, RecoveryPolicy, RecoveryRecord
     from ._version import __version__
     from ._worker import (
         SLEEP_TAGS,
@@ -64,6 +64,7 @@ __all__ = [
     "RPCTimeoutError",
     "RecoveringError",
     "RecoveryPolicy",
+    "RecoveryRecord",
     "SleepStateError",
     "UnknownBackendError",
     "WorkerBase",
@@ -89,6 +90,7 @@ _LAZY: dict[str, str] = {
     "RPCTimeoutError": "._errors",
     "RecoveringError": "._errors",
     "RecoveryPolicy": "._recovery",
+    "RecoveryRecord": "._recovery",
     "SLEEP_TAGS": "._worker",
     "SleepStateError": "._errors",
     "UnknownBackendError": "._errors",

@@ -20,10 +20,10 @@ __all__ = ["admit"]
 
 def admit(
     cls: type[Lifecycle], config: ExecutorConfig, registry: Registry, spec: BackendSpec | None
-) -> str:
+) -> tuple[str, BackendSpec | None]:
     """Check that ``cls`` can run ``config``, as its spec declares (``spec``, else the one the
     registry declares for ``cls``); return the backend's name (the class's qualified name for
-    a class no plugin declares)."""
+    a class no plugin declares) and that spec (None for such a class)."""
     if spec is None:
         qualname = f"{cls.__module__}:{cls.__qualname__}"
         spec = next((s for s in registry.backends() if s.executor == qualname), None)
@@ -37,7 +37,7 @@ def admit(
             f"takes, not {options_cls!r} (see executor_core.options)"
         )
     parse_backend_options(options_cls, config.backend_options, name)
-    return name
+    return name, spec
 
 
 def _check_capabilities(spec: BackendSpec, config: ExecutorConfig) -> None:

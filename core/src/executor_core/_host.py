@@ -98,6 +98,22 @@ class TransportHost:
         # environment, and release puts it back (see _restore_env).
         self._saved_env = {key: os.environ.get(key) for key in self.worker_env}
 
+    def take_over(self, old: TransportHost) -> None:
+        """A rank replacement: this host carries on ``old``'s transport, so it takes what
+        ``old`` would have released (its cleanups, the environment to restore); ``old``,
+        failed already, releases nothing. Returns once no thread sends or reads replies
+        through ``old`` (they leave at once: it is interrupted)."""
+        if old.send_lock.acquire(timeout=_LEAVE_S):
+            old.send_lock.release()
+        if old.replies is not None:
+            old.replies.leave(_LEAVE_S)
+        with old.state_lock:
+            cleanups, old._cleanups = old._cleanups, []
+            old.released = True
+        with self.state_lock:
+            self._cleanups[:0] = cleanups
+        self._saved_env = old._saved_env
+
     def attach(self, transport: Transport) -> Replies:
         """Take the executor's transport (once, before it starts); return its :class:`Replies`."""
         self.transport = transport

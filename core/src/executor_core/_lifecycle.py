@@ -3,28 +3,40 @@ backend's transport, then failed or shut down."""
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from ._admission import admit
 from ._aio import AsyncSender
+from ._calls import Call
 from ._config import ExecutorConfig
-from ._errors import ConfigError, ExecutorClosedError, ExecutorFailedError, WorkerDiedError
+from ._errors import (
+    ConfigError,
+    ExecutorClosedError,
+    ExecutorError,
+    ExecutorFailedError,
+    WorkerDiedError,
+)
 from ._hangs import HangWatch, has_probe
 from ._host import TransportHost
 from ._observe import CallObserver, death_reporter
-from ._recovery import ExecutorState, Recovery
+from ._recovery import ExecutorState, Recovery, RecoveryRecord
 from ._resolve import executor_class
 from ._sleep import SleepState
+from ._transport import can_replace
+from ._wire import REJOIN_METHOD
 from .options import NoOptions
 
 if TYPE_CHECKING:
     from attrs import AttrsInstance
 
     from ._registry import BackendSpec, Registry
+    from ._replies import Replies
     from ._transport import Transport
+    from ._worker import WorkerContext
 
 __all__ = ["FailureCallback", "Lifecycle"]
 
@@ -92,7 +104,12 @@ class Lifecycle:
             )
         self.config = config
         self._registry = registry
-        name = admit(cls, config, self.registry, spec)
+        name, spec = admit(cls, config, self.registry, spec)
+        #: Whether a death is answered by replacing the dead ranks: as the spec declares, or,
+        #: for a class no plugin declares, if its transport implements ``replace``.
+        self._replaces: bool | None = (
+            None if spec is None else spec.capabilities.recovery == "replace"
+        )
         self._all_ranks = tuple(range(config.world_size))
         self._default_timeout = config.rpc_timeout
         self._next_seq = 1
@@ -105,7 +122,7 @@ class Lifecycle:
         self._calls_started, self._calls_finished = observer.impls
         #: The recovery state and the failure callbacks; it reaches the executor only through
         #: a weak method, so a dropped executor is still collected.
-        self._recovery = Recovery(config.recovery, name, hooks, self._restart)
+        self._recovery = Recovery(config.recovery, name, hooks, self._come_back)
         #: The host whose transport is starting (at creation, in a recovery), else None.
         self._starting: TransportHost | None = None
         #: What transports hand over across a recovery (``TransportHost.keep``), released at
@@ -117,16 +134,21 @@ class Lifecycle:
         weakref.finalize(self, self._aio.close)  # holds the sender: its thread ends
         self._install(first=True)
 
-    def _install(self, first: bool = False) -> None:
-        """Build a host and a transport over it, and start the workers: at creation, and for
-        each recovery (the calls in flight failed with the old host; nothing of its is
-        reused, so no reply from before a death reaches a call made after it)."""
+    def _new_host(self) -> TransportHost:
+        """A host wired to this executor's hooks and recovery (never to the executor)."""
         hooks = self.registry.hook
         host = TransportHost(self.config, self._name, hooks)
         host.kept = self._kept  # what an earlier incarnation's transport handed over
         host.failure_callbacks.append(death_reporter(hooks, self._name))
         host.before_abort = self._recovery.decide
         host.failure_callbacks.append(self._recovery.on_failure)
+        return host
+
+    def _install(self, first: bool = False) -> None:
+        """Build a host and a transport over it, and start the workers: at creation, and for
+        each group restart (the calls in flight failed with the old host; nothing of its is
+        reused, so no reply from before a death reaches a call made after it)."""
+        host = self._new_host()
         transport = self._create_transport(host)
         if self.config.hang_timeout_s is not None and not has_probe(transport):
             raise ConfigError(
@@ -152,16 +174,124 @@ class Lifecycle:
             raise
         finally:
             self._starting = None
-        self._host, self._transport, self._replies = host, transport, replies
-        self._finalizer = finalizer
-        self._sleep = SleepState(host, hooks)
         driven = transport.ranks
         self._all_ranks = tuple(driven) if driven is not None else tuple(range(self.world_size))
+        self._publish(host, transport, replies, finalizer)
         self._run_inline = transport.inline_runner() if len(self._all_ranks) == 1 else None
+
+    def _publish(
+        self,
+        host: TransportHost,
+        transport: Transport,
+        replies: Replies,
+        finalizer: weakref.finalize[Any, Any],
+    ) -> None:
+        """Calls go to ``host`` from now on (its workers are ready)."""
+        self._host, self._transport, self._replies = host, transport, replies
+        self._finalizer = finalizer
+        self._sleep = SleepState(host, self.registry.hook)
         bound = self.config.hang_timeout_s
         if bound is not None:
             watch = host.hang_watch = HangWatch(host, transport, self._all_ranks, bound)
             watch.start()
+
+    def _come_back(self, ranks: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """The recovery thread's attempt after the death of ``ranks``: replace them where
+        the policy and the transport allow, else (or if that fails) restart every rank.
+        Returns what it did: ``(kind, the ranks that got new processes)``."""
+        policy = self._recovery.policy
+        dead = tuple(sorted(set(ranks) & set(self._all_ranks)))
+        if (
+            policy is not None
+            and policy.replace_ranks
+            and dead
+            and len(dead) < len(self._all_ranks)
+            # Asleep, the survivors and a new rank would disagree: a group restart wakes all.
+            and not self._sleep.tags
+            and (can_replace(self._transport) if self._replaces is None else self._replaces)
+        ):
+            try:
+                self._replace(dead, policy.rejoin_timeout_s)
+                return "replace", dead
+            except ExecutorClosedError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - logged; a group restart follows
+                _log_warning(
+                    f"replacing rank(s) {list(dead)} failed ({type(exc).__name__}: {exc}); "
+                    "restarting every rank"
+                )
+                self._recovery.forget_pending()
+        self._restart()
+        return "restart", self._all_ranks
+
+    def _replace(self, dead: tuple[int, ...], rejoin_timeout_s: float) -> None:
+        """Rank replacement: the transport, and the survivors' processes, carry on over a new
+        host (a new call table: no reply from before the death completes a later call);
+        new processes take the dead ranks, and every survivor runs the rejoin call."""
+        recovery = self._recovery
+        old, transport = self._host, self._transport
+        if recovery.is_closed() or old.closed:
+            raise ExecutorClosedError("the executor has been shut down; create a new one")
+        host = self._new_host()
+        self._finalizer.detach()
+        host.take_over(old)
+        transport.host = host
+        replies = host.attach(transport)
+        finalizer = weakref.finalize(self, host.release, False)
+        self._starting = host
+        call: Call | None = None
+
+        def rejoin(contexts: Sequence[WorkerContext]) -> None:
+            nonlocal call
+            call = self._send_rejoin(host, transport, contexts)
+
+        try:
+            transport.replace(dead, rejoin)
+            if call is None:
+                raise ExecutorError(f"{type(transport).__qualname__}.replace never called rejoin")
+            # The new ranks are ready: the survivors' bound starts now.
+            call.timeout = rejoin_timeout_s
+            call.deadline = time.monotonic() + rejoin_timeout_s
+            replies.wait(call)
+        except BaseException:
+            host.restarting = True  # remote agents rejoin the group restart that follows
+            finalizer()
+            raise
+        finally:
+            self._starting = None
+        if recovery.is_closed():
+            finalizer()
+            raise ExecutorClosedError("the executor was shut down during its recovery")
+        self._publish(host, transport, replies, finalizer)
+
+    def _send_rejoin(
+        self,
+        host: TransportHost,
+        transport: Transport,
+        contexts: Sequence[WorkerContext],
+    ) -> Call:
+        """Send every rank the rejoin call (:data:`REJOIN_METHOD`) with their new contexts
+        (no deadline yet: it starts once the new ranks are ready)."""
+        if len(contexts) != self.world_size:
+            raise ExecutorError(
+                f"{type(transport).__qualname__}.replace gave {len(contexts)} contexts for "
+                f"{self.world_size} ranks"
+            )
+        with host.send_lock:
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            call = Call(
+                seq=seq,
+                method=REJOIN_METHOD,
+                name="rejoin",
+                args=(tuple(contexts),),
+                expected=self._all_ranks,
+            )
+            host.table.add(call)
+            if not transport.send(call):
+                host.table.remove(call)
+                raise ExecutorError("the rejoin call could not be sent")
+        return call
 
     def _restart(self) -> None:
         """Stop every worker and start them again (a group restart; the recovery thread or
@@ -172,7 +302,7 @@ class Lifecycle:
         old = self._host
         self._finalizer.detach()
         old.restarting = True
-        old.release(False)  # once: a host whose start failed is released already
+        old.release(False)  # once: a host whose start (or replacement) failed is released
         if recovery.is_closed():  # shut down while the old workers stopped
             raise ExecutorClosedError("the executor was shut down during its recovery")
         self._install()
@@ -235,6 +365,12 @@ class Lifecycle:
         if state is ExecutorState.RUNNING and self._host.failure is not None:
             return ExecutorState.FAILED if self._recovery.policy is None else state
         return state
+
+    @property
+    def last_recovery(self) -> RecoveryRecord | None:
+        """What the last completed recovery did (which ranks died, which got new processes,
+        how long it took), or None if none completed."""
+        return self._recovery.last
 
     @property
     def last_death(self) -> WorkerDiedError | None:
@@ -305,7 +441,7 @@ class Lifecycle:
             error.__cause__ = exc
             recovery.end_explicit(error, ranks, perf_counter() - start)
             raise error from exc
-        recovery.end_explicit(None, ranks, perf_counter() - start)
+        recovery.end_explicit(None, ranks, perf_counter() - start, ("restart", self._all_ranks))
 
     def shutdown(self) -> None:
         """Stop the workers (each runs its ``shutdown``) and release every resource; calls in

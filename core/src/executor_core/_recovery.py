@@ -34,7 +34,7 @@ from ._errors import ConfigError, ExecutorClosedError, ExecutorFailedError, Work
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["ExecutorState", "Recovery", "RecoveryPolicy"]
+__all__ = ["ExecutorState", "Recovery", "RecoveryPolicy", "RecoveryRecord"]
 
 logger = logging.getLogger("executor_core")
 
@@ -103,6 +103,33 @@ class RecoveryPolicy:
     wait_calls: bool = attrs.field(
         default=True, validator=_check("must be True or False", lambda v: type(v) is bool)
     )
+    #: Where the backend can (``Capabilities(recovery="replace")``), start only the dead ranks
+    #: again: the survivors keep their processes and memory and rejoin. False: always a group
+    #: restart.
+    replace_ranks: bool = attrs.field(
+        default=True, validator=_check("must be True or False", lambda v: type(v) is bool)
+    )
+    #: Seconds the survivors of a rank replacement have to finish the calls they still held
+    #: and rejoin (beyond the new ranks' start-up); past it, every rank is restarted.
+    rejoin_timeout_s: float = attrs.field(
+        default=10.0,
+        validator=_check("must be a number of seconds > 0", lambda v: _seconds(v) and v > 0),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryRecord:
+    """What one completed recovery did (``Executor.last_recovery``)."""
+
+    #: The ranks whose death it answered.
+    ranks: tuple[int, ...]
+    #: The ranks that got new processes: the dead ones (a rank replacement) or every rank
+    #: (a group restart).
+    restarted: tuple[int, ...]
+    #: ``"replace"`` or ``"restart"``.
+    kind: str
+    #: Seconds from the start of the recovery until calls reached the workers again.
+    duration_s: float
 
 
 class Recovery:
@@ -113,7 +140,7 @@ class Recovery:
         policy: RecoveryPolicy | None,
         backend: str,
         hooks: pluggy.HookRelay,
-        restart: Callable[[], None],
+        restart: Callable[[tuple[int, ...]], tuple[str, tuple[int, ...]]],
     ) -> None:
         self.policy = policy
         self._backend = backend
@@ -142,6 +169,10 @@ class Recovery:
         #: Recoveries that completed, and how long the last one took (seconds).
         self.recovered = 0
         self.last_duration_s = 0.0
+        #: The last completed recovery, or None.
+        self.last: RecoveryRecord | None = None
+        #: What the attempt in progress did: ``(kind, restarted ranks)``.
+        self._did: tuple[str, tuple[int, ...]] = ("restart", ())
 
     # --- the executor's hosts call these -------------------------------------------------
 
@@ -242,12 +273,13 @@ class Recovery:
             if restart is None:  # the executor was dropped: its finalizer stops what is left
                 return
             try:
-                restart()
+                self._did = restart(tuple(error.ranks))
             except ExecutorClosedError:
                 return
             except Exception as exc:  # noqa: BLE001 - the attempt failed: retry or fail for good
                 del restart
                 logger.warning("recovering the %s executor failed: %s", self._backend, exc)
+                self.forget_pending()  # a death of that attempt's workers: the next one follows
                 with self._cond:
                     if self.is_closed():
                         return
@@ -282,6 +314,15 @@ class Recovery:
             self._recovered(tuple(error.ranks), time.perf_counter() - started)
             return
 
+    def forget_pending(self) -> None:
+        """An attempt failed and another starts: a death reported meanwhile was of the failed
+        attempt's workers, not news for the next one."""
+        with self._cond:
+            pending, self._pending = self._pending, None
+        if pending is not None and not isinstance(pending, WorkerDiedError):
+            with self._cond:  # not a death (fail(), say): it still ends the recovery
+                self._pending = pending
+
     def is_closed(self) -> bool:
         """True once the executor is shut down."""
         return self.state is ExecutorState.CLOSED
@@ -295,6 +336,10 @@ class Recovery:
                 self.state = ExecutorState.RUNNING
                 self.recovered += 1
                 self.last_duration_s = duration_s
+                kind, restarted = self._did
+                self.last = RecoveryRecord(
+                    ranks=ranks, restarted=restarted, kind=kind, duration_s=duration_s
+                )
                 self._cond.notify_all()
         if pending is not None:  # died again as this recovery ended: no budget to decide
             self._fail_for_good(pending)
@@ -340,10 +385,16 @@ class Recovery:
             return True
 
     def end_explicit(
-        self, error: ExecutorFailedError | None, ranks: tuple[int, ...], took: float
+        self,
+        error: ExecutorFailedError | None,
+        ranks: tuple[int, ...],
+        took: float,
+        did: tuple[str, tuple[int, ...]] = ("restart", ()),
     ) -> None:
-        """The explicit recovery ended: recovered (``error`` None) or failed for good."""
+        """The explicit recovery ended: recovered (``error`` None; ``did`` is what it did)
+        or failed for good."""
         if error is None:
+            self._did = did
             self._recovered(ranks, took)
         else:
             self._fail_for_good(error)

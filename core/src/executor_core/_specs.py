@@ -15,7 +15,7 @@ __all__ = ["ENTRY_POINT_GROUP", "PLUGINS_ENV_VAR", "BackendSpec", "BrokenPlugin"
 ENTRY_POINT_GROUP = "executor.plugins"
 
 #: What ``Capabilities.recovery`` may say.
-RECOVERY_KINDS: tuple[str, ...] = ("none", "restart")
+RECOVERY_KINDS: tuple[str, ...] = ("none", "restart", "replace")
 
 #: Comma-separated allow-list of plugin (entry-point) names to load; unset loads all.
 PLUGINS_ENV_VAR = "EXECUTOR_PLUGINS"
@@ -38,7 +38,9 @@ class Capabilities:
     #: How it comes back when workers die (``ExecutorConfig.recovery``): ``"none"`` (its
     #: workers cannot be started again in this process: a config with a recovery policy is
     #: refused), ``"restart"`` (every rank is stopped and started again, fresh contexts and a
-    #: new ``torch.distributed`` rendezvous: a group restart).
+    #: new ``torch.distributed`` rendezvous: a group restart), ``"replace"`` (only the dead
+    #: ranks get new processes; the survivors keep theirs, with their memory, and rejoin
+    #: through ``WorkerBase.rejoin``; a group restart where that fails: rank replacement).
     recovery: str = attrs.field(default="none", validator=attrs.validators.in_(RECOVERY_KINDS))
 
     #: Its transport answers :meth:`~executor_core.backend.Transport.probe` (is each rank's

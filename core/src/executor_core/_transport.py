@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from ._calls import Call
     from ._host import TransportHost
+    from ._worker import WorkerContext
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "can_replace"]
 
 
 class Transport(abc.ABC):
@@ -97,6 +98,27 @@ class Transport(abc.ABC):
         already failed the calls in flight). Only with :meth:`probe`."""
         raise NotImplementedError(f"{type(self).__name__} declares no liveness probe")
 
+    def replace(
+        self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
+    ) -> None:
+        """Rank replacement (a backend that declares ``Capabilities(recovery="replace")``):
+        start new processes for the dead ``ranks`` while every other rank keeps its process
+        and its memory. The core calls it from its recovery thread after the calls in flight
+        failed; :attr:`host` is already a fresh :class:`TransportHost` (a new call table, so
+        no reply from before the death completes a later call): rebind what held the old
+        one, and undo :meth:`interrupt`.
+
+        In order: make every rank's new context (the same places, a new ``torch.distributed``
+        rendezvous), start the new ranks' processes with theirs, reading calls from the next
+        one sent, then call ``rejoin(contexts)`` (every rank's, in rank order): the core
+        sends the rejoin call, which each survivor runs (``WorkerBase.rejoin``) once it has
+        finished the calls it still held, and a new rank answers once it has run
+        ``init_device`` and ``load_model``. Then wait, as :meth:`start` does and within the
+        same bound, until each new rank is ready, handing any other reply read meanwhile to
+        :attr:`TransportHost.deliver`. Raise if it cannot be done (the core then restarts
+        the whole group); the default raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace ranks")
+
     @abc.abstractmethod
     def close(self, graceful: bool) -> None:
         """Stop the workers; called once by the core. ``graceful``: let each finish its calls
@@ -105,3 +127,8 @@ class Transport(abc.ABC):
         stop by force at once. Never block for ever; release memory, sockets and files through
         :meth:`TransportHost.add_cleanup` so that they are released after readers have left.
         """
+
+
+def can_replace(transport: Transport) -> bool:
+    """Whether ``transport`` implements :meth:`Transport.replace` (rank replacement)."""
+    return type(transport).replace is not Transport.replace

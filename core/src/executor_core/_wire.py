@@ -10,7 +10,12 @@ import attrs
 
 from ._errors import WorkerError, describe_exception
 
-__all__ = ["RemoteFailure", "dumps_method", "loads_method", "method_name"]
+__all__ = ["REJOIN_METHOD", "RemoteFailure", "dumps_method", "loads_method", "method_name"]
+
+#: The call a rank replacement sends every rank, with every rank's new context: a survivor
+#: runs ``WorkerBase.rejoin`` with its own; a new rank (already in that context) only answers.
+#: A dunder name, so that no worker method can be mistaken for it.
+REJOIN_METHOD = "__executor_rejoin__"
 
 
 def method_name(method: str | Callable[..., Any] | bytes) -> str:

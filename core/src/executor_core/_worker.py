@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +59,8 @@ class WorkerBase:
     """The unit of work an executor hosts, one per rank. Subclass it.
 
     The executor builds it inside the worker process as ``cls(context=ctx, **worker_kwargs)``,
-    then calls :meth:`init_device` and :meth:`load_model` before the executor is ready.
+    then calls :meth:`init_device` and :meth:`load_model` before the executor is ready
+    (and :meth:`rejoin` on a rank that survived while the executor replaced dead ones).
     Any public method can be called from the driver with ``collective_rpc("name", ...)``.
     """
 
@@ -110,6 +112,40 @@ class WorkerBase:
 
     def load_model(self) -> None:
         """Load this rank's model or shard. Default: nothing."""
+
+    def rejoin(self, context: WorkerContext) -> None:
+        """Rejoin the job in ``context`` after the executor replaced dead ranks.
+
+        Called on a surviving rank when recovery replaces only the ranks that died
+        (recovery kind ``"replace"``): the new ranks get new processes, which run
+        :meth:`init_device` and :meth:`load_model` (``rejoin`` is not called on them), while
+        this rank keeps its process and its memory (weights included) and only rebuilds its
+        distributed groups with them. ``context`` is this rank's new context: the same place
+        (rank, world size, parallel sizes) with a new ``distributed_init_method``, where
+        every rank of the job meets.
+
+        Default: leave the broken process group, if this process imported
+        ``torch.distributed`` (:func:`executor_core.torch.leave_process_group`; on gloo, a
+        rank blocked on the old group is freed as its peers leave it), take ``context`` as
+        :attr:`context`, then run :meth:`init_device` again, which joins the new group.
+        :meth:`load_model` is not run again. A worker whose :meth:`init_device` does more
+        than join groups (allocates buffers, loads weights) overrides this method, to keep
+        what it has.
+        """
+        # Only a process that uses torch.distributed can be in a group; importing torch
+        # here would add seconds (and a dependency) to workers that never use it.
+        if "torch.distributed" in sys.modules:
+            try:
+                from executor_core.torch import leave_process_group
+            except ImportError as exc:
+                raise ImportError(
+                    f"{type(self).__name__}.rejoin leaves torch.distributed's process group "
+                    "with executor_core.torch, which needs the core's torch extra: "
+                    f"pip install 'executor-core[torch]' ({exc})"
+                ) from exc
+            leave_process_group()
+        self.context = context
+        self.init_device()
 
     def execute_model(self, batch: Any) -> Any:
         """Run one step on ``batch`` and return the output (only the output rank's is returned)."""

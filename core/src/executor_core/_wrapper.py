@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ._hothook import HotHook
 from ._qualname import resolve_qualname
 from ._thread_device import ThreadDevice, capture_thread_device
-from ._wire import RemoteFailure, loads_method, method_name
+from ._wire import REJOIN_METHOD, RemoteFailure, loads_method, method_name
 from ._worker import WorkerBase, WorkerContext
 
 if TYPE_CHECKING:
@@ -95,6 +95,8 @@ class WorkerWrapper:
         loaded = loads_method(method)
         if isinstance(loaded, str):
             func = getattr(worker, loaded, None)
+            if func is None and loaded == REJOIN_METHOD:
+                return self._rejoin
             if func is None or not callable(func):
                 raise AttributeError(
                     f"{type(worker).__name__} has no method {loaded!r} "
@@ -108,6 +110,22 @@ class WorkerWrapper:
             return fn(worker, *args, **kwargs)
 
         return call_with_worker
+
+    def _rejoin(self, contexts: Sequence[WorkerContext]) -> None:
+        """The rejoin call of a rank replacement: a survivor (its context differs from its new
+        one) rejoins its peers in its new context; a new rank is in it already."""
+        context = contexts[self.context.rank]
+        if context.rank != self.context.rank:
+            raise ValueError(f"rank {self.context.rank} was sent the context of {context.rank}")
+        if context == self.context:
+            return
+        worker = self.worker
+        assert worker is not None  # _resolve checked
+        worker.rejoin(context)
+        self.context = context
+        # The device the rejoin made current (a new process group binds it) is current on
+        # every thread that runs this worker's methods, as after init_worker.
+        self._thread_device = capture_thread_device()
 
     def run_method(
         self,

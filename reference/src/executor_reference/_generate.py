@@ -197,4 +197,5 @@ def generate(
         max_concurrent_batches=concurrency,
         recoveries=recovery.times,
         lost_ranks=recovery.lost_ranks,
+        restarted_ranks=recovery.restarted_ranks,
     )

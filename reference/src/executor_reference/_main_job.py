@@ -210,6 +210,7 @@ def _summary(
         "recoveries": len(result.recoveries),
         "recovery_s": list(result.recoveries),
         "lost_ranks": [list(ranks) for ranks in result.lost_ranks],
+        "restarted_ranks": [list(ranks) for ranks in result.restarted_ranks],
     }
 
 
@@ -229,10 +230,19 @@ def _print_summary(s: dict[str, Any], out: TextIO) -> None:
         f"time split: executor {s['executor_share']:.1%}, model {s['model_share']:.1%}, "
         f"driver and waiting {other:.1%} (of each step's time)",
     ]
-    for lost, took in zip(s["lost_ranks"], s["recovery_s"], strict=True):
+    for lost, restarted, took in zip(
+        s["lost_ranks"], s["restarted_ranks"], s["recovery_s"], strict=True
+    ):
+        if len(restarted) < s["world_size"]:
+            how = (
+                f"{len(restarted)} rank(s) replaced ({restarted}; the others kept their "
+                "processes and weights)"
+            )
+        else:
+            how = "every rank restarted (a group restart)"
         lines.append(
-            f"recovery: rank(s) {lost} died; every rank restarted (a group restart) and the "
-            f"steps in flight resubmitted, {took:.2f} s from the failed step to the next result"
+            f"recovery: rank(s) {lost} died; {how} and the steps in flight resubmitted, "
+            f"{took:.2f} s from the failed step to the next result"
         )
     print("\n".join(lines), file=out)
 

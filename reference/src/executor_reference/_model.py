@@ -255,6 +255,26 @@ class StageModel(nn.Module):
         self._cos = angles.cos().to(device=state.device, dtype=dtype)
         self._sin = angles.sin().to(device=state.device, dtype=dtype)
 
+    def use_state(self, state: ParallelState) -> None:
+        """Run on ``state``'s groups from now on: after a rejoin (the same place in the job,
+        on the same device, with new groups), every layer that communicates takes the new
+        state; the weights stay as they are."""
+        if (state.rank, state.tp_size, state.pp_size, state.device) != (
+            self.state.rank,
+            self.state.tp_size,
+            self.state.pp_size,
+            self.state.device,
+        ):
+            raise ValueError(
+                f"this stage was built for rank {self.state.rank} (tp={self.state.tp_size}, "
+                f"pp={self.state.pp_size}) on {self.state.device}, not rank {state.rank} "
+                f"(tp={state.tp_size}, pp={state.pp_size}) on {state.device}"
+            )
+        for module in self.modules():
+            if isinstance(getattr(module, "state", None), ParallelState):
+                # setattr: nn.Module's __setattr__ is typed for tensors and modules only.
+                setattr(module, "state", state)  # noqa: B010
+
     def forward(
         self,
         inputs: torch.Tensor,

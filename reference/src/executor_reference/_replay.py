@@ -2,9 +2,10 @@
 
 With a recovery policy on the executor (``ExecutorConfig.recovery``), a step's failure is
 checked for a worker's death behind it; once the executor is back, every batch that was in
-flight is resubmitted as a prefill of its sequences so far (the restarted workers hold no KV
-cache), so that greedy decoding goes on with the same tokens. Each recovery is timed from the
-failed step to the first step that succeeds after it.
+flight is resubmitted as a prefill of its sequences so far (a new worker holds no KV cache,
+and a survivor's is rewritten from the first position), so that greedy decoding goes on
+with the same tokens. Each recovery is timed from the failed step to the first step that
+succeeds after it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Recovery:
         self.times: list[float] = []
         #: The ranks whose death each recovery answered.
         self.lost_ranks: list[tuple[int, ...]] = []
+        #: The ranks each recovery started again (``Executor.last_recovery``).
+        self.restarted_ranks: list[tuple[int, ...]] = []
         self._failed_at: float | None = None
 
     def recovers(self, error: BaseException) -> bool:
@@ -74,3 +77,5 @@ class Recovery:
         if self._failed_at is not None:
             self.times.append(done - self._failed_at)
             self._failed_at = None
+            record = self._executor.last_recovery
+            self.restarted_ranks.append(record.restarted if record is not None else ())

@@ -31,6 +31,9 @@ class GenerationResult:
     recoveries: list[float] = attrs.Factory(list)
     #: The ranks whose death each recovery answered.
     lost_ranks: list[tuple[int, ...]] = attrs.Factory(list)
+    #: The ranks each recovery started again: the dead ones (a rank replacement) or every
+    #: rank (a group restart).
+    restarted_ranks: list[tuple[int, ...]] = attrs.Factory(list)
 
     @property
     def generated_tokens(self) -> int:

@@ -66,6 +66,9 @@ class WorkerSetup(WorkerBase):
         self.loaded_shapes: dict[str, tuple[int, ...]] = {}
         #: Bytes load_model read from the checkpoint.
         self.loaded_bytes = 0
+        #: How many times load_model ran in this process (once: a rank replacement's
+        #: survivors keep their weights).
+        self.model_loads = 0
         self._asleep: set[str] = set()
         self._sleep_level = 0
         #: ``(batch_id, start_pos, started_at, finished_at)`` of each step this rank ran.
@@ -84,6 +87,25 @@ class WorkerSetup(WorkerBase):
             cpu_threads=self.cpu_threads,
         )
         self.offloader = TensorOffloader(self.state.device, directory=self.offload_dir)
+
+    def rejoin(self, context: WorkerContext) -> None:
+        """Rebuild the distributed groups in ``context`` after the executor replaced dead
+        ranks, keeping this rank's weights, KV cache and offloader.
+
+        The weights are not read from the checkpoint again: this rank's process survived, and
+        only its groups broke. Works asleep as awake, since only the groups change (what is
+        offloaded stays with the offloader, on the same device).
+        """
+        state = self._require_state()
+        self.state = state.rejoin(
+            context,
+            seed=self.seed,
+            timeout_s=self.distributed_timeout_s,
+            cpu_threads=self.cpu_threads,
+        )
+        if self.model is not None:
+            self.model.use_state(self.state)
+        self.context = context
 
     def _require_state(self) -> ParallelState:
         if self.state is None:
@@ -109,6 +131,7 @@ class WorkerSetup(WorkerBase):
         shard = self._read_shard()
         self.loaded_shapes = {name: tuple(t.shape) for name, t in shard.items()}
         self.loaded_bytes = tensor_nbytes(shard)
+        self.model_loads += 1
         self.model.load_state_dict(shard, strict=True, assign=True)
         self._allocate_kv_cache()
 

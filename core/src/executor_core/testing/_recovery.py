@@ -22,6 +22,7 @@ from .._errors import (
 )
 from .._executor import Executor
 from .._recovery import ExecutorState, RecoveryPolicy
+from .._transport import Transport
 from ._base import ExecutorFactory, KitBase
 from ._guard import pids_alive
 
@@ -47,7 +48,9 @@ def _gloo_sum(worker: Any) -> float:
 class RecoveryTests(KitBase):
     """What ``Capabilities.recovery`` declares holds: ``"none"`` refuses a recovery policy at
     creation; ``"restart"`` brings the executor back after a worker is killed (by the pid it
-    reports; ``workers_are_processes``), with the same ranks, contexts and environment."""
+    reports; ``workers_are_processes``), with the same ranks, contexts and environment;
+    ``"replace"`` does so with new processes for the dead ranks alone, the survivors keeping
+    their processes and memory (and a group restart where replacement is off or fails)."""
 
     #: Seconds a recovery may take, from a kill to workers ready (a restart of every rank).
     recovery_s: ClassVar[float] = 30.0
@@ -56,7 +59,15 @@ class RecoveryTests(KitBase):
 
     def _recovery(self) -> str:
         spec = self.spec()
-        return spec.capabilities.recovery if spec is not None else "restart"
+        if spec is not None:
+            return spec.capabilities.recovery
+        transport = getattr(self.backend, "transport_cls", None)
+        replaces = transport is not None and transport.replace is not Transport.replace
+        return "replace" if replaces else "restart"
+
+    def _replacing(self) -> None:
+        if self._recovery() != "replace":
+            pytest.skip("the backend does not declare rank replacement")
 
     def _policy(self, **overrides: Any) -> RecoveryPolicy:
         return RecoveryPolicy(**{"backoff_s": 0.1, **overrides})
@@ -139,7 +150,11 @@ class RecoveryTests(KitBase):
         before: list[Any] = executor.collective_rpc("get_context", timeout=self.recovery_s)
         env_before = executor.collective_rpc("get_env", args=("PATH",), timeout=self.recovery_s)
         before_pids: list[int] = executor.collective_rpc("get_pid", timeout=self.recovery_s)
-        future = executor.collective_rpc("slow", args=(self.time_limit_s,), non_block=True)
+        # In flight when the kill lands. A group restart must stop the survivors in it; the
+        # survivors of a rank replacement finish it, well within the policy's
+        # rejoin_timeout_s.
+        busy = 2.0 if self._recovery() == "replace" else self.time_limit_s
+        future = executor.collective_rpc("slow", args=(busy,), non_block=True)
         time.sleep(0.2)  # the call reached the workers
         victim, pid = self._kill(executor, pids=before_pids)
         try:
@@ -172,10 +187,24 @@ class RecoveryTests(KitBase):
         )
         pids = executor.collective_rpc("get_pid", timeout=self.recovery_s)
         assert pid not in pids
+        if self._recovery() == "replace":
+            kept = [r for r in range(len(pids)) if r != victim and pids[r] != before_pids[r]]
+            assert not kept, (
+                f"rule broken: a rank replacement keeps the survivors' processes; rank(s) "
+                f"{kept} got new ones"
+            )
+            record = executor.last_recovery
+            assert record is not None
+            assert record.kind == "replace", (
+                f"rule broken: a backend that declares replacement replaced ranks: {record}"
+            )
+            assert record.restarted == (victim,), (
+                f"rule broken: only the dead rank {victim} gets a new process: {record}"
+            )
         old = [p for p in before_pids if p not in pids and p != os.getpid()]
         alive = pids_alive(old, self.settle_s)
         assert not alive, (
-            f"rule broken: a group restart stops every worker: processes of an earlier "
+            f"rule broken: a recovery stops every worker it replaces: processes of an earlier "
             f"incarnation still run: {alive}"
         )
         assert executor.collective_rpc("is_ready", timeout=self.recovery_s) == [True] * len(pids)
@@ -195,6 +224,84 @@ class RecoveryTests(KitBase):
         self._wait_running(executor, "after a rank was killed")
         sums = executor.collective_rpc(_gloo_sum, timeout=self.recovery_s)
         assert sums == [float(executor.world_size)] * executor.world_size
+
+    def test_replaced_ranks_leave_the_survivors_memory_alone(
+        self, fresh_executor: ExecutorFactory, tmp_path: Path
+    ) -> None:
+        """Rule (``"replace"``): the survivors keep what they hold in memory and do not load
+        their model again; the new rank starts empty and loads its own; every rank is in
+        the new context and the survivors ran ``WorkerBase.rejoin``."""
+        self._replacing()
+        executor = self._recovering(fresh_executor, tmp_path)
+        executor.collective_rpc("record", args=("before",), timeout=self.recovery_s)
+        loads_before = sorted(p.name for p in tmp_path.glob("load-*"))
+        victim, _ = self._kill(executor)
+        self._wait_running(executor, "after a rank was killed")
+        recorded = executor.collective_rpc("get_recorded", timeout=self.recovery_s)
+        for rank, items in enumerate(recorded):
+            want = [] if rank == victim else ["before"]
+            assert items == want, (
+                f"rule broken: a rank replacement keeps the survivors' memory and starts the "
+                f"dead rank afresh: rank {rank} holds {items}, not {want}"
+            )
+        loads = sorted(p.name for p in tmp_path.glob("load-*"))
+        new = [name for name in loads if name not in loads_before]
+        assert [name.split("-")[1] for name in new] == [str(victim)], (
+            f"rule broken: only the new rank loads its model again (survivors' load_model is "
+            f"not called): new loads {new}"
+        )
+        contexts = executor.collective_rpc("get_context", timeout=self.recovery_s)
+        assert len({c.distributed_init_method for c in contexts}) == 1, (
+            f"rule broken: after a rank replacement every rank is in one new context: "
+            f"{[c.distributed_init_method for c in contexts]}"
+        )
+
+    def test_a_group_restart_where_replacement_is_off(
+        self, fresh_executor: ExecutorFactory
+    ) -> None:
+        """Rule (``"replace"``): with ``RecoveryPolicy(replace_ranks=False)`` a death restarts
+        every rank (new processes for all)."""
+        self._replacing()
+        executor = self._recovering(fresh_executor, replace_ranks=False)
+        before = executor.collective_rpc("get_pid", timeout=self.recovery_s)
+        self._kill(executor, pids=before)
+        self._wait_running(executor, "after a rank was killed")
+        after = executor.collective_rpc("get_pid", timeout=self.recovery_s)
+        kept = [pid for pid in after if pid in before and pid != os.getpid()]
+        assert not kept, f"rule broken: a group restart starts every rank anew: {kept} stayed"
+        record = executor.last_recovery
+        assert record is not None
+        assert record.kind == "restart", record
+
+    def test_survivors_that_do_not_rejoin_in_time_are_restarted(
+        self, fresh_executor: ExecutorFactory
+    ) -> None:
+        """Rule (``"replace"``): survivors still busy after ``rejoin_timeout_s`` (a call
+        that does not end with the dead rank) do not hold the recovery up: every rank is
+        restarted, and the executor comes back."""
+        self._replacing()
+        executor = self._recovering(fresh_executor, rejoin_timeout_s=0.5)
+        pids = executor.collective_rpc("get_pid", timeout=self.recovery_s)
+        victim = max(r for r, pid in enumerate(pids) if pid != os.getpid())
+        busy = min(self.recovery_s, 4 * self.settle_s)
+        future = executor.collective_rpc("slow", args=(busy,), non_block=True)
+        time.sleep(0.2)  # the survivors are in the call
+        self._kill(executor, victim, pids)
+        with contextlib.suppress(WorkerDiedError):
+            future.result(timeout=self.settle_s)
+        took = self._wait_running(executor, "with survivors busy in a long call")
+        record = executor.last_recovery
+        assert record is not None
+        assert record.kind == "restart", (
+            f"rule broken: survivors that do not rejoin within rejoin_timeout_s are restarted "
+            f"with the rest: {record}"
+        )
+        assert took < busy, (
+            f"rule broken: the recovery does not wait for a survivor's long call ({took:.1f} s)"
+        )
+        assert executor.collective_rpc("get_rank", timeout=self.recovery_s) == list(
+            range(executor.world_size)
+        )
 
     def test_a_second_death_during_the_recovery(
         self, fresh_executor: ExecutorFactory, tmp_path: Path

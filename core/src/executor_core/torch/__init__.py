@@ -2,13 +2,16 @@
 
 Importing this subpackage imports torch (the core's optional extra, ``executor-core[torch]``);
 ``import executor_core`` does not. A worker calls :func:`init_distributed` from its
-``init_device`` and :meth:`ParallelState.destroy` from its ``shutdown``.
+``init_device`` and :meth:`ParallelState.destroy` from its ``shutdown``; a surviving rank
+whose dead peers were replaced calls :meth:`ParallelState.rejoin` (or
+:func:`leave_process_group`) from its ``rejoin``.
 """
 
 from ._devices import check_gpu_per_local_rank
 from ._distributed import (
     ParallelState,
     init_distributed,
+    leave_process_group,
     select_device,
 )
 from ._memory import (
@@ -30,6 +33,7 @@ __all__ = [
     "device_memory",
     "host_memory_bytes",
     "init_distributed",
+    "leave_process_group",
     "mapped_zeros",
     "pinned_host_bytes",
     "release_pinned_host_memory",

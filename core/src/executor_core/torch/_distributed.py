@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._worker import WorkerContext
 
-__all__ = ["ParallelState", "init_distributed", "seed_everything", "select_device"]
+__all__ = [
+    "ParallelState",
+    "init_distributed",
+    "leave_process_group",
+    "seed_everything",
+    "select_device",
+]
+
+_log = logging.getLogger("executor_core")
 
 #: The collective backend for each device type; other device types ask torch.
 _DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
@@ -232,6 +241,118 @@ class ParallelState:
                 for group in groups:
                     dist.destroy_process_group(group)
             self.tp_group = self.pp_group = None
+
+    def rejoin(
+        self,
+        context: WorkerContext,
+        *,
+        seed: int | None = None,
+        timeout_s: float = 300.0,
+        cpu_threads: int | None = None,
+    ) -> ParallelState:
+        """Leave this rank's broken process group and join the new one at ``context``.
+
+        For rank replacement: some ranks died and got new processes, while this rank's
+        process (and its memory) survived. ``context`` is its new context: the same place in
+        the job (rank, world size, TP and PP sizes) with a new ``distributed_init_method``,
+        where the new ranks (which run :func:`init_distributed`) and the other survivors
+        meet. Returns the new state; this one is left without groups (its :meth:`destroy`
+        does nothing).
+
+        Sends still in flight are dropped, not waited for: their receiver may be dead, and
+        a wait on a dead peer can block. The process group is left with
+        :func:`leave_process_group` (on gloo, a rank still blocked on it in a call with this
+        one, a receive from it say, sees its call fail at once: survivors free each other).
+        ``seed``, ``timeout_s`` and ``cpu_threads`` are :func:`init_distributed`'s.
+
+        Raises ``ValueError`` if ``context`` puts this worker elsewhere (another rank, world
+        size or parallel layout: a replacement keeps every survivor's place), and
+        ``RuntimeError`` if the process group is not this state's own (the user's script
+        made it, and only the script knows how to make it again).
+        """
+        old, new = self.context, context
+        if (old.rank, old.world_size, old.tensor_parallel_size, old.pipeline_parallel_size) != (
+            new.rank,
+            new.world_size,
+            new.tensor_parallel_size,
+            new.pipeline_parallel_size,
+        ):
+            raise ValueError(
+                "rejoin keeps a surviving rank's place, but this worker is rank "
+                f"{old.rank} of {old.world_size} (tp={old.tensor_parallel_size}, "
+                f"pp={old.pipeline_parallel_size}) and the new context says rank {new.rank} "
+                f"of {new.world_size} (tp={new.tensor_parallel_size}, "
+                f"pp={new.pipeline_parallel_size})"
+            )
+        if self.world_size > 1 and not self._owns_process_group:
+            raise RuntimeError(
+                f"rank {self.rank} cannot rejoin: it uses a process group this process made "
+                "before init_distributed (the user's), which only its maker can make again; "
+                "rank replacement needs the executor to own the process group (let "
+                "init_distributed create it)"
+            )
+        # Dropped, not waited for: wait_for_sends on a send to a dead rank can block.
+        self._pending_sends.clear()
+        self._created_groups.clear()
+        self.tp_group = self.pp_group = None
+        if self._owns_process_group:
+            leave_process_group()
+            # The process group is the new state's from here: destroy() on this one (a
+            # stale reference) must not tear it down.
+            self._owns_process_group = False
+        return init_distributed(context, seed=seed, timeout_s=timeout_s, cpu_threads=cpu_threads)
+
+
+def leave_process_group() -> None:
+    """Leave torch.distributed's process group (and every sub-group), if this process is in
+    one; a no-op otherwise.
+
+    For a rank whose peers may have died: unlike ``torch.distributed.destroy_process_group``
+    alone it does not raise for a group a dead peer broke (it logs the error), since that
+    group is being thrown away. On NCCL the communicators are aborted rather than destroyed,
+    as a communicator in error can hang a destroy. On gloo, a rank still blocked on the group
+    in a call with this one (a receive from it, say) sees its call fail at once, as this
+    rank closes its connections: survivors that leave free each other.
+
+    Raises ``RuntimeError`` only if the process is still in a process group afterwards
+    (neither teardown got it out), as joining a new one would then fail.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    backend = str(dist.get_backend())
+    # A private torch function (torch.distributed.distributed_c10d): the only way torch
+    # offers to tear down NCCL communicators without a collective handshake, which a
+    # communicator in error (a peer died) may never complete. Private and newer than torch
+    # 2.4, so a release may lack it: looked up, not assumed; without it the teardown is
+    # destroy_process_group's.
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if "nccl" in backend and abort is not None:
+        _leave_with("aborting", abort)
+    if dist.is_initialized():
+        _leave_with("destroying", dist.destroy_process_group)  # also every sub-group
+    if dist.is_initialized() and abort is not None:
+        # destroy_process_group raised before it let go of the group: abort clears it.
+        _leave_with("aborting", abort)
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"could not leave the torch.distributed process group ({backend}): its teardown "
+            "failed (logged); this process cannot join a new one"
+        )
+
+
+def _leave_with(what: str, teardown: Callable[[], None]) -> None:
+    """Run ``teardown`` on the process group, logging (not raising) what a broken group
+    raises: torch.distributed's errors (``DistError``) and the backends' ``RuntimeError``
+    (gloo's "Connection closed by peer"), of which ``DistError`` is a kind."""
+    try:
+        teardown()
+    except RuntimeError as error:
+        _log.warning(
+            "%s the torch.distributed process group failed, as a broken group's may: %s: %s",
+            what,
+            type(error).__name__,
+            error,
+        )
 
 
 def init_distributed(

@@ -49,6 +49,11 @@ class WorkerGroup:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
+        #: Processes to start from the monitor thread (rank replacement): ``(index, process,
+        #: done)``, under the lock.
+        self._spawns: list[tuple[int, BaseProcess, threading.Event]] = []
+        #: What made the processes (``_local``), for a rank replacement's new one.
+        self.starter: object = None
         #: Deaths are reported only once the executor is ready and until it starts closing.
         self.armed = False
         self.closing = False
@@ -99,12 +104,19 @@ class WorkerGroup:
         watched = {p.sentinel: rank for rank, p in enumerate(self._processes)}
         wake: list[int] = [self._wake_r, trim.fileno()]
         trimming = True
-        while watched:
+        # Until every worker ended and the group is closing: a worker may be replaced even
+        # when it was the last one alive.
+        while watched or (wake and not self.closing):
             timeout = trim.timeout() if trimming else None
             ready = [fd for fd in wait_for_ready([*watched, *wake], timeout) if isinstance(fd, int)]
             if self._wake_r in ready:
-                wake = []  # it stays readable; from now on only sentinels matter
-                trimming = False
+                if self.closing or self._closed:
+                    wake = []  # it stays readable; from now on only sentinels matter
+                    trimming = False
+                else:  # a process to start in place of a dead one
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 64)
+                    self._start_spawns(watched)
             if trimming:
                 trim.run()  # after any wake: trims only if a trim is due
             for sentinel in ready:
@@ -123,6 +135,50 @@ class WorkerGroup:
                         self._on_death(rank, code if code is not None else -1)
                     except Exception:
                         logger.exception("handling the death of worker rank %d failed", rank)
+
+    def _start_spawns(self, watched: dict[int, int]) -> None:
+        """Monitor thread: start the processes :meth:`respawn` queued and watch them."""
+        with self._lock:
+            spawns, self._spawns = self._spawns, []
+        for index, process, done in spawns:
+            old = self._processes[index]
+            for sentinel in [fd for fd, rank in watched.items() if rank == index]:
+                del watched[sentinel]  # the old process's death is not news any more
+            try:
+                process.start()
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread in respawn()
+                self._start_error = exc
+            else:
+                with self._lock:
+                    self._processes[index] = process
+                watched[process.sentinel] = index
+                old.close()  # its sentinel, after the new one is open: no number is reused
+            done.set()
+
+    def respawn(self, index: int, process: BaseProcess, timeout: float = 60.0) -> None:
+        """Start ``process`` in place of worker ``index``, whose process is gone (killed here
+        if it is not), from the monitor thread (see the module); return once it is started."""
+        with self._lock:
+            if self._closed or self.closing:
+                raise RuntimeError("the worker group is closing")
+            old = self._processes[index]
+            if old.pid is not None and old.exitcode is None:
+                old.kill()
+            old.join(5.0)
+            if old.exitcode is None:
+                raise RuntimeError(f"worker {old.name} (pid {old.pid}) did not end")
+            done = threading.Event()
+            self._start_error = None
+            self._spawns.append((index, process, done))
+        self.wake_monitor()
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.05):
+            if self.closing or self._closed:
+                raise RuntimeError("the worker group closed while a worker was being replaced")
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                raise TimeoutError(f"worker {process.name} was not started within {timeout:g} s")
+        if self._start_error is not None:
+            raise self._start_error
 
     def wake_monitor(self) -> None:
         with contextlib.suppress(OSError):

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import pickle
 from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 
 import attrs
 
@@ -22,7 +23,7 @@ from ._options import MultiprocOptions
 from ._probe import Probes
 from ._process import InheritedFd, WorkerSpec, worker_main
 
-__all__ = ["WorkerLaunch", "default_env", "start_workers"]
+__all__ = ["WorkerLaunch", "default_env", "replace_workers", "start_workers"]
 
 
 @attrs.frozen
@@ -70,6 +71,52 @@ def default_env(launch: WorkerLaunch) -> dict[str, str]:
     return env
 
 
+class _Starter:
+    """Makes the worker processes of one node's channel: at start, and for a rank
+    replacement (the same descriptors, a new launch)."""
+
+    def __init__(
+        self,
+        channel: NodeRings,
+        options: MultiprocOptions,
+        death_r: int,
+        death_w: int,
+        probes: Probes,
+    ) -> None:
+        self.channel = channel
+        self.options = options
+        self.death_r = death_r
+        self.death_w = death_w
+        self.probes = probes
+        self.ctx = multiprocessing.get_context(options.start_method)
+        self.parent_pid = os.getpid() if options.start_method != "forkserver" else None
+
+    def process(self, index: int, launch: WorkerLaunch) -> BaseProcess:
+        options = self.options
+        forked = options.start_method == "fork"
+        spec = WorkerSpec(
+            rank=launch.rank,
+            wrapper=launch.wrapper,
+            env=default_env(launch),
+            layout=self.channel.layout,
+            index=index,
+            death_pipe=InheritedFd(self.death_r),
+            parent_pid=self.parent_pid,
+            spin_s=options.spin_s,
+            idle_spin_s=options.idle_spin_s,
+            probe=InheritedFd(self.probes.theirs[index].fileno()),
+            close_fds=(self.death_w, *self.probes.fds()) if forked else (),
+            **_inherited(self.channel.worker_fds(index)),
+        )
+        process: BaseProcess = self.ctx.Process(  # type: ignore[attr-defined]  # every context has Process
+            target=worker_main,
+            args=(spec,),
+            name=f"executor-mp-worker-{launch.rank}",
+            daemon=True,
+        )
+        return process
+
+
 def start_workers(
     channel: NodeRings,
     launches: Sequence[WorkerLaunch],
@@ -84,46 +131,47 @@ def start_workers(
     ends while the group is armed. Everything made is handed to ``add_cleanup``.
     """
     # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
+    # The read end stays open here for the processes of a rank replacement.
     death_r, death_w = os.pipe()
     add_cleanup(_fd_closer(death_w))
+    add_cleanup(_fd_closer(death_r))
     probes = Probes(len(launches))
     add_cleanup(probes.close)
-    ctx = multiprocessing.get_context(options.start_method)
-    parent_pid = os.getpid() if options.start_method != "forkserver" else None
-    forked = options.start_method == "fork"
+    starter = _Starter(channel, options, death_r, death_w, probes)
     try:
-        processes = []
-        for index, launch in enumerate(launches):
-            spec = WorkerSpec(
-                rank=launch.rank,
-                wrapper=launch.wrapper,
-                env=default_env(launch),
-                layout=channel.layout,
-                index=index,
-                death_pipe=InheritedFd(death_r),
-                parent_pid=parent_pid,
-                spin_s=options.spin_s,
-                idle_spin_s=options.idle_spin_s,
-                probe=InheritedFd(probes.theirs[index].fileno()),
-                close_fds=(death_w, *probes.fds()) if forked else (),
-                **_inherited(channel.worker_fds(index)),
-            )
-            processes.append(
-                ctx.Process(  # type: ignore[attr-defined]  # every context has Process
-                    target=worker_main,
-                    args=(spec,),
-                    name=f"executor-mp-worker-{launch.rank}",
-                    daemon=True,
-                )
-            )
+        processes = [starter.process(index, launch) for index, launch in enumerate(launches)]
         # The monitor holds the callback's owner (the transport or the agent), never the
         # executor.
         group = WorkerGroup(processes, on_death, probes)
         group.start()
     finally:
-        os.close(death_r)  # the children hold their copies
-        probes.handed_over()
+        probes.handed_over()  # the children hold their copies
+    group.starter = starter
     return group
+
+
+def replace_workers(
+    channel: NodeRings, group: WorkerGroup, launches: Sequence[WorkerLaunch], first_rank: int
+) -> list[tuple[int, BaseException]]:
+    """Rank replacement on this node: a new process for each launch (its rank's old one is
+    gone), on the same rings, reset so that it reads from the next call written and writes
+    into an empty reply ring, with a new liveness probe; return once they are started.
+    Returns the ranks that could not be replaced, with why (the others are started)."""
+    failed: list[tuple[int, BaseException]] = []
+    starter = group.starter
+    assert isinstance(starter, _Starter)
+    for launch in launches:
+        index = launch.rank - first_rank
+        try:
+            channel.resume_worker(index)
+            group.probes.renew(index)
+            try:
+                group.respawn(index, starter.process(index, launch))
+            finally:
+                group.probes.handed_over(index)
+        except Exception as exc:  # noqa: BLE001 - returned: the caller reports it as a death
+            failed.append((launch.rank, exc))
+    return failed
 
 
 def _inherited(fds: WorkerFds) -> dict[str, InheritedFd]:

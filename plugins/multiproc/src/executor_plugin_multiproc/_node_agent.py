@@ -29,6 +29,7 @@ from ._agent_status import DRIVER_LOST_EXIT, REFUSED_EXIT, REJOIN, remedy
 from ._group import WorkerGroup
 from ._local import start_workers
 from ._node_protocol import NodeSpec
+from ._node_workers import NodeWorkers, Replace
 from ._process import PARENT_DIED_EXIT
 
 __all__ = ["NodeAgent"]
@@ -63,8 +64,10 @@ class NodeAgent:
         self._all_ready = False
         #: A worker of this node died (the exit status is then 1).
         self._lost_worker = False
-        #: Call frames received and not yet written into the ring (it was full).
-        self._pending: collections.deque[memoryview] = collections.deque()
+        #: Call frames received and not yet written into the ring (it was full), and the
+        #: driver's rank replacements, in their order.
+        self._pending: collections.deque[memoryview | Replace] = collections.deque()
+        self._workers: NodeWorkers | None = None
 
     def run(self) -> int:
         from . import __version__
@@ -186,6 +189,7 @@ class NodeAgent:
             channel, spec.launches, spec.options, self._cleanups.append, self._on_death
         )
         self._group.armed = True
+        self._workers = NodeWorkers(channel, self._group, first)
         logger.info(
             "node %d (%s): started ranks %d..%d",
             spec.node_rank,
@@ -262,38 +266,21 @@ class NodeAgent:
             elif op == wire.READY:
                 self._all_ready = True
             elif op == wire.PROBE:
-                self._answer_probe(wire.read_control(parts))
+                info = wire.read_control(parts)
+                silent = self._nodes_workers().probe(info)
+                self._send(
+                    wire.control(wire.PROBED, {"token": info.get("token"), "silent": silent})
+                )
             elif op == wire.END:
-                self._end(wire.read_control(parts))
+                self._nodes_workers().end(wire.read_control(parts))
+            elif op == wire.REPLACE and len(parts) == 3:
+                # In order with the calls: the calls before it are for the dead processes.
+                self._pending.append(Replace(wire.read_control(parts), bytes(parts[2])))
             elif op == wire.KILL:
                 if wire.read_control(parts).get("rejoin") is True:
                     return REJOIN
                 logger.info("node %d: the driver stopped this node", self._node_rank)
                 return 1 if self._lost_worker else 0
-
-    def _local(self, info: dict[str, Any]) -> list[int]:
-        """The indices of this node's workers among ``info["ranks"]``."""
-        first, ranks = self._first_rank, info.get("ranks")
-        held = range(first, first + len(self._channel.replies))
-        valid = ranks if isinstance(ranks, list) else []
-        return [r - first for r in valid if type(r) is int and r in held]
-
-    def _answer_probe(self, info: dict[str, Any]) -> None:
-        """The driver's liveness probe: ask this node's workers, answer who was silent. It
-        holds the relay for at most the probe's wait, asked only once a call has waited
-        the hang bound (replies are stalled then anyway)."""
-        assert self._group is not None
-        timeout = info.get("timeout_s")
-        timeout = float(timeout) if isinstance(timeout, int | float) else 1.0
-        silent = self._group.probes.probe(self._local(info), min(max(timeout, 0.0), 5.0))
-        ranks = sorted(self._first_rank + index for index in silent)
-        self._send(wire.control(wire.PROBED, {"token": info.get("token"), "silent": ranks}))
-
-    def _end(self, info: dict[str, Any]) -> None:
-        """The driver declared some of this node's ranks hung: kill them (their deaths are
-        reported as any other)."""
-        assert self._group is not None
-        self._group.kill(self._local(info))
 
     def _receive(self, calls: Ring) -> int | None:
         """Handle what the driver sent, writing its calls into the ring in order; an exit
@@ -304,6 +291,15 @@ class NodeAgent:
         pending = self._pending
         while pending:
             frame = pending.popleft()
+            if isinstance(frame, Replace):
+                failed = self._nodes_workers().replace(frame)
+                for index in failed:
+                    self._deaths.append((index, -1))
+                # Replaced: this node's workers are whole again (its exit status says so).
+                self._lost_worker = bool(failed or self._nodes_workers().dead)
+                self._report_deaths()
+                continue
+            self._nodes_workers().skip_dead()
             try:
                 calls.write([frame], frame.nbytes, None, self._while_writing)
             except _Killed as killed:
@@ -312,9 +308,14 @@ class NodeAgent:
                 return self._stop()
         return None
 
+    def _nodes_workers(self) -> NodeWorkers:
+        assert self._workers is not None  # the driver's orders follow the spec
+        return self._workers
+
     def _while_writing(self) -> None:
         """The node's call ring is full (its workers are busy): keep replies, heartbeats and
         the driver's messages flowing meanwhile, so that a long call is no silence."""
+        self._nodes_workers().skip_dead()
         self._forward_replies()
         status = self._drain()
         if status is not None:
@@ -348,6 +349,7 @@ class NodeAgent:
         self._lost_worker = True
         while self._deaths:
             index, exitcode = self._deaths.popleft()
+            self._nodes_workers().dead.add(index)
             rank = self._first_rank + index
             self._forward_replies()  # what it answered before it died comes first
             self._send(

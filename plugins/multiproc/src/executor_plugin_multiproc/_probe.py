@@ -36,10 +36,18 @@ class Probes:
         """This side's descriptors (a forked worker closes them)."""
         return tuple(sock.fileno() for sock in self._ours)
 
-    def handed_over(self) -> None:
-        """The workers hold their ends now: close this process's copies."""
-        for sock in self.theirs:
+    def handed_over(self, index: int | None = None) -> None:
+        """The workers (or worker ``index``) hold their ends now: close this process's
+        copies."""
+        for sock in self.theirs if index is None else [self.theirs[index]]:
             sock.close()
+
+    def renew(self, index: int) -> None:
+        """A new pair for worker ``index`` (its process is being replaced)."""
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        self._ours[index].close()
+        self._ours[index], self.theirs[index] = ours, theirs
 
     def probe(self, indices: Iterable[int], timeout: float) -> set[int]:
         """The workers among ``indices`` that did not answer within ``timeout`` seconds."""

@@ -12,16 +12,24 @@ import functools
 import pickle
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
+
+import attrs
 
 from executor_channel.driver import ChannelDriver
 from executor_channel.shm import Doorbell, NodeRings
-from executor_core import ConfigError, ExecutorError, WorkerDiedError
+from executor_core import (
+    ConfigError,
+    ExecutorError,
+    ExecutorFailedError,
+    WorkerContext,
+    WorkerDiedError,
+)
 from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
 
 from ._group import WorkerGroup
-from ._local import WorkerLaunch, start_workers
+from ._local import WorkerLaunch, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT
@@ -62,6 +70,10 @@ class MultiprocTransport(Transport):
         self._group: WorkerGroup | None = None
         #: Ranks on this node (0 .. _local - 1); 0 where the driver runs no ranks.
         self._local = 0
+        #: Every rank's context, as its worker last started or rejoined.
+        self._contexts: list[WorkerContext] = []
+        #: Ranks killed as hung (:meth:`kill`): their death is not news to the core.
+        self._killed: set[int] = set()
 
     # --- start-up ----------------------------------------------------------------------
 
@@ -108,6 +120,7 @@ class MultiprocTransport(Transport):
                 init_method,
                 {node.node_id: node.address for node in members},
             )
+        self._contexts = list(contexts)
         launches = [WorkerLaunch.of(host.wrapper(context), config.env) for context in contexts]
         group = None
         if channel is not None:
@@ -187,7 +200,7 @@ class MultiprocTransport(Transport):
             )
             for node_rank in range(first_node, config.num_nodes)
         )
-        nodes = Hub(listener, options.node_timeout_s, driver.reply_bell, driver.report_failure)
+        nodes = Hub(listener, options.node_timeout_s, driver.reply_bell, self._remote_failure)
         # Cleanups run last in, first out: the hub tells the agents to stop, then the
         # placement reaps them.
         for launch in launches:
@@ -247,19 +260,72 @@ class MultiprocTransport(Transport):
 
     def kill(self, ranks: Sequence[int]) -> None:
         assert self._driver is not None
+        self._killed.update(ranks)
         if self._group is not None:
             self._group.kill([rank for rank in ranks if rank < self._local])
         remote = [rank for rank in ranks if rank >= self._local]
         if self._driver.hub is not None and remote:
             self._driver.hub.end(remote)
 
+    # --- rank replacement ------------------------------------------------------------------
+
+    def replace(
+        self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
+    ) -> None:
+        driver, group, options = self._driver, self._group, self._options
+        assert driver is not None
+        assert options is not None
+        if group is None:
+            # The rendezvous is on node 0's agent, at the port it chose for the first one:
+            # a new one there is not built; the core restarts every rank.
+            raise NotImplementedError("the driver runs no ranks: every rank is restarted")
+        host = self.host
+        config = host.config
+        driver.rebind(host)
+        # A new rendezvous on this host, as at start (the driver's node hosts it).
+        init_method = tcp_init_method(config.distributed_host)
+        contexts = [
+            attrs.evolve(context, distributed_init_method=init_method) for context in self._contexts
+        ]
+        launches = {
+            rank: WorkerLaunch.of(host.wrapper(contexts[rank]), config.env) for rank in ranks
+        }
+        remote = [rank for rank in ranks if rank >= self._local]
+        if remote:
+            # Their agents start them, in order with the calls (the stale ones before).
+            assert driver.hub is not None
+            payload = pickle.dumps(tuple(launches[rank] for rank in remote), protocol=5)
+            driver.hub.replace(remote, payload)
+        local = [launches[rank] for rank in ranks if rank < self._local]
+        failed = replace_workers(self._channel_rings(), group, local, 0)
+        if failed:
+            rank, exc = failed[0]
+            raise ExecutorError(f"rank {rank} could not be started again: {exc}") from exc
+        self._killed.difference_update(ranks)
+        rejoin(contexts)
+        driver.wait_until_ready(ranks, options.startup_timeout, self._check_start)
+        self._contexts = contexts
+
     # --- failure and stop ------------------------------------------------------------------
+
+    def _remote_failure(self, error: ExecutorFailedError) -> None:
+        """The hub's pump: a remote worker or node is gone (a rank killed as hung is not
+        news: the core failed its calls already)."""
+        ranks = getattr(error, "ranks", None)
+        if isinstance(error, WorkerDiedError) and ranks and set(ranks) <= self._killed:
+            return
+        assert self._driver is not None
+        self._driver.report_failure(error)
 
     def _on_worker_death(self, rank: int, exitcode: int) -> None:
         """Monitor thread: a worker ended while the executor was running."""
+        if rank in self._killed:  # declared hung: the core failed its calls already
+            return
         self.host.worker_died(_died(rank, exitcode, ""))
         group, options = self._group, self._options
-        if group is not None and options is not None:
+        if group is not None and options is not None and self.host.config.recovery is None:
+            # Fail-stop: the survivors go now (with a policy they may rejoin, or the group
+            # restart stops them).
             group.terminate(options.shutdown_grace_s)
 
     def interrupt(self) -> None:
