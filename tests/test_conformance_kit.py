@@ -127,13 +127,13 @@ def test_hang_tests_fail_the_broken_backend(name: str, tmp_path: Path) -> None:
 
 
 def test_recovery_tests_pass_the_correct_process_backend(tmp_path: Path) -> None:
+    """The kit passes a correct process backend that replaces ranks (its group restart is
+    checked too, with replacement off); the correct backends that only restart are the
+    cluster example and ``slurm``, whose kits run in their own tests."""
     (tmp_path / "test_processes_kit.py").write_text(
-        "from broken_backends import _ProcessExecutor, _ReplacingProcessExecutor\n"
+        "from broken_backends import _ReplacingProcessExecutor\n"
         "from executor_core.testing import HangTests, RecoveryTests\n\n\n"
         "class TestProcesses(RecoveryTests, HangTests):\n"
-        "    backend = _ProcessExecutor\n    workers_are_processes = True\n"
-        "    recovery_kills = 5\n\n\n"
-        "class TestReplacingProcesses(RecoveryTests):\n"
         "    backend = _ReplacingProcessExecutor\n    workers_are_processes = True\n"
         "    recovery_kills = 5\n"
     )

@@ -151,6 +151,30 @@ def test_a_wrong_key_or_a_stalled_peer_gets_no_lifeline(started: list[Started]) 
         lifelines.close()
 
 
+def test_prune_closes_only_the_lifelines_of_gone_actors(started: list[Started]) -> None:
+    """A rank replacement's new actor holds a new lifeline; the dead one's is closed here,
+    not kept open until shutdown (one descriptor per replacement)."""
+    lifelines = DriverLifelines()
+    try:
+        address = lifelines.listen(None)
+        key = lifelines.key.hex()
+        dead = _python(started, LIFELINE_ACTOR, json.dumps(address), key)
+        alive = _python(started, LIFELINE_ACTOR, json.dumps(address), key)
+        assert _readline(dead) == "held\n"
+        assert _readline(alive) == "held\n"
+        assert lifelines.held == 2
+        lifelines.prune()
+        assert lifelines.held == 2, "a lifeline whose actor lives was closed"
+        dead.kill()
+        dead.wait(10)
+        lifelines.prune()
+        assert lifelines.held == 1
+        time.sleep(0.3)
+        assert alive.poll() is None, "the live actor lost its lifeline"
+    finally:
+        lifelines.close()
+
+
 # --- end to end: a driver on a cluster that outlives it ---------------------------------------
 
 DRIVER = textwrap.dedent(

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
+import attrs
 import cloudpickle  # type: ignore[import-untyped]  # no type information
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 import pytest
@@ -17,6 +18,8 @@ import ray
 
 from executor_core import (
     ExecutorFailedError,
+    ExecutorState,
+    RecoveryPolicy,
     WorkerDiedError,
     create_executor,
 )
@@ -227,3 +230,62 @@ def test_shutdown_releases_the_channel() -> None:
         executor.shutdown()
     assert _channel_fds() == before
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("executor-")]
+
+
+# --- rank replacement ---------------------------------------------------------------------
+
+
+def _recovered(executor: RayExecutor, within_s: float = 60.0) -> None:
+    """Wait until the executor (which had not recovered before) recovered and runs."""
+    deadline = time.monotonic() + within_s
+    while executor.last_recovery is None or executor.state is not ExecutorState.RUNNING:
+        assert executor.state is not ExecutorState.FAILED, executor.failure
+        assert time.monotonic() < deadline, f"not back within {within_s:g} s"
+        time.sleep(0.02)
+
+
+def test_a_dead_rank_gets_a_new_actor_in_its_own_bundle() -> None:
+    """Rank replacement: the dead rank's new actor runs in the dead one's placement-group
+    bundle, on the same node with the same local rank, and reads the driver's rings; the
+    placements name its pid; the survivor keeps its actor."""
+    executor = make(recovery=RecoveryPolicy(backoff_s=0.1))
+    try:
+        before = executor.placements
+        os.kill(before[1].pid, signal.SIGKILL)
+        _recovered(executor)
+        record = executor.last_recovery
+        assert record is not None
+        assert (record.kind, record.restarted) == ("replace", (1,))
+        after = executor.placements
+        assert after[0] == before[0]
+        assert after[1].pid != before[1].pid
+        assert attrs.evolve(after[1], pid=before[1].pid) == before[1]  # bundle, node, rank
+        assert executor.ranks_on_rings == (0, 1)
+        assert executor.collective_rpc("get_pid", timeout=30) == [p.pid for p in after]
+        _assert_gone(before[1].pid)
+    finally:
+        executor.shutdown()
+    _assert_gone(after[1].pid)  # the replacement is killed at shutdown like the others
+
+
+def test_a_rank_killed_as_hung_is_replaced_and_its_old_actor_stays_quiet() -> None:
+    """A rank declared hung is killed through Ray, whose report of that death comes late:
+    it must not fail the replacement (nor the executor afterwards)."""
+    executor = make(recovery=RecoveryPolicy(backoff_s=0.0), hang_timeout_s=1.0)
+    try:
+        pids = executor.collective_rpc("get_pid", timeout=30)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            executor.collective_rpc("echo", args=("frozen",), timeout=30)
+        _recovered(executor)
+        record = executor.last_recovery
+        assert record is not None
+        assert record.kind == "replace", record
+        time.sleep(2.0)  # the killed actor's watch has failed by now
+        assert executor.state is ExecutorState.RUNNING, executor.failure
+        after = executor.collective_rpc("get_pid", timeout=30)
+        assert after[0] == pids[0]
+        assert after[1] != pids[1]
+        _assert_gone(pids[1])
+    finally:
+        executor.shutdown()

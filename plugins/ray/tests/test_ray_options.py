@@ -23,6 +23,8 @@ def test_backend_is_registered_with_its_capabilities() -> None:
     assert spec.requires == ("ray",)
     caps = spec.capabilities
     assert (caps.pipeline_parallel, caps.multi_node, caps.devices) == (True, True, ("cpu", "cuda"))
+    # Dead ranks on the driver's node get new actors; the survivors keep theirs.
+    assert (caps.recovery, caps.liveness_probe) == ("replace", True)
     cls = registry.executor_class("ray")
     assert cls.__name__ == "RayExecutor"
 

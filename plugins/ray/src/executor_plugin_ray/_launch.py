@@ -27,6 +27,7 @@ from ._ranks import WorkerPlacement
 
 __all__ = [
     "Startup",
+    "create_actor",
     "create_actors",
     "hold_lifelines",
     "kill_actors",
@@ -42,6 +43,14 @@ _SLICE_S = 0.5
 
 def create_actors(group: PlacementGroup, options: RayOptions, config: ExecutorConfig) -> list[Any]:
     """One actor per bundle of ``group``, in bundle order."""
+    return [create_actor(group, options, config, index) for index in range(config.world_size)]
+
+
+def create_actor(
+    group: PlacementGroup, options: RayOptions, config: ExecutorConfig, index: int
+) -> Any:
+    """An actor in bundle ``index`` of ``group`` (at start, and for a rank replacement: the
+    bundle stays on its node, so the new actor lands where the dead one ran)."""
     bundle = bundle_for(options, config.device)
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     actor_options: dict[str, Any] = {
@@ -54,17 +63,14 @@ def create_actors(group: PlacementGroup, options: RayOptions, config: ExecutorCo
         actor_options["resources"] = custom
     if config.env:
         actor_options["runtime_env"] = {"env_vars": dict(config.env)}
-    return [
-        RayWorkerActor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group,
-                placement_group_bundle_index=index,
-                placement_group_capture_child_tasks=True,
-            ),
-            **actor_options,
-        ).remote()
-        for index in range(config.world_size)
-    ]
+    return RayWorkerActor.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group,
+            placement_group_bundle_index=index,
+            placement_group_capture_child_tasks=True,
+        ),
+        **actor_options,
+    ).remote()
 
 
 class Startup:
@@ -80,11 +86,19 @@ class Startup:
         """A deadline ``startup_timeout`` seconds from now."""
         return time.monotonic() + self._timeout
 
-    def gather(self, refs: Sequence[Any], what: str, deadline: float) -> list[Any]:
-        """One reply per ref (the i-th from rank or actor ``i``). Raises
-        :class:`WorkerDiedError` if an actor died, :class:`WorkerError` if its call failed in
-        Ray, :class:`ExecutorError` after the deadline (naming the late ranks)."""
+    def gather(
+        self,
+        refs: Sequence[Any],
+        what: str,
+        deadline: float,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """One reply per ref (the i-th from rank ``ranks[i]``; by default from rank or actor
+        ``i``). Raises :class:`WorkerDiedError` if an actor died, :class:`WorkerError` if its
+        call failed in Ray, :class:`ExecutorError` after the deadline (naming the late
+        ranks)."""
         refs = list(refs)
+        named = list(range(len(refs)) if ranks is None else ranks)
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -93,20 +107,22 @@ class Startup:
             except GetTimeoutError:
                 pass
             except RayError as exc:
-                raise self._diagnose(refs, what, exc) from None
+                raise self._diagnose(refs, named, what, exc) from None
             self._check()
             if remaining <= _SLICE_S:
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 done = set(ready)
-                late = [rank for rank, ref in enumerate(refs) if ref not in done]
+                late = [rank for rank, ref in zip(named, refs, strict=True) if ref not in done]
                 raise ExecutorError(
                     f"Ray workers {late} did not finish {what!r} within "
                     f"startup_timeout={self._timeout:g} s; raise "
                     "backend_options['startup_timeout'] if loading the model takes longer"
                 )
 
-    def _diagnose(self, refs: Sequence[Any], what: str, exc: RayError) -> ExecutorError:
-        for rank, ref in enumerate(refs):
+    def _diagnose(
+        self, refs: Sequence[Any], ranks: Sequence[int], what: str, exc: RayError
+    ) -> ExecutorError:
+        for rank, ref in zip(ranks, refs, strict=True):
             try:
                 ray.get(ref, timeout=0)
             except GetTimeoutError:

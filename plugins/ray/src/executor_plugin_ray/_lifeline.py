@@ -193,6 +193,30 @@ class DriverLifelines:
         if thread is not None and thread is not threading.current_thread():
             thread.join(HOLD_S)
 
+    def prune(self) -> None:
+        """Close the lifelines whose actor is gone (after a rank replacement: the dead
+        actor's connection keeps no one alive, only a descriptor open). An actor sends
+        nothing after the handshake, so a held socket with something to read (end of file, a
+        reset) has lost its actor."""
+        with self._lock:
+            held = list(self._held)
+        gone = []
+        for sock in held:
+            try:
+                data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue  # nothing to read: its actor lives
+            except OSError:
+                data = b""  # reset: its actor is gone
+            if not data:
+                gone.append(sock)
+        if not gone:
+            return
+        with self._lock:
+            self._held = [sock for sock in self._held if sock not in gone]
+        for sock in gone:
+            sock.close()
+
     def close(self) -> None:
         """Stop listening, say goodbye on every lifeline and close it: the executor shuts
         down and kills its actors itself."""

@@ -40,9 +40,23 @@ class DeathMonitor:
     ) -> None:
         self._pending: dict[ObjectRef[None], int] = {ref: rank for rank, ref in enumerate(watches)}
         self._on_death = on_death
+        #: Held while a death is reported and while a rank's watch is swapped (:meth:`watch`):
+        #: a replaced actor's watch, once swapped out, never reports.
+        self._lock = threading.Lock()
         self._stop = threading.Event()
+        #: Set when a watch is added, so that a monitor with nothing pending looks again.
+        self._added = threading.Event()
         self._thread = threading.Thread(target=self._run, name="executor-ray-monitor", daemon=True)
         self._thread.start()
+
+    def watch(self, rank: int, ref: ObjectRef[None]) -> None:
+        """Watch ``rank``'s new actor (a rank replacement) by its watch call ``ref``, in place
+        of its old one: a death of the old actor is not reported from now on."""
+        with self._lock:
+            for old in [old for old, owner in self._pending.items() if owner == rank]:
+                del self._pending[old]
+            self._pending[ref] = rank
+        self._added.set()
 
     def _run(self) -> None:
         try:
@@ -53,21 +67,36 @@ class DeathMonitor:
             release_receive_buffers()
 
     def _watch(self) -> None:
-        while self._pending and not self._stop.is_set():
+        # Runs until stopped, even with nothing pending: a rank replacement adds watches.
+        while not self._stop.is_set():
             trim_receive_buffers()  # nothing unless no large message came for IDLE_S
+            with self._lock:
+                refs = list(self._pending)
+            if not refs:
+                self._added.wait(_POLL_S)
+                self._added.clear()
+                continue
             try:
-                ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=_POLL_S)
+                ready, _ = ray.wait(refs, num_returns=1, timeout=_POLL_S)
             except Exception:  # Ray disconnected under us: nothing left to watch
                 if not self._stop.is_set():
                     logger.debug("Ray monitor stopped: ray.wait failed", exc_info=True)
                 return
             for ref in ready:
-                rank = self._pending.pop(ref)
-                try:
-                    ray.get(ref, timeout=0)
-                except Exception as exc:  # noqa: BLE001 - any failure of the watch is a death
-                    if not self._stop.is_set():
-                        self._on_death(rank, exc)
+                self._resolved(ref)
+
+    def _resolved(self, ref: ObjectRef[None]) -> None:
+        """``ref``'s watch call returned: report the death of its actor, unless the watch was
+        swapped out meanwhile (its rank has a new actor) or the monitor stopped."""
+        with self._lock:
+            rank = self._pending.pop(ref, None)
+            if rank is None:
+                return
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - any failure of the watch is a death
+                if not self._stop.is_set():
+                    self._on_death(rank, exc)
 
     def stop(self, timeout: float = 2 * _POLL_S) -> None:
         """Stop watching (deaths after this are not reported); wait for the thread."""

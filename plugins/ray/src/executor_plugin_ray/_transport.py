@@ -13,20 +13,24 @@ them to it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import secrets
+import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import ray
 
 from executor_channel.driver import ChannelDriver
 from executor_channel.shm import Doorbell, NodeRings
-from executor_core import ExecutorClosedError, WorkerDiedError
-from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
+from executor_core import ExecutorClosedError, WorkerContext, WorkerDiedError
+from executor_core.backend import Call, Transport, TransportHost, WorkerWrapper, tcp_init_method
 
 from ._cluster import acquire_ray
 from ._launch import (
@@ -42,6 +46,7 @@ from ._monitor import DeathMonitor, death_detail
 from ._options import RayOptions
 from ._placement import reserve_placement_group
 from ._ranks import WorkerPlacement, assign_ranks
+from ._replace import ActorSlots
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
 TYPE_CHECKING = False
@@ -75,6 +80,13 @@ class RayTransport(Transport):
         #: The ranks on the driver's node (served from its rings) and on others (the hub).
         self.ranks_on_rings: tuple[int, ...] = ()
         self.ranks_on_hub: tuple[int, ...] = ()
+        #: For rank replacement: the actors' bundles, and every rank's context as its worker
+        #: last started or rejoined.
+        self._slots: ActorSlots | None = None
+        self._contexts: list[WorkerContext] = []
+        #: Ranks killed as hung (:meth:`kill`): the core failed their calls already, and
+        #: their actor's death is no news (it must not fail a replacement's new host).
+        self._killed: set[int] = set()
 
     # --- start -----------------------------------------------------------------------------
 
@@ -84,9 +96,11 @@ class RayTransport(Transport):
         # executor's last lease would shut down the Ray instance this process started.
         lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
 
+        # The cleanups ask the host that runs them (``self.host``): after a rank replacement
+        # it is no longer the one that started the transport.
         def release_lease() -> None:
-            if host.restarting:
-                host.keep("ray_lease", lease, lease.release)
+            if self.host.restarting:
+                self.host.keep("ray_lease", lease, lease.release)
             else:
                 lease.release()
 
@@ -98,8 +112,8 @@ class RayTransport(Transport):
             group, _bundles = reserve_placement_group(options, config.device, config.world_size)
 
         def remove_or_keep_group() -> None:
-            if host.restarting:
-                host.keep("ray_group", group, functools.partial(remove_group, group))
+            if self.host.restarting:
+                self.host.keep("ray_group", group, functools.partial(remove_group, group))
             else:
                 remove_group(group)
 
@@ -120,26 +134,24 @@ class RayTransport(Transport):
         # actors exit as soon as this process dies, even if Ray does not notice.
         lifelines = DriverLifelines()
         host.add_cleanup(lifelines.close)
+        self._slots = ActorSlots(group, actors, list(infos), lifelines, driver_node)
         hold_lifelines(lifelines, self.actors, placements, driver_node, startup, deadline)
         init_method = self._init_method(startup, deadline)
-        wrappers = []
-        for placement in placements:
-            context = host.context(
+        self._contexts = [
+            host.context(
                 placement.rank,
                 local_rank=placement.local_rank,
                 local_world_size=placement.local_world_size,
                 node_id=placement.node_id,
                 init_method=init_method,
             )
-            wrapper = host.wrapper(context)
-            if config.device == "cuda" and placement.visible_devices is not None:
-                # Ray shows each actor only its own GPU; showing the node's workers' GPUs in
-                # local-rank order makes cuda:{local_rank} right, as on every other backend.
-                wrapper.env.setdefault("CUDA_VISIBLE_DEVICES", placement.visible_devices)
-            wrappers.append(wrapper)
+            for placement in placements
+        ]
         inits = [
-            actor.init_worker.remote(wrapper)
-            for actor, wrapper in zip(self.actors, wrappers, strict=True)
+            actor.init_worker.remote(self._wrapper(placement, context))
+            for actor, placement, context in zip(
+                self.actors, placements, self._contexts, strict=True
+            )
         ]
         raise_failures(startup.gather(inits, "init_worker", deadline))
         # Under Ray Client (ray://) this process is on no Ray node: every worker joins the hub.
@@ -156,14 +168,30 @@ class RayTransport(Transport):
         driver.wait_until_ready(range(config.world_size), remaining, self._check_start)
         driver.ready()
 
+    def _wrapper(self, placement: WorkerPlacement, context: WorkerContext) -> WorkerWrapper:
+        wrapper = self.host.wrapper(context)
+        if self.host.config.device == "cuda" and placement.visible_devices is not None:
+            # Ray shows each actor only its own GPU; showing the node's workers' GPUs in
+            # local-rank order makes cuda:{local_rank} right, as on every other backend.
+            wrapper.env.setdefault("CUDA_VISIBLE_DEVICES", placement.visible_devices)
+        return wrapper
+
     def _attach_local(self, ranks: list[int], startup: Startup, deadline: float) -> NodeRings:
         """The rings of the ranks on the driver's node, handed to their actors."""
+        rings = NodeRings(len(ranks), self.options.ring_sizes, self.host.add_cleanup)
+        self._hand_rings(rings, ranks, startup, deadline)
+        return rings
+
+    def _hand_rings(
+        self, rings: NodeRings, ranks: Sequence[int], startup: Startup, deadline: float
+    ) -> None:
+        """Hand ``ranks`` (of :attr:`ranks_on_rings`) their rings, over a Unix socket."""
         from executor_channel.handoff import RingHandoff  # Unix sockets: start-up only
 
-        host, options = self.host, self.options
-        rings = NodeRings(len(ranks), options.ring_sizes, host.add_cleanup)
+        options = self.options
+        indices = [self.ranks_on_rings.index(rank) for rank in ranks]
         key = secrets.token_bytes(32)
-        handoff = RingHandoff(key, {index: rings.worker_fds(index) for index in range(len(ranks))})
+        handoff = RingHandoff(key, {index: rings.worker_fds(index) for index in indices})
         try:
             refs = [
                 self.actors[rank].attach_rings.remote(
@@ -174,13 +202,12 @@ class RayTransport(Transport):
                     options.ring_sizes.spin_s,
                     options.idle_spin_s,
                 )
-                for index, rank in enumerate(ranks)
+                for index, rank in zip(indices, ranks, strict=True)
             ]
             handoff.serve(deadline, self._check_running)
         finally:
             handoff.close()
-        raise_failures(startup.gather(refs, "attach_rings", deadline))
-        return rings
+        raise_failures(startup.gather(refs, "attach_rings", deadline, ranks))
 
     def _join_remote(
         self, ranks: list[int], driver: ChannelDriver, startup: Startup, deadline: float
@@ -223,13 +250,17 @@ class RayTransport(Transport):
         return hub
 
     def _init_method(self, startup: Startup, deadline: float) -> str:
-        """``tcp://`` on rank 0's node: the configured host when every rank shares one node
-        (loopback by default), rank 0's node IP when they span several."""
-        placements = self.placements
-        nodes = {p.node_id for p in placements}
-        address = self.host.config.distributed_host if len(nodes) == 1 else placements[0].node_ip
+        """``tcp://`` on rank 0's node, at a port free there."""
+        address = self._rendezvous_host()
         [port] = startup.gather([self.actors[0].free_port.remote(address)], "free_port", deadline)
         return tcp_init_method(address, port)
+
+    def _rendezvous_host(self) -> str:
+        """Rank 0's node: the configured host when every rank shares one node (loopback by
+        default), rank 0's node IP when they span several."""
+        placements = self.placements
+        nodes = {p.node_id for p in placements}
+        return self.host.config.distributed_host if len(nodes) == 1 else placements[0].node_ip
 
     def _check_running(self) -> None:
         """Raise if the executor failed or is closing (ends a wait at start)."""
@@ -251,11 +282,64 @@ class RayTransport(Transport):
         assert driver is not None
         driver.poll(timeout)
 
+    # --- rank replacement ------------------------------------------------------------------
+
+    def replace(
+        self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
+    ) -> None:
+        driver, monitor, slots = self._driver, self._monitor, self._slots
+        assert driver is not None
+        assert monitor is not None
+        assert slots is not None
+        rings, ranks = driver.rings, list(ranks)
+        on_hub = [rank for rank in ranks if rank not in self.ranks_on_rings]
+        if on_hub or rings is None:
+            raise NotImplementedError(
+                f"rank(s) {on_hub or ranks} ran on other Ray nodes, as members of the hub, "
+                "which admits members only at start: only ranks on the driver's node are "
+                "replaced"
+            )
+        host, options = self.host, self.options
+        self._stopped.clear()  # undo interrupt()
+        driver.rebind(host)
+        if host.closed_error is not None:  # shut down before interrupt() was undone
+            raise host.closed_error
+        startup = Startup(options, self._check_running)
+        startup.placements = self.placements
+        deadline = startup.deadline()
+        fresh = slots.replace(self.placements, ranks, options, host.config, startup, deadline)
+        for rank, actor in zip(ranks, fresh, strict=True):
+            self.actors[rank] = actor
+            monitor.watch(rank, actor.watch.remote())
+            self._killed.discard(rank)  # after the swap: the old actor's watch is gone
+        # Rank 0 is on this node (the driver's node's ranks come first): a port free here.
+        init_method = tcp_init_method(self._rendezvous_host())
+        contexts = [
+            attrs.evolve(context, distributed_init_method=init_method) for context in self._contexts
+        ]
+        for rank in ranks:  # the new actor reads from the next call written: the rejoin
+            rings.resume_worker(self.ranks_on_rings.index(rank))
+        inits = [
+            actor.init_worker.remote(self._wrapper(self.placements[rank], contexts[rank]))
+            for rank, actor in zip(ranks, fresh, strict=True)
+        ]
+        # Sent now, not once the new ranks loaded: a new rank's init_device may wait at the
+        # new rendezvous for the survivors, which meet it there in their rejoin.
+        rejoin(contexts)
+        raise_failures(startup.gather(inits, "init_worker", deadline, ranks))
+        self._hand_rings(rings, ranks, startup, deadline)
+        driver.wait_until_ready(ranks, max(0.0, deadline - time.monotonic()), self._check_start)
+        self._contexts = contexts
+
     # --- failures --------------------------------------------------------------------------
 
     def _report_death(self, rank: int, error: BaseException) -> None:
         """``rank``'s actor (or its node) is gone: fail the executor with the rank, where it
-        ran and Ray's reason. Called by the monitor."""
+        ran and Ray's reason. Called by the monitor. Only the executor fails: a recovery
+        replaces the dead rank (the survivors live on) or restarts every rank, and without
+        a policy the survivors stop at shutdown."""
+        if rank in self._killed:  # declared hung: the core failed its calls already
+            return
         placements = self.placements
         placement = placements[rank] if 0 <= rank < len(placements) else None
         died = WorkerDiedError(rank, detail=death_detail(placement, error))
@@ -270,7 +354,13 @@ class RayTransport(Transport):
         return {rank for rank in asked.values() if rank not in answered}
 
     def kill(self, ranks: Sequence[int]) -> None:
+        self._killed.update(ranks)
         for rank in ranks:
+            if rank in self.ranks_on_rings:
+                # On this machine, frozen (its pid its own): Ray's kill waits seconds for it
+                # to exit, and a rank replacement for its bundle.
+                with contextlib.suppress(OSError):
+                    os.kill(self.placements[rank].pid, signal.SIGKILL)
             ray.kill(self.actors[rank], no_restart=True)
 
     def interrupt(self) -> None:
