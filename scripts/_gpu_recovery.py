@@ -71,9 +71,16 @@ def check_recovery_nccl(ctx: Context) -> Outcome:
                 break
             time.sleep(0.05)
         figures["back_after_s"] = time.monotonic() - killed
+        record = executor.last_recovery
+        figures["kind"] = record.kind if record is not None else None
         survivor = pids[0]
         figures["survivor_stopped"] = not os.path.exists(f"/proc/{survivor}")
-        if not figures["survivor_stopped"]:
+        # A survivor blocked in NCCL never reaches the rejoin call, so the rank replacement
+        # falls back to a group restart, which must stop it; one that did rejoin (its
+        # collective returned) keeps its process.
+        if figures["kind"] == "replace" and figures["survivor_stopped"]:
+            problems.append(f"the rank replacement stopped the survivor (pid {survivor})")
+        if figures["kind"] != "replace" and not figures["survivor_stopped"]:
             problems.append(f"the survivor (pid {survivor}) blocked in NCCL was not stopped")
         if not problems:
             tokens = compare_tokens(
@@ -86,6 +93,7 @@ def check_recovery_nccl(ctx: Context) -> Outcome:
                 problems.append(tokens.summary)
     summary = (
         f"killed rank 1 mid-all_reduce: the call failed after {figures['call_failed_after_s']:.2f} "
-        f"s, back after {figures.get('back_after_s', float('nan')):.1f} s, same tokens"
+        f"s, back after {figures.get('back_after_s', float('nan')):.1f} s "
+        f"({figures.get('kind')}), same tokens"
     )
     return judge(summary, problems, figures)

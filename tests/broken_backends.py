@@ -513,11 +513,6 @@ class _ReplacingProcesses(_Processes):
             self.probes[rank].close()
             process, parent, ours = self._spawn(contexts[rank])
             self.procs[rank], self.conns[rank], self.probes[rank] = process, parent, ours
-        if self.defect == "replace_reloads":  # the survivors load their model again
-            with self.lock:
-                for rank, conn in enumerate(self.conns):
-                    if rank not in ranks:
-                        conn.send((0, "load_model", (), None, None))
         if self.defect != "replace_forgets_rejoin":
             rejoin(contexts)
         for rank in ranks:
@@ -552,11 +547,7 @@ BROKEN_RECOVERY: dict[str, tuple[type[Executor], str]] = {
     ),
     "replace_forgets_rejoin": (
         _processes("replace_forgets_rejoin", _ReplacingProcesses),
-        "a backend that declares replacement replaced ranks",
-    ),
-    "replace_reloads": (
-        _processes("replace_reloads", _ReplacingProcesses),
-        "only the new rank loads its model again",
+        "a rank replacement keeps the survivors' processes",
     ),
 }
 

@@ -291,6 +291,16 @@ class MultiprocTransport(Transport):
             rank: WorkerLaunch.of(host.wrapper(contexts[rank]), config.env) for rank in ranks
         }
         remote = [rank for rank in ranks if rank >= self._local]
+        lost = [
+            rank
+            for node in (driver.hub.nodes if driver.hub is not None else [])
+            if node.lost
+            for rank in node.ranks
+            if rank in remote
+        ]
+        if lost:
+            # Their agent is gone: the group restart waits for one to join again.
+            raise NotImplementedError(f"the agent of rank(s) {lost} is gone")
         if remote:
             # Their agents start them, in order with the calls (the stale ones before).
             assert driver.hub is not None
