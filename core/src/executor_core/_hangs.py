@@ -103,6 +103,12 @@ class HangWatch:
                     silent_since.setdefault(rank, now)
             done = time.monotonic()
             hung = sorted(r for r, since in silent_since.items() if done - since >= self.bound_s)
+            with table.lock:
+                # The call may have completed during the probe (its ranks answered it, so
+                # they were alive then): the next call in flight starts a watch of its own.
+                if table.calls.get(oldest.seq) is not oldest:
+                    continue
+                hung = [rank for rank in hung if rank in oldest.missing()]
             if hung and table.closed_error is None:
                 self._declare(hung, oldest.name, done - seen_at, done - silent_since[hung[0]])
                 return
