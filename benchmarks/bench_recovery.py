@@ -2,7 +2,7 @@
 and recovery's cost on the hot path, in one run.
 
     .venv/bin/python benchmarks/bench_recovery.py [--rounds 5] [--layers 4] [--calls 2000]
-        [--backends mp,ray]
+        [--backends mp,ray] [--mp-start-method forkserver]
 
 Back after a death, on ``mp`` TP 2 and ``ray`` TP 2, with the reference model large enough
 that loading it takes visible time (a checkpoint of ``--layers`` layers, about 80 MB a
@@ -19,6 +19,14 @@ layer, written once into a temporary directory), interleaved in rounds:
 Targets: the replacement at most 0.5x the new executor, the restart at most 1.1x (medians
 over ``--rounds``).
 
+Tuned by two settings, beside defaults: the policy's ``backoff_s=0`` (the default waits
+before a restart), and on ``ray`` ``log_to_driver=False`` (Ray's reports of killed actors
+stay off the table) and ``num_cpus_per_worker=0.5`` (the two executors of a round fit on a
+2-core machine's Ray; placement only). ``--mp-start-method forkserver`` is a further tuned
+variant of the ``mp`` rows: workers forked from a forkserver that has imported torch and the
+reference model (``set_forkserver_preload``), so that a new rank skips the interpreter's start
+and ``import torch``.
+
 The hot path: a no-op ``collective_rpc`` on ``mp`` (2 workers, ``executor bench``'s worker)
 with no recovery, with ``RecoveryPolicy()``, and with ``RecoveryPolicy()`` plus
 ``hang_timeout_s=10``, interleaved in rounds (``executor bench``'s timing loop). Target: each
@@ -28,6 +36,7 @@ within 1.05x of no recovery (median).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import statistics
@@ -66,15 +75,23 @@ def _first_success(executor: Executor, deadline_s: float) -> None:
                 raise
 
 
-def _reference_config(backend: str, checkpoint: Path, recovery: RecoveryPolicy | None) -> Any:
+def _reference_config(
+    backend: str, checkpoint: Path, recovery: RecoveryPolicy | None, start_method: str
+) -> Any:
+    options: dict[str, Any] = {}
+    if backend == "ray":
+        # Ray's raylet reports every killed actor on the driver's stderr: kept out of the table.
+        # Half a CPU a worker: the two executors of a round share a 2-core machine's Ray.
+        options = {"log_to_driver": False, "num_cpus_per_worker": 0.5}
+    elif start_method != "spawn":
+        options = {"start_method": start_method}
     return ExecutorConfig(
         backend=backend,
         worker_cls="executor_reference:ReferenceWorker",
         worker_kwargs={"checkpoint": str(checkpoint), "kv_slots": 4, "cpu_threads": 1},
         tensor_parallel_size=2,
         recovery=recovery,
-        # Ray's raylet reports every killed actor on the driver's stderr: kept out of the table.
-        backend_options={"log_to_driver": False} if backend == "ray" else {},
+        backend_options=options,
     )
 
 
@@ -82,7 +99,9 @@ def _loads(worker: Any) -> int:
     return int(worker.model_loads)
 
 
-def bench_back(backend: str, checkpoint: Path, rounds: int) -> dict[str, list[float]]:
+def bench_back(
+    backend: str, checkpoint: Path, rounds: int, start_method: str = "spawn"
+) -> dict[str, list[float]]:
     """Seconds from a SIGKILL to the first good call (rank replacement, group restart), and
     from shutdown to a new executor's first call (new executor), interleaved in rounds. Also
     the survivors' load_model calls during the replacements (``"survivor loads"``)."""
@@ -94,8 +113,8 @@ def bench_back(backend: str, checkpoint: Path, rounds: int) -> dict[str, list[fl
         "new executor": [],
         "survivor loads": [],
     }
-    replacing = create_executor(_reference_config(backend, checkpoint, replace))
-    restarting = create_executor(_reference_config(backend, checkpoint, restart))
+    replacing = create_executor(_reference_config(backend, checkpoint, replace, start_method))
+    restarting = create_executor(_reference_config(backend, checkpoint, restart, start_method))
     try:
         for executor in (replacing, restarting):
             _first_success(executor, 300)
@@ -110,7 +129,9 @@ def bench_back(backend: str, checkpoint: Path, rounds: int) -> dict[str, list[fl
             times["survivor loads"].append(float(loads[0] - 1))
             start = time.perf_counter()
             restarting.shutdown()
-            restarting = create_executor(_reference_config(backend, checkpoint, restart))
+            restarting = create_executor(
+                _reference_config(backend, checkpoint, restart, start_method)
+            )
             _first_success(restarting, 300)
             times["new executor"].append(time.perf_counter() - start)
     finally:
@@ -152,7 +173,17 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--backends", default="mp,ray")
+    parser.add_argument(
+        "--mp-start-method",
+        choices=("spawn", "forkserver"),
+        default="spawn",
+        help="mp's start_method (forkserver: tuned, with torch preloaded in the forkserver)",
+    )
     args = parser.parse_args()
+    if args.mp_start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            ["torch", "executor_reference"]
+        )
     from executor_reference import ModelConfig, ensure_checkpoint
 
     installed = {spec.name for spec in default_registry().backends()}
@@ -168,11 +199,12 @@ def main() -> int:
         size_mb = checkpoint.stat().st_size / 1e6
         print(f"checkpoint: {size_mb:.0f} MB ({args.layers} layers)\n")
         rows = []
+        tuned = " (forkserver)" if args.mp_start_method == "forkserver" else ""
         for backend in args.backends.split(","):
             if backend not in installed:
                 print(f"skip {backend}: not installed", file=sys.stderr)
                 continue
-            times = bench_back(backend, checkpoint, args.rounds)
+            times = bench_back(backend, checkpoint, args.rounds, args.mp_start_method)
             loads = times.pop("survivor loads")
             print(f"{backend}: survivors' load_model calls in the replacements: {sum(loads):g}")
             base = statistics.median(times["new executor"])
@@ -180,14 +212,17 @@ def main() -> int:
                 median = statistics.median(samples)
                 rows.append(
                     [
-                        f"{backend} TP 2",
+                        f"{backend} TP 2{tuned if backend == 'mp' else ''}",
                         label,
                         f"{median:.2f} s",
                         f"{min(samples):.2f}-{max(samples):.2f} s",
                         f"{median / base:.2f}x",
                     ]
                 )
-        print(markdown_table(["layout", "back after", "median", "range", "/ new executor"], rows))
+            # Each backend's rows as soon as they are measured (the next may fail to start).
+            print(
+                markdown_table(["layout", "back after", "median", "range", "/ new executor"], rows)
+            )
     print()
     hot = bench_hot(args.calls, 10)
     base = statistics.median(hot["no recovery"])

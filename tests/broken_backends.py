@@ -6,8 +6,10 @@ the issue that introduced the kit): the kit must fail every one of them, naming 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -168,10 +170,12 @@ class _MislabelledReplies(_Variant):
 
 
 class _LeavesTempDir(_Variant):
-    """Makes a scratch directory for its workers and never removes it."""
+    """Makes a scratch directory for its workers and never removes it (the test process
+    removes it at its exit, so that the suite itself leaves nothing behind)."""
 
     def start(self) -> None:
         self.scratch = tempfile.mkdtemp(prefix="executor-threads-scratch-")
+        atexit.register(shutil.rmtree, self.scratch, ignore_errors=True)
         super().start()
 
 
