@@ -24,7 +24,7 @@ from packaging.version import Version
 from executor_core import ExecutorConfig, create_executor
 from executor_core._thread_device import capture_thread_device
 from executor_core.torch import device_memory, pinned_host_bytes, release_pinned_host_memory
-from executor_core.torch._distributed import _dist_backend
+from executor_core.torch._devices import _dist_backend
 from executor_reference import MODEL_SIZES, ensure_checkpoint, generate, make_prompts
 
 #: Each torch API newer than 2.4 that the SDK's code reaches: the first release that has it,

@@ -384,14 +384,8 @@ class Hub:
         if node.lost or node.done:
             return
         node.lost = True
-        self._on_failure(
-            WorkerDiedError(
-                min(node.ranks, default=-1),
-                detail=why,
-                ranks=node.ranks,
-                node=node.node_id,
-            )
-        )
+        first = min(node.ranks, default=-1)
+        self._on_failure(WorkerDiedError(first, detail=why, ranks=node.ranks, node=node.node_id))
 
     def _kill_all(self, rejoin: bool = False) -> None:
         """Tell every member not done yet to stop its workers now (best effort); with

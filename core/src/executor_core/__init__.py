@@ -42,7 +42,7 @@ if TYPE_CHECKING:
         create_executor,
     )
     from ._hookspecs import hookimpl
-    from ._recovery import ExecutorState, RecoveryPolicy, RecoveryRecord
+    from ._recovery_policy import ExecutorState, RecoveryPolicy, RecoveryRecord
     from ._version import __version__
     from ._worker import (
         SLEEP_TAGS,

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from ._errors import ConfigError
-from ._recovery import RecoveryPolicy
+from ._recovery_policy import RecoveryPolicy
 
 __all__ = ["FORWARDED_ENV_PREFIXES", "ExecutorConfig", "worker_environment"]
 

@@ -12,7 +12,7 @@ from ._config import ExecutorConfig
 from ._errors import RecoveringError, RPCTimeoutError
 from ._lifecycle import FailureCallback, Lifecycle
 from ._observe import Observation
-from ._recovery import ExecutorState
+from ._recovery_policy import ExecutorState
 from ._resolve import executor_class
 from ._wire import method_name
 

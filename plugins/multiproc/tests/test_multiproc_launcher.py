@@ -21,7 +21,7 @@ from executor_core import (
     WorkerDiedError,
 )
 from executor_core.testing import conformance_config
-from executor_core.testing._recovery import _gloo_sum  # the kit's own gloo check
+from executor_core.testing._recovering import gloo_sum  # the kit's own gloo check
 from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
 from executor_plugin_multiproc.launcher import AgentLaunch, Placement
 
@@ -113,7 +113,7 @@ def test_every_rank_on_placed_machines_with_their_names_and_addresses() -> None:
         seen = executor.collective_rpc(_context)
         pids = executor.collective_rpc("get_pid")
         # gloo across both machines, through the rendezvous on node 0's address
-        assert executor.collective_rpc(_gloo_sum, timeout=120) == [4.0] * 4
+        assert executor.collective_rpc(gloo_sum, timeout=120) == [4.0] * 4
     nodes = [(node_id, address, local) for node_id, address, local, _ in seen]
     assert nodes == [
         ("machine-0", "127.0.0.2", 0),

@@ -21,8 +21,10 @@ import attrs
 __all__ = [
     "ConformanceTimeout",
     "Snapshot",
+    "grown",
     "pids_alive",
     "private_tempdir",
+    "resources",
     "temp_leftovers",
     "time_limit",
 ]
@@ -196,3 +198,30 @@ def temp_leftovers(path: Path, within_s: float, allowed: Iterable[str] = ()) -> 
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
+
+
+#: RSS a run of recoveries may add to the driver (allocator noise, not a leak).
+_RSS_SLACK = 32 << 20
+
+
+def resources() -> dict[str, int]:
+    """The driver's thread count, descriptor count, /dev/shm entries and RSS now."""
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: only threads are checked
+        fds = rss = 0
+    try:
+        shm = len(os.listdir("/dev/shm"))
+    except OSError:
+        shm = 0
+    return {"threads": threading.active_count(), "fds": fds, "shm": shm, "rss": rss}
+
+
+def grown(before: dict[str, int], now: dict[str, int], *, check_fds: bool) -> dict[str, str]:
+    limits = {"threads": 0, "fds": 0 if check_fds else None, "shm": 0, "rss": _RSS_SLACK}
+    return {
+        key: f"{before[key]} -> {now[key]}"
+        for key, slack in limits.items()
+        if slack is not None and now[key] > before[key] + slack
+    }

@@ -14,7 +14,7 @@ import pytest
 from .._errors import ConfigError, ExecutorFailedError, WorkerDiedError
 from .._executor import Executor
 from .._hangs import has_probe
-from .._recovery import ExecutorState, RecoveryPolicy
+from .._recovery_policy import ExecutorState, RecoveryPolicy
 from ._base import ExecutorFactory, KitBase
 from ._guard import pids_alive
 

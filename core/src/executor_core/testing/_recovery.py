@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -20,116 +20,20 @@ from .._errors import (
     RPCTimeoutError,
     WorkerDiedError,
 )
-from .._executor import Executor
-from .._recovery import ExecutorState, RecoveryPolicy
-from .._transport import Transport
-from ._base import ExecutorFactory, KitBase
-from ._guard import pids_alive
+from .._recovery_policy import ExecutorState, RecoveryPolicy
+from ._base import ExecutorFactory
+from ._guard import grown, pids_alive, resources
+from ._recovering import RecoveringBase, gloo_sum
 
 __all__ = ["RecoveryTests"]
 
 
-def _gloo_sum(worker: Any) -> float:
-    """Join a fresh gloo group at the worker's rendezvous, all_reduce 1.0, leave it."""
-    import torch
-    import torch.distributed as dist
-
-    from executor_core.torch import init_distributed
-
-    state = init_distributed(worker.context, timeout_s=60)
-    try:
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        return float(total.item())
-    finally:
-        state.destroy()
-
-
-class RecoveryTests(KitBase):
+class RecoveryTests(RecoveringBase):
     """What ``Capabilities.recovery`` declares holds: ``"none"`` refuses a recovery policy at
     creation; ``"restart"`` brings the executor back after a worker is killed (by the pid it
     reports; ``workers_are_processes``), with the same ranks, contexts and environment;
     ``"replace"`` does so with new processes for the dead ranks alone, the survivors keeping
     their processes and memory (and a group restart where replacement is off or fails)."""
-
-    #: Seconds a recovery may take, from a kill to workers ready (a restart of every rank).
-    recovery_s: ClassVar[float] = 30.0
-    #: Kills in a row in the leak test.
-    recovery_kills: ClassVar[int] = 20
-    #: False where the backend declares rank replacement but this layout's deaths are
-    #: answered by a group restart (say why in the class); the restart's rules are checked
-    #: then. None: as the backend declares.
-    replaces_ranks: ClassVar[bool | None] = None
-
-    def _recovery(self) -> str:
-        spec = self.spec()
-        if spec is not None:
-            declared = spec.capabilities.recovery
-        else:
-            transport = getattr(self.backend, "transport_cls", None)
-            replaces = transport is not None and transport.replace is not Transport.replace
-            declared = "replace" if replaces else "restart"
-        if declared == "replace" and self.replaces_ranks is False:
-            return "restart"
-        return declared
-
-    def _replacing(self) -> None:
-        if self._recovery() != "replace":
-            pytest.skip("the backend does not declare rank replacement")
-
-    def _policy(self, **overrides: Any) -> RecoveryPolicy:
-        return RecoveryPolicy(**{"backoff_s": 0.1, **overrides})
-
-    def _recovering(
-        self,
-        fresh_executor: ExecutorFactory,
-        tmp_path: Path | None = None,
-        load_s: float = 0.0,
-        **policy: Any,
-    ) -> Executor:
-        if self._recovery() == "none":
-            pytest.skip("covered by test_recovery_is_refused_where_not_declared")
-        if not self.workers_are_processes:
-            pytest.skip("workers_are_processes is False: no worker process to kill")
-        kwargs: dict[str, Any] = {"recovery": self._policy(**policy)}
-        if tmp_path is not None:
-            kwargs["worker_kwargs"] = {"marker_dir": str(tmp_path), "load_s": load_s}
-        return fresh_executor(**kwargs)
-
-    def _kill(
-        self, executor: Executor, rank: int | None = None, pids: list[int] | None = None
-    ) -> tuple[int, int]:
-        """Kill a worker (the highest rank whose process is not this one) and wait until the
-        executor has seen the death: ``(rank, pid)``."""
-        if pids is None:
-            pids = executor.collective_rpc("get_pid", timeout=self.recovery_s)
-        others = [r for r, pid in enumerate(pids) if pid != os.getpid()]
-        assert others, "workers_are_processes is True, but every worker reports the driver's pid"
-        victim = others[-1] if rank is None else rank
-        os.kill(pids[victim], signal.SIGKILL)
-        deadline = time.monotonic() + self.settle_s
-        while executor.state is ExecutorState.RUNNING:  # until the death is seen
-            assert time.monotonic() < deadline, (
-                f"rule broken: a killed rank's death is seen within {self.settle_s:g} s "
-                f"(rank {victim}, pid {pids[victim]})"
-            )
-            time.sleep(0.001)
-        return victim, pids[victim]
-
-    def _wait_running(self, executor: Executor, what: str) -> float:
-        start = time.monotonic()
-        while executor.state is not ExecutorState.RUNNING:
-            took = time.monotonic() - start
-            assert executor.state is not ExecutorState.FAILED, (
-                f"rule broken: {what}: the executor failed instead of recovering: "
-                f"{executor.failure!r}"
-            )
-            assert took < self.recovery_s, (
-                f"rule broken: {what}: the executor is back within recovery_s="
-                f"{self.recovery_s:g} s (state {executor.state} after {took:.1f} s)"
-            )
-            time.sleep(0.02)
-        return time.monotonic() - start
 
     # --- the declaration -------------------------------------------------------------------
 
@@ -230,7 +134,7 @@ class RecoveryTests(KitBase):
         executor = self._recovering(fresh_executor)
         self._kill(executor)
         self._wait_running(executor, "after a rank was killed")
-        sums = executor.collective_rpc(_gloo_sum, timeout=self.recovery_s)
+        sums = executor.collective_rpc(gloo_sum, timeout=self.recovery_s)
         assert sums == [float(executor.world_size)] * executor.world_size
 
     def test_replaced_ranks_leave_the_survivors_memory_alone(
@@ -431,7 +335,7 @@ class RecoveryTests(KitBase):
         self._kill(executor)
         self._wait_running(executor, "after the first kill")
         executor.collective_rpc("get_rank", timeout=self.recovery_s)
-        before = _resources()
+        before = resources()
         killed: list[int] = []
         for _ in range(self.recovery_kills - 1):
             killed.append(self._kill(executor)[1])
@@ -442,38 +346,11 @@ class RecoveryTests(KitBase):
         assert not alive, f"rule broken: processes of an earlier incarnation still run: {alive}"
         deadline = time.monotonic() + self.settle_s
         while True:
-            grown = _grown(before, _resources(), check_fds=self.check_fds)
-            if not grown or time.monotonic() >= deadline:
+            growth = grown(before, resources(), check_fds=self.check_fds)
+            if not growth or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        assert not grown, (
+        assert not growth, (
             f"rule broken: {self.recovery_kills} recoveries leave the driver as one executor "
-            f"left it; grown: {grown}"
+            f"left it; grown: {growth}"
         )
-
-
-#: RSS a run of recoveries may add to the driver (allocator noise, not a leak).
-_RSS_SLACK = 32 << 20
-
-
-def _resources() -> dict[str, int]:
-    """The driver's thread count, descriptor count, /dev/shm entries and RSS now."""
-    try:
-        fds = len(os.listdir("/proc/self/fd"))
-        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: only threads are checked
-        fds = rss = 0
-    try:
-        shm = len(os.listdir("/dev/shm"))
-    except OSError:
-        shm = 0
-    return {"threads": threading.active_count(), "fds": fds, "shm": shm, "rss": rss}
-
-
-def _grown(before: dict[str, int], now: dict[str, int], *, check_fds: bool) -> dict[str, str]:
-    limits = {"threads": 0, "fds": 0 if check_fds else None, "shm": 0, "rss": _RSS_SLACK}
-    return {
-        key: f"{before[key]} -> {now[key]}"
-        for key, slack in limits.items()
-        if slack is not None and now[key] > before[key] + slack
-    }

@@ -7,13 +7,9 @@ whose dead peers were replaced calls :meth:`ParallelState.rejoin` (or
 :func:`leave_process_group`) from its ``rejoin``.
 """
 
-from ._devices import check_gpu_per_local_rank
-from ._distributed import (
-    ParallelState,
-    init_distributed,
-    leave_process_group,
-    select_device,
-)
+from ._devices import check_gpu_per_local_rank, select_device
+from ._distributed import ParallelState, init_distributed
+from ._leave import leave_process_group
 from ._memory import (
     DeviceMemory,
     device_memory,

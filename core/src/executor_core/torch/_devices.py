@@ -1,4 +1,5 @@
-"""How many GPUs a node's workers will see, and the rule that each local rank gets its own."""
+"""Devices: how many GPUs a node's workers will see, the rule that each local rank gets its
+own, and the device (and collective backend) a worker takes."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import os
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from .._errors import ConfigError
+from .._worker import WorkerContext
 
-__all__ = ["check_gpu_per_local_rank", "visible_gpu_count"]
+__all__ = ["check_gpu_per_local_rank", "select_device", "visible_gpu_count"]
 
 
 def _visible_entries(value: str) -> int:
@@ -67,3 +70,77 @@ def check_gpu_per_local_rank(local_ranks: int, env: Mapping[str, str] | None = N
         f"{'is' if count == 1 else 'are'} visible ({where}); lower tensor_parallel_size * "
         "pipeline_parallel_size, make more GPUs visible, or use device='cpu'",
     )
+
+
+#: The collective backend for each device type; other device types ask torch.
+_DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def _one_gpu_per_process() -> bool:
+    """True when ``CUDA_VISIBLE_DEVICES`` names one device: the launcher gave this process
+    a GPU of its own (Slurm's ``--gpus-per-task=1``, say)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([entry for entry in visible.split(",") if entry.strip()]) == 1
+
+
+def select_device(context: WorkerContext) -> torch.device:
+    """This worker's device: the CPU, or the GPU of its local rank (made current).
+
+    On CUDA the worker takes ``cuda:{local_rank}`` of the GPUs it sees, and refuses a local
+    rank with no GPU of its own. One exception: a process whose ``CUDA_VISIBLE_DEVICES``
+    names a single GPU was given it by its launcher, and takes it whatever its local rank.
+    """
+    if context.device == "cpu":
+        return torch.device("cpu")
+    if context.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "device='cuda' but this torch build sees no GPU "
+                f"(torch {torch.__version__}); use device='cpu' or install a CUDA build"
+            )
+        count = torch.cuda.device_count()
+        narrowed = count == 1 and _one_gpu_per_process()
+        index = 0 if narrowed else context.local_rank
+        if index >= count:
+            raise RuntimeError(
+                f"local rank {context.local_rank} of {context.local_world_size} on this node "
+                f"has no GPU of its own: {count} visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                "start at most one worker per GPU"
+            )
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(context.device, context.local_rank)
+
+
+def _dist_backend(device: torch.device) -> str:
+    known = _DIST_BACKENDS.get(device.type)
+    if known is not None:
+        return known
+    lookup = getattr(dist, "get_default_backend_for_device", None)  # torch 2.6 and later
+    if lookup is not None:
+        return str(lookup(device))
+    # Earlier torch: the map that lookup reads, which a device's plugin fills when it
+    # registers its collective backend.
+    backend = dist.Backend.default_device_backend_map.get(device.type)
+    if backend is None:
+        raise ValueError(
+            f"no torch.distributed backend is registered for {device.type!r} devices "
+            f"(torch {torch.__version__}); import the device's torch plugin first"
+        )
+    return str(backend)
+
+
+def _check_reused_backend(backend: str, device: torch.device) -> None:
+    """Refuse a process group the user made whose backend cannot carry this device's
+    tensors (gloo has no CUDA send/recv)."""
+    if device.type != "cuda":
+        return
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    cuda_backend = per_device.get("cuda", backend if not per_device else "")
+    if cuda_backend in ("", "gloo"):
+        raise RuntimeError(
+            f"this process already joined a process group with backend {backend!r}, which "
+            "cannot carry CUDA tensors, but the worker's device is cuda; initialise it with "
+            "backend='nccl' (or 'cpu:gloo,cuda:nccl'), or use device='cpu'"
+        )

@@ -7,80 +7,22 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._worker import WorkerContext
+from ._devices import _check_reused_backend, _dist_backend, select_device
+from ._leave import leave_process_group
 
 __all__ = [
     "ParallelState",
     "init_distributed",
-    "leave_process_group",
     "seed_everything",
-    "select_device",
 ]
 
 _log = logging.getLogger("executor_core")
-
-#: The collective backend for each device type; other device types ask torch.
-_DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
-
-
-def _one_gpu_per_process() -> bool:
-    """True when ``CUDA_VISIBLE_DEVICES`` names one device: the launcher gave this process
-    a GPU of its own (Slurm's ``--gpus-per-task=1``, say)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return len([entry for entry in visible.split(",") if entry.strip()]) == 1
-
-
-def select_device(context: WorkerContext) -> torch.device:
-    """This worker's device: the CPU, or the GPU of its local rank (made current).
-
-    On CUDA the worker takes ``cuda:{local_rank}`` of the GPUs it sees, and refuses a local
-    rank with no GPU of its own. One exception: a process whose ``CUDA_VISIBLE_DEVICES``
-    names a single GPU was given it by its launcher, and takes it whatever its local rank.
-    """
-    if context.device == "cpu":
-        return torch.device("cpu")
-    if context.device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "device='cuda' but this torch build sees no GPU "
-                f"(torch {torch.__version__}); use device='cpu' or install a CUDA build"
-            )
-        count = torch.cuda.device_count()
-        narrowed = count == 1 and _one_gpu_per_process()
-        index = 0 if narrowed else context.local_rank
-        if index >= count:
-            raise RuntimeError(
-                f"local rank {context.local_rank} of {context.local_world_size} on this node "
-                f"has no GPU of its own: {count} visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                "start at most one worker per GPU"
-            )
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device(context.device, context.local_rank)
-
-
-def _dist_backend(device: torch.device) -> str:
-    known = _DIST_BACKENDS.get(device.type)
-    if known is not None:
-        return known
-    lookup = getattr(dist, "get_default_backend_for_device", None)  # torch 2.6 and later
-    if lookup is not None:
-        return str(lookup(device))
-    # Earlier torch: the map that lookup reads, which a device's plugin fills when it
-    # registers its collective backend.
-    backend = dist.Backend.default_device_backend_map.get(device.type)
-    if backend is None:
-        raise ValueError(
-            f"no torch.distributed backend is registered for {device.type!r} devices "
-            f"(torch {torch.__version__}); import the device's torch plugin first"
-        )
-    return str(backend)
 
 
 def _available_cpus() -> int:
@@ -303,58 +245,6 @@ class ParallelState:
         return init_distributed(context, seed=seed, timeout_s=timeout_s, cpu_threads=cpu_threads)
 
 
-def leave_process_group() -> None:
-    """Leave torch.distributed's process group (and every sub-group), if this process is in
-    one; a no-op otherwise.
-
-    For a rank whose peers may have died: unlike ``torch.distributed.destroy_process_group``
-    alone it does not raise for a group a dead peer broke (it logs the error), since that
-    group is being thrown away. On NCCL the communicators are aborted rather than destroyed,
-    as a communicator in error can hang a destroy. On gloo, a rank still blocked on the group
-    in a call with this one (a receive from it, say) sees its call fail at once, as this
-    rank closes its connections: survivors that leave free each other.
-
-    Raises ``RuntimeError`` only if the process is still in a process group afterwards
-    (neither teardown got it out), as joining a new one would then fail.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    backend = str(dist.get_backend())
-    # A private torch function (torch.distributed.distributed_c10d): the only way torch
-    # offers to tear down NCCL communicators without a collective handshake, which a
-    # communicator in error (a peer died) may never complete. Private and newer than torch
-    # 2.4, so a release may lack it: looked up, not assumed; without it the teardown is
-    # destroy_process_group's.
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if "nccl" in backend and abort is not None:
-        _leave_with("aborting", abort)
-    if dist.is_initialized():
-        _leave_with("destroying", dist.destroy_process_group)  # also every sub-group
-    if dist.is_initialized() and abort is not None:
-        # destroy_process_group raised before it let go of the group: abort clears it.
-        _leave_with("aborting", abort)
-    if dist.is_initialized():
-        raise RuntimeError(
-            f"could not leave the torch.distributed process group ({backend}): its teardown "
-            "failed (logged); this process cannot join a new one"
-        )
-
-
-def _leave_with(what: str, teardown: Callable[[], None]) -> None:
-    """Run ``teardown`` on the process group, logging (not raising) what a broken group
-    raises: torch.distributed's errors (``DistError``) and the backends' ``RuntimeError``
-    (gloo's "Connection closed by peer"), of which ``DistError`` is a kind."""
-    try:
-        teardown()
-    except RuntimeError as error:
-        _log.warning(
-            "%s the torch.distributed process group failed, as a broken group's may: %s: %s",
-            what,
-            type(error).__name__,
-            error,
-        )
-
-
 def init_distributed(
     context: WorkerContext,
     *,
@@ -491,21 +381,6 @@ def _warm_up(state: ParallelState) -> None:
         state.wait_for_sends()
     if state.device.type == "cuda":
         torch.cuda.synchronize(state.device)
-
-
-def _check_reused_backend(backend: str, device: torch.device) -> None:
-    """Refuse a process group the user made whose backend cannot carry this device's
-    tensors (gloo has no CUDA send/recv)."""
-    if device.type != "cuda":
-        return
-    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
-    cuda_backend = per_device.get("cuda", backend if not per_device else "")
-    if cuda_backend in ("", "gloo"):
-        raise RuntimeError(
-            f"this process already joined a process group with backend {backend!r}, which "
-            "cannot carry CUDA tensors, but the worker's device is cuda; initialise it with "
-            "backend='nccl' (or 'cpu:gloo,cuda:nccl'), or use device='cpu'"
-        )
 
 
 def _setup_error(

@@ -10,12 +10,14 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import sys
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 
 import attrs
 
 from executor_channel.shm import NodeRings, WorkerFds
+from executor_core import ConfigError
 from executor_core.backend import WorkerWrapper
 
 from ._group import DeathCallback, WorkerGroup
@@ -23,7 +25,7 @@ from ._options import MultiprocOptions
 from ._probe import Probes
 from ._process import InheritedFd, WorkerSpec, worker_main
 
-__all__ = ["WorkerLaunch", "default_env", "replace_workers", "start_workers"]
+__all__ = ["WorkerLaunch", "check_devices", "default_env", "replace_workers", "start_workers"]
 
 
 @attrs.frozen
@@ -185,3 +187,23 @@ def _fd_closer(fd: int) -> Callable[[], None]:
             os.close(fd)
 
     return close
+
+
+def check_devices(
+    options: MultiprocOptions, device: str, workers: int, env: dict[str, str]
+) -> None:
+    """Refuse, before any worker starts, what would fail in the workers: fork once CUDA is
+    initialised here (a forked child cannot use CUDA), or fewer GPUs than workers."""
+    torch = sys.modules.get("torch")
+    if options.start_method == "fork" and torch is not None and torch.cuda.is_initialized():
+        raise ConfigError(
+            "backend_options",
+            {"start_method": "fork"},
+            "CUDA is already initialised in this process, and a forked worker cannot use it "
+            "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' "
+            "(the default) or 'forkserver'",
+        )
+    if device == "cuda":
+        from executor_core.torch import check_gpu_per_local_rank  # imports torch: cuda only
+
+        check_gpu_per_local_rank(workers, env)

@@ -27,7 +27,7 @@ from executor_core import ConfigError, ExecutorError
 
 from ._agent_status import DRIVER_LOST_EXIT, REFUSED_EXIT, REJOIN, remedy
 from ._group import WorkerGroup
-from ._local import start_workers
+from ._local import check_devices, start_workers
 from ._node_protocol import NodeSpec
 from ._node_workers import NodeWorkers, Replace
 from ._process import PARENT_DIED_EXIT
@@ -178,8 +178,6 @@ class NodeAgent:
         return spec
 
     def _start(self, spec: NodeSpec) -> None:
-        from ._transport import check_devices
-
         check_devices(spec.options, spec.device, len(spec.launches), spec.worker_env)
         channel = NodeRings(len(spec.launches), spec.options.ring_sizes, self._cleanups.append)
         self._channel = channel

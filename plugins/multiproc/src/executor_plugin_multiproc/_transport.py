@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import pickle
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -29,7 +28,7 @@ from executor_core import (
 from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
 
 from ._group import WorkerGroup
-from ._local import WorkerLaunch, replace_workers, start_workers
+from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT
@@ -360,26 +359,6 @@ class MultiprocTransport(Transport):
             driver.stop_hub(False, 0.0, rejoin)
             if group is not None:
                 group.kill_now()
-
-
-def check_devices(
-    options: MultiprocOptions, device: str, workers: int, env: dict[str, str]
-) -> None:
-    """Refuse, before any worker starts, what would fail in the workers: fork once CUDA is
-    initialised here (a forked child cannot use CUDA), or fewer GPUs than workers."""
-    torch = sys.modules.get("torch")
-    if options.start_method == "fork" and torch is not None and torch.cuda.is_initialized():
-        raise ConfigError(
-            "backend_options",
-            {"start_method": "fork"},
-            "CUDA is already initialised in this process, and a forked worker cannot use it "
-            "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' "
-            "(the default) or 'forkserver'",
-        )
-    if device == "cuda":
-        from executor_core.torch import check_gpu_per_local_rank  # imports torch: cuda only
-
-        check_gpu_per_local_rank(workers, env)
 
 
 def _ranks_per_node(world_size: int, num_nodes: int) -> int:

@@ -1,0 +1,65 @@
+"""Leaving a process group that dead peers may have broken (a survivor's part in rank
+replacement)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+__all__ = ["leave_process_group"]
+
+_log = logging.getLogger("executor_core")
+
+
+def leave_process_group() -> None:
+    """Leave torch.distributed's process group (and every sub-group), if this process is in
+    one; a no-op otherwise.
+
+    For a rank whose peers may have died: unlike ``torch.distributed.destroy_process_group``
+    alone it does not raise for a group a dead peer broke (it logs the error), since that
+    group is being thrown away. On NCCL the communicators are aborted rather than destroyed,
+    as a communicator in error can hang a destroy. On gloo, a rank still blocked on the group
+    in a call with this one (a receive from it, say) sees its call fail at once, as this
+    rank closes its connections: survivors that leave free each other.
+
+    Raises ``RuntimeError`` only if the process is still in a process group afterwards
+    (neither teardown got it out), as joining a new one would then fail.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    backend = str(dist.get_backend())
+    # A private torch function (torch.distributed.distributed_c10d): the only way torch
+    # offers to tear down NCCL communicators without a collective handshake, which a
+    # communicator in error (a peer died) may never complete. Private and newer than torch
+    # 2.4, so a release may lack it: looked up, not assumed; without it the teardown is
+    # destroy_process_group's.
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if "nccl" in backend and abort is not None:
+        _leave_with("aborting", abort)
+    if dist.is_initialized():
+        _leave_with("destroying", dist.destroy_process_group)  # also every sub-group
+    if dist.is_initialized() and abort is not None:
+        # destroy_process_group raised before it let go of the group: abort clears it.
+        _leave_with("aborting", abort)
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"could not leave the torch.distributed process group ({backend}): its teardown "
+            "failed (logged); this process cannot join a new one"
+        )
+
+
+def _leave_with(what: str, teardown: Callable[[], None]) -> None:
+    """Run ``teardown`` on the process group, logging (not raising) what a broken group
+    raises: torch.distributed's errors (``DistError``) and the backends' ``RuntimeError``
+    (gloo's "Connection closed by peer"), of which ``DistError`` is a kind."""
+    try:
+        teardown()
+    except RuntimeError as error:
+        _log.warning(
+            "%s the torch.distributed process group failed, as a broken group's may: %s: %s",
+            what,
+            type(error).__name__,
+            error,
+        )
