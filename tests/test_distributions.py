@@ -44,3 +44,19 @@ def test_installed_version_is_the_packages(directory: str) -> None:
     distribution, package = DISTRIBUTIONS[directory]
     module = importlib.import_module(package)
     assert importlib.metadata.version(distribution) == module.__version__
+
+
+#: The most lines a product module may have (issue 26: one job per module; scripts/ has the
+#: same bound in test_gpu_check_script.py).
+MAX_MODULE_LINES = 400
+
+
+@pytest.mark.parametrize("directory", sorted(DISTRIBUTIONS))
+def test_no_module_is_over_the_bound(directory: str) -> None:
+    _, package = DISTRIBUTIONS[directory]
+    over = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / directory / "src" / package).rglob("*.py"))
+        if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES
+    }
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by job): {over}"
