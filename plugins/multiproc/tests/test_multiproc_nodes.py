@@ -30,7 +30,7 @@ from executor_core import (
     create_executor,
 )
 from executor_core.backend import Registry, find_free_port
-from executor_core.testing import ExecutorConformanceTests, conformance_config
+from executor_core.testing import ExecutorConformanceTests, conformance_config, layout_variant
 from executor_core.testing._base import ExecutorFactory
 
 __all__ = ["agents", "node_secret"]  # fixtures, imported for the tests below
@@ -71,13 +71,13 @@ class TestTwoNodeConformance(_TwoNodes):
     recovery_kills = 5
 
 
+@layout_variant
 class TestTwoNodePipelineConformance(_TwoNodes):
-    """Four ranks, two pipeline stages: one stage on each node."""
+    """Four ranks, two pipeline stages: one stage on each node; the tests that do not see
+    the layout are TestTwoNodeConformance's alone (``layout_variant``)."""
 
     world_size = 4
     pipeline_parallel_size = 2
-    #: Twenty kills in a row are TestTwoNodeConformance's; a few here keep CI short.
-    recovery_kills = 5
 
 
 def _two_nodes(agents: Agents, world_size: int = 4, **options: Any) -> Executor:

@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster
 
 from executor_core import Executor, create_executor
 from executor_core.backend import Registry
-from executor_core.testing import ExecutorConformanceTests, ExecutorFactory
+from executor_core.testing import ExecutorConformanceTests, ExecutorFactory, layout_variant
 from executor_plugin_ray._executor import RayExecutor
 
 
@@ -57,48 +57,12 @@ class TestRayConformance(_LocalKit):
     recovery_kills = 10
 
 
+@layout_variant
 class TestRayPipelineConformance(_LocalKit):
-    """tp1 x pp2 on the driver's node.
-
-    Two ranks on the rings, as in TestRayConformance. Neither the backend nor the core's
-    start, shutdown, recovery and hang bound look at the layout, which only sets each rank's
-    WorkerContext (its stage), the output rank and the batches in flight. So the tests that
-    build an executor of their own only to start, stop, kill or freeze it and make calls
-    (the lifecycle area, two of the errors', and the recovery and hang-bound tests below) are
-    TestRayConformance's alone: here they would build the same executor but for the stage
-    numbers (``None``: not collected). Those that see the layout run here too: the worker
-    contexts, execute_model and its output rank (the calls, async, non-blocking, device and
-    pipeline areas), the contexts kept across a restart, and gloo's groups (a pipeline group
-    per TP rank, warmed up with a send between stages) after a restart and around a frozen
-    rank.
-    """
+    """tp1 x pp2 on the driver's node: two ranks on the rings, as in TestRayConformance; the
+    tests that do not see the layout are TestRayConformance's alone (``layout_variant``)."""
 
     pipeline_parallel_size = 2
-    # The lifecycle area (LifecycleTests), whole.
-    test_failure_callbacks_run_once = None
-    test_fail_fails_calls_in_flight = None
-    test_shutdown_is_idempotent_and_final = None
-    test_shutdown_with_calls_in_flight = None
-    test_context_manager_shuts_down = None
-    test_env_reaches_workers_not_the_driver = None
-    test_worker_kwargs = None
-    test_worker_init_failure_fails_creation = None
-    test_shutdown_stops_every_worker = None
-    test_dropped_executor_is_collected_and_cleaned_up = None
-    test_hooks_reach_in_process_workers = None
-    test_shutdown_removes_temporary_files = None
-    test_killed_worker_fails_the_call_in_flight = None
-    # ErrorTests' own executors (the rest of the area shares the class's executor).
-    test_default_timeout_from_config = None
-    test_unsendable_call_fails_by_its_deadline = None
-    # RecoveryTests and HangTests that only make calls.
-    test_kills_in_a_row_leave_nothing_behind = None
-    test_a_second_death_during_the_recovery = None
-    test_an_exhausted_policy_fails_the_executor_once = None
-    test_calls_during_a_recovery_fail_at_once_when_told_to = None
-    test_callers_on_four_threads_during_a_recovery = None
-    test_a_frozen_rank_is_declared_dead = None
-    test_a_long_call_that_is_alive_is_not_killed = None
 
 
 class TestRayClusterConformance(_RayKit):

@@ -26,6 +26,7 @@ from ._nonblock import NonBlockingTests
 from ._pipeline import PipelineTests
 from ._recovery import RecoveryTests
 from ._sleep import SleepTests
+from ._variants import layout_variant
 from ._workers import ConformanceWorker
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "RecoveryTests",
     "SleepTests",
     "conformance_config",
+    "layout_variant",
 ]
 
 
