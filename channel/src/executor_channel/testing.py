@@ -7,7 +7,9 @@ connections that passed the gate with a token an observer could have captured
 on, and checks that every call still succeeds and nothing was unpickled.
 :func:`flood_unauthenticated` is the peer that has no token at all: it streams huge,
 never-finished multipart messages and raw garbage from many connections, for a test that
-measures what the listener holds meanwhile.
+measures what the listener holds meanwhile. :data:`fences` is the module through which the
+rings make every access to their counters (loads, stores and fences), for a benchmark that
+times those operations.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import struct
 import threading
 import time
 
+from . import _fence as fences
 from ._secret import Secret
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from ._link import Listener
 
-__all__ = ["flood_unauthenticated", "gate_token", "throw_garbage"]
+__all__ = ["fences", "flood_unauthenticated", "gate_token", "throw_garbage"]
 
 
 def gate_token(source: Secret | Listener) -> tuple[bytes, bytes]:
