@@ -24,7 +24,7 @@ from ._recovery import Recovery
 from ._recovery_policy import ExecutorState, RecoveryRecord
 from ._resolve import executor_class
 from ._sleep import SleepState
-from ._ways_back import WaysBack
+from ._ways_back import WaysBack, log_warning
 from .options import NoOptions
 
 if TYPE_CHECKING:
@@ -54,12 +54,6 @@ def _release_kept(kept: dict[str, tuple[Any, Callable[[], None]]]) -> None:
             import logging
 
             logging.getLogger("executor_core").exception("releasing kept %r failed", name)
-
-
-def _log_warning(message: str) -> None:
-    import logging  # deferred: only needed on this rare path
-
-    logging.getLogger("executor_core").warning(message)
 
 
 #: Called once with the error when the executor fails.
@@ -336,7 +330,7 @@ class Lifecycle(WaysBack):
             starting.abort(ExecutorClosedError("the executor was shut down"))
         left = self._recovery.close(_RECOVERY_JOIN_S)
         if left is not None:
-            _log_warning("the recovery thread did not end; its workers are left to the finalizer")
+            log_warning("the recovery thread did not end; its workers are left to the finalizer")
         host = self._host
         with host.state_lock:
             if host.closed:

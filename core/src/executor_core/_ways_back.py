@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from ._transport import Transport
     from ._worker import WorkerContext
 
-__all__ = ["WaysBack"]
+__all__ = ["WaysBack", "log_warning"]
 
 
-def _log_warning(message: str) -> None:
+def log_warning(message: str) -> None:
+    """Log a warning of the core's (rare paths: a failed replacement, a stuck shutdown)."""
     import logging  # deferred: only needed on this rare path
 
     logging.getLogger("executor_core").warning(message)
@@ -78,7 +79,7 @@ class WaysBack:
             except ExecutorClosedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - logged; a group restart follows
-                _log_warning(
+                log_warning(
                     f"replacing rank(s) {list(dead)} failed ({type(exc).__name__}: {exc}); "
                     "restarting every rank"
                 )
