@@ -9,6 +9,9 @@ from typing import Any
 from executor_core import WorkerContext
 from executor_core.testing import ConformanceWorker
 
+#: When this module was imported in this process (a warm spare imports it ahead of a rank).
+IMPORTED_AT = time.time()
+
 
 class SlowStartWorker(ConformanceWorker):
     """Sleeps in ``init_device`` (to show that workers start in parallel)."""
@@ -37,3 +40,10 @@ class CodecWorker(ConformanceWorker):
 
     def exit_now(self, code: int) -> None:
         os._exit(code)
+
+
+class ImportTimeWorker(ConformanceWorker):
+    """Says when its process imported this module."""
+
+    def imported_at(self) -> float:
+        return IMPORTED_AT

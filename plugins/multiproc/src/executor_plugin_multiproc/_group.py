@@ -26,6 +26,7 @@ from multiprocessing.process import BaseProcess
 from executor_channel.shm import IdleTrim, release_receive_buffers
 
 from ._probe import Probes
+from ._spare import Spare
 
 __all__ = ["WorkerGroup"]
 
@@ -49,11 +50,17 @@ class WorkerGroup:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
-        #: Processes to start from the monitor thread (rank replacement): ``(index, process,
-        #: done)``, under the lock.
-        self._spawns: list[tuple[int, BaseProcess, threading.Event]] = []
+        #: Processes to start from the monitor thread (rank replacement): ``(index, start,
+        #: done)``, ``start()`` returning the started process, under the lock.
+        self._spawns: list[tuple[int, Callable[[], BaseProcess], threading.Event]] = []
         #: What made the processes (``_local``), for a rank replacement's new one.
         self.starter: object = None
+        #: Warm spares (``_spare``): what makes one, how many to keep (none until
+        #: :meth:`start_spares`), the idle ones.
+        self.make_spare: Callable[[], Spare] | None = None
+        self.spares_wanted = 0
+        self._spares_on = False
+        self._spares: list[Spare] = []
         #: Deaths are reported only once the executor is ready and until it starts closing.
         self.armed = False
         self.closing = False
@@ -117,6 +124,7 @@ class WorkerGroup:
                     with contextlib.suppress(OSError):
                         os.read(self._wake_r, 64)
                     self._start_spawns(watched)
+                    self._top_up_spares()
             if trimming:
                 trim.run()  # after any wake: trims only if a trim is due
             for sentinel in ready:
@@ -140,24 +148,68 @@ class WorkerGroup:
         """Monitor thread: start the processes :meth:`respawn` queued and watch them."""
         with self._lock:
             spawns, self._spawns = self._spawns, []
-        for index, process, done in spawns:
+        for index, start, done in spawns:
             old = self._processes[index]
             for sentinel in [fd for fd, rank in watched.items() if rank == index]:
                 del watched[sentinel]  # the old process's death is not news any more
             try:
-                process.start()
+                process = start()
             except BaseException as exc:  # noqa: BLE001 - handed to the thread in respawn()
                 self._start_error = exc
             else:
                 with self._lock:
+                    if self.closing:  # stop() ended the others meanwhile: this one too
+                        process.kill()
+                        process.join(5.0)
                     self._processes[index] = process
                 watched[process.sentinel] = index
                 old.close()  # its sentinel, after the new one is open: no number is reused
             done.set()
 
-    def respawn(self, index: int, process: BaseProcess, timeout: float = 60.0) -> None:
-        """Start ``process`` in place of worker ``index``, whose process is gone (killed here
-        if it is not), from the monitor thread (see the module); return once it is started."""
+    def start_spares(self) -> None:
+        """Keep :attr:`spares_wanted` spares from now on (the ranks are ready: a spare
+        started earlier would compete with them for the CPU)."""
+        if self.make_spare is not None and self.spares_wanted:
+            self._spares_on = True
+            self.wake_monitor()
+
+    def take_spare(self) -> Spare | None:
+        """An idle spare, taken out of the pool (a new one is started in its place)."""
+        with self._lock:
+            while self._spares:
+                spare = self._spares.pop(0)
+                if spare.alive:
+                    self.wake_monitor()
+                    return spare
+                spare.stop()
+        return None
+
+    def _top_up_spares(self) -> None:
+        """Monitor thread (see the module): start spares until there are enough."""
+        make = self.make_spare
+        while make is not None and self._spares_on and self._wants_spare():
+            spare = make()
+            try:
+                spare.start()
+            except Exception:
+                logger.warning("a warm spare worker could not be started", exc_info=True)
+                self._spares_on = False
+                return
+            with self._lock:
+                if self._wants_spare():
+                    self._spares.append(spare)
+                    continue
+            spare.stop()  # stop() took the others meanwhile
+            return
+
+    def _wants_spare(self) -> bool:
+        with self._lock:
+            return not self.closing and len(self._spares) < self.spares_wanted
+
+    def respawn(self, index: int, start: Callable[[], BaseProcess], timeout: float = 60.0) -> None:
+        """Start a process in place of worker ``index``, whose process is gone (killed here
+        if it is not), from the monitor thread (see the module): ``start()`` starts it (or
+        hands the rank to a spare) and returns it; return once it is started."""
         with self._lock:
             if self._closed or self.closing:
                 raise RuntimeError("the worker group is closing")
@@ -169,14 +221,16 @@ class WorkerGroup:
                 raise RuntimeError(f"worker {old.name} (pid {old.pid}) did not end")
             done = threading.Event()
             self._start_error = None
-            self._spawns.append((index, process, done))
+            self._spawns.append((index, start, done))
         self.wake_monitor()
         deadline = time.monotonic() + timeout
         while not done.wait(0.05):
             if self.closing or self._closed:
                 raise RuntimeError("the worker group closed while a worker was being replaced")
             if time.monotonic() >= deadline or not self._thread.is_alive():
-                raise TimeoutError(f"worker {process.name} was not started within {timeout:g} s")
+                raise TimeoutError(
+                    f"worker {old.name}'s replacement was not started within {timeout:g} s"
+                )
         if self._start_error is not None:
             raise self._start_error
 
@@ -216,6 +270,9 @@ class WorkerGroup:
             if self._closed:
                 return
             self.closing = True
+            spares, self._spares = self._spares, []
+            for spare in spares:
+                spare.stop()
             if self._started.is_set() and not self._wait_exit(grace_s):
                 self.terminate(term_grace_s)
             self._closed = True

@@ -7,6 +7,7 @@ for the ranks on its machine: one code path, so a worker cannot tell which start
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -24,6 +25,9 @@ from ._group import DeathCallback, WorkerGroup
 from ._options import MultiprocOptions
 from ._probe import Probes
 from ._process import InheritedFd, WorkerSpec, worker_main
+from ._spare import Spare, SpareSpec
+
+logger = logging.getLogger("executor_plugin_multiproc")
 
 __all__ = ["WorkerLaunch", "check_devices", "default_env", "replace_workers", "start_workers"]
 
@@ -73,9 +77,13 @@ def default_env(launch: WorkerLaunch) -> dict[str, str]:
     return env
 
 
+#: The variables of one rank in :func:`default_env` (a spare gets them at its hand-over).
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK")
+
+
 class _Starter:
     """Makes the worker processes of one node's channel: at start, and for a rank
-    replacement (the same descriptors, a new launch)."""
+    replacement (the same descriptors, a new launch, in a new process or a spare)."""
 
     def __init__(
         self,
@@ -94,9 +102,49 @@ class _Starter:
         self.parent_pid = os.getpid() if options.start_method != "forkserver" else None
 
     def process(self, index: int, launch: WorkerLaunch) -> BaseProcess:
+        process: BaseProcess = self.ctx.Process(  # type: ignore[attr-defined]  # every context has Process
+            target=worker_main,
+            args=(self.spec(index, launch),),
+            name=f"executor-mp-worker-{launch.rank}",
+            daemon=True,
+        )
+        return process
+
+    def spare(self, launch: WorkerLaunch, preload: tuple[str, ...]) -> Spare:
+        """A spare for this node (``launch``: any of its ranks', for the node's env)."""
+        env = {k: v for k, v in default_env(launch).items() if k not in _RANK_VARIABLES}
+        spec = SpareSpec(
+            env=env,
+            preload=preload,
+            handover=InheritedFd(-1),  # Spare's own socket
+            death_pipe=InheritedFd(self.death_r),
+            parent_pid=self.parent_pid,
+        )
+        return Spare(self.ctx, spec)
+
+    def replacement(
+        self, index: int, launch: WorkerLaunch, spare: Spare | None
+    ) -> Callable[[], BaseProcess]:
+        """``start()`` for ``WorkerGroup.respawn``: hand the rank to ``spare``, or (without
+        one, or if the hand-over fails) start a new process."""
+
+        def start() -> BaseProcess:
+            if spare is not None:
+                try:
+                    return spare.hand_over(self.spec(index, launch))
+                except OSError as exc:
+                    logger.warning("rank %d: a new process, the spare failed: %s", launch.rank, exc)
+                    spare.stop()
+            process = self.process(index, launch)
+            process.start()
+            return process
+
+        return start
+
+    def spec(self, index: int, launch: WorkerLaunch) -> WorkerSpec:
         options = self.options
         forked = options.start_method == "fork"
-        spec = WorkerSpec(
+        return WorkerSpec(
             rank=launch.rank,
             wrapper=launch.wrapper,
             env=default_env(launch),
@@ -110,13 +158,6 @@ class _Starter:
             close_fds=(self.death_w, *self.probes.fds()) if forked else (),
             **_inherited(self.channel.worker_fds(index)),
         )
-        process: BaseProcess = self.ctx.Process(  # type: ignore[attr-defined]  # every context has Process
-            target=worker_main,
-            args=(spec,),
-            name=f"executor-mp-worker-{launch.rank}",
-            daemon=True,
-        )
-        return process
 
 
 def start_workers(
@@ -125,12 +166,16 @@ def start_workers(
     options: MultiprocOptions,
     add_cleanup: Callable[[Callable[[], None]], None],
     on_death: DeathCallback,
+    spares: int = 0,
+    preload: tuple[str, ...] = (),
 ) -> WorkerGroup:
     """Start one process per launch on this node's ``channel`` (the i-th reads its i-th
     rings); return once the processes exist (not once they are ready).
 
     ``on_death(index, exitcode)`` is called from the monitor thread when worker ``index``
-    ends while the group is armed. Everything made is handed to ``add_cleanup``.
+    ends while the group is armed. Everything made is handed to ``add_cleanup``. The group
+    keeps ``spares`` warm spares (``_spare``: importing ``preload``) once told
+    (``WorkerGroup.start_spares``); never with fork, where they would save nothing.
     """
     # Workers read the death pipe; it reaches EOF when this process dies, however it dies.
     # The read end stays open here for the processes of a rank replacement.
@@ -149,15 +194,19 @@ def start_workers(
     finally:
         probes.handed_over()  # the children hold their copies
     group.starter = starter
+    if spares and options.start_method != "fork":
+        group.spares_wanted = spares
+        group.make_spare = lambda: starter.spare(launches[0], preload)
     return group
 
 
 def replace_workers(
     channel: NodeRings, group: WorkerGroup, launches: Sequence[WorkerLaunch], first_rank: int
 ) -> list[tuple[int, BaseException]]:
-    """Rank replacement on this node: a new process for each launch (its rank's old one is
-    gone), on the same rings, reset so that it reads from the next call written and writes
-    into an empty reply ring, with a new liveness probe; return once they are started.
+    """Rank replacement on this node: a spare or a new process for each launch (its rank's
+    old one is gone), on the same rings, reset so that it reads from the next call written
+    and writes into an empty reply ring, with a new liveness probe; return once they are
+    started.
     Returns the ranks that could not be replaced, with why (the others are started)."""
     failed: list[tuple[int, BaseException]] = []
     starter = group.starter
@@ -167,9 +216,12 @@ def replace_workers(
         try:
             channel.resume_worker(index)
             group.probes.renew(index)
+            spare = group.take_spare()
             try:
-                group.respawn(index, starter.process(index, launch))
+                group.respawn(index, starter.replacement(index, launch, spare))
             finally:
+                if spare is not None:
+                    spare.stop()  # unless it runs the rank now
                 group.probes.handed_over(index)
         except Exception as exc:  # noqa: BLE001 - returned: the caller reports it as a death
             failed.append((launch.rank, exc))

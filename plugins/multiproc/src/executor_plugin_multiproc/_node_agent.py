@@ -184,17 +184,18 @@ class NodeAgent:
         first = spec.launches[0].rank
         self._first_rank = first
         self._group = start_workers(
-            channel, spec.launches, spec.options, self._cleanups.append, self._on_death
+            channel,
+            spec.launches,
+            spec.options,
+            self._cleanups.append,
+            self._on_death,
+            spares=spec.spares,
+            preload=spec.preload,
         )
         self._group.armed = True
         self._workers = NodeWorkers(channel, self._group, first)
-        logger.info(
-            "node %d (%s): started ranks %d..%d",
-            spec.node_rank,
-            spec.node_id,
-            first,
-            first + len(spec.launches) - 1,
-        )
+        last = first + len(spec.launches) - 1
+        logger.info("node %d (%s): started ranks %d..%d", spec.node_rank, spec.node_id, first, last)
 
     def _on_death(self, index: int, exitcode: int) -> None:
         """Monitor thread: hand the death to the relay thread, which owns the link."""
@@ -263,6 +264,8 @@ class NodeAgent:
                 self._pending.append(parts[1])
             elif op == wire.READY:
                 self._all_ready = True
+                if self._group is not None:
+                    self._group.start_spares()
             elif op == wire.PROBE:
                 info = wire.read_control(parts)
                 silent = self._nodes_workers().probe(info)

@@ -24,3 +24,7 @@ class NodeSpec:
     device: str
     #: The driver's ``TransportHost.worker_env`` (forwarded NCCL and gloo variables).
     worker_env: dict[str, str]
+    #: Warm spares the node keeps (``MultiprocOptions.spare_workers`` with a recovery
+    #: policy, else 0), and the modules they import.
+    spares: int = 0
+    preload: tuple[str, ...] = ()

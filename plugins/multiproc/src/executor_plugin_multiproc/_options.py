@@ -26,6 +26,10 @@ class MultiprocOptions(ChannelOptions):
     #: Seconds workers get to exit after the stop message before SIGTERM, and again before
     #: SIGKILL.
     shutdown_grace_s: float = option(5.0, number(at_least=0.0))
+    #: With a recovery policy (``ExecutorConfig.recovery``): idle worker processes each node
+    #: keeps started, the worker class's module imported, for a rank replacement to take
+    #: over instead of starting a process (``_spare``). 0: none. Ignored with "fork".
+    spare_workers: int = option(1, integer(at_least=0, at_most=64))
 
     #: With ``num_nodes > 1``: the TCP port on which the driver waits for the node agents
     #: (``executor node --master-port``), on ``ExecutorConfig.distributed_host``.

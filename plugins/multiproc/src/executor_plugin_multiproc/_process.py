@@ -20,7 +20,14 @@ from executor_core.backend import RemoteFailure, WorkerWrapper
 
 from ._probe import answer_probes
 
-__all__ = ["PARENT_DIED_EXIT", "InheritedFd", "WorkerSpec", "worker_main"]
+__all__ = [
+    "PARENT_DIED_EXIT",
+    "InheritedFd",
+    "WorkerSpec",
+    "dumps_with_fds",
+    "loads_with_fds",
+    "worker_main",
+]
 
 #: Exit status of a worker that left because its driver died.
 PARENT_DIED_EXIT = 70
@@ -33,18 +40,53 @@ class InheritedFd:
 
     With spawn and forkserver the descriptor is duplicated into the child by
     multiprocessing's own machinery (``reduction.DupFd``, valid only while a process is
-    being started); with fork the child simply inherits it.
+    being started); with fork the child simply inherits it. Pickled by
+    :func:`dumps_with_fds` (a hand-over to a running spare), it travels beside the bytes.
     """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
     def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        passing: list[int] | None = getattr(_fds_in_transit, "fds", None)
+        if passing is not None:
+            passing.append(self.fd)
+            return (_received_fd, (len(passing) - 1,))
         return (_rebuild_fd, (reduction.DupFd(self.fd),))
 
 
 def _rebuild_fd(dup: Any) -> InheritedFd:
     return InheritedFd(dup.detach())
+
+
+#: The descriptors of the object being pickled or unpickled by this thread (see below).
+_fds_in_transit = threading.local()
+
+
+def dumps_with_fds(obj: object) -> tuple[bytes, list[int]]:
+    """Pickle ``obj`` for a process that is already running: each :class:`InheritedFd` in it
+    becomes an index into the returned descriptors, which the caller sends beside the bytes
+    (SCM_RIGHTS)."""
+    fds: list[int] = []
+    _fds_in_transit.fds = fds
+    try:
+        return pickle.dumps(obj, protocol=5), fds
+    finally:
+        _fds_in_transit.fds = None
+
+
+def loads_with_fds(data: bytes, fds: list[int]) -> Any:
+    """The receiving side of :func:`dumps_with_fds`: ``fds`` are the descriptors received."""
+    _fds_in_transit.fds = fds
+    try:
+        return pickle.loads(data)
+    finally:
+        _fds_in_transit.fds = None
+
+
+def _received_fd(index: int) -> InheritedFd:
+    received: list[int] = _fds_in_transit.fds
+    return InheritedFd(received[index])
 
 
 @attrs.frozen(kw_only=True)
@@ -95,7 +137,7 @@ def set_parent_death_signal(parent_pid: int | None) -> None:
         os._exit(PARENT_DIED_EXIT)
 
 
-def _set_thread_name(name: str) -> None:
+def set_process_name(name: str) -> None:
     """Name the process for ps/top (Linux only; best effort)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -131,7 +173,7 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal(spec.parent_pid)
     rank = spec.rank
-    _set_thread_name(f"mp-worker-{rank}")
+    set_process_name(f"mp-worker-{rank}")
     for fd in spec.close_fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -32,6 +32,7 @@ from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT
+from ._spare import worker_module
 from .launcher import AgentLaunch, ManualPlacement, Placement, agent_argv
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -121,10 +122,18 @@ class MultiprocTransport(Transport):
             )
         self._contexts = list(contexts)
         launches = [WorkerLaunch.of(host.wrapper(context), config.env) for context in contexts]
+        spares = options.spare_workers if config.recovery is not None else 0
+        preload = (worker_module(config.worker_cls),)
         group = None
         if channel is not None:
             group = start_workers(
-                channel, launches[:per_node], options, host.add_cleanup, self._on_worker_death
+                channel,
+                launches[:per_node],
+                options,
+                host.add_cleanup,
+                self._on_worker_death,
+                spares,
+                preload,
             )
         self._group = group
         if nodes is not None:
@@ -137,6 +146,8 @@ class MultiprocTransport(Transport):
                     options=options,
                     device=config.device,
                     worker_env=host.worker_env,
+                    spares=spares,
+                    preload=preload,
                 )
                 ranks = range(first_rank, first_rank + per_node)
                 nodes.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
@@ -148,6 +159,8 @@ class MultiprocTransport(Transport):
         if group is not None:
             group.armed = True
         self._driver.ready()
+        if group is not None:
+            group.start_spares()
         # A worker may have died between its handshake and arming the monitor.
         for rank in range(local):
             assert group is not None
