@@ -12,12 +12,16 @@ layer, written once into a temporary directory), interleaved in rounds:
   is killed (SIGKILL) and the clock runs from the kill to the first call that succeeds (a
   call made at once, retried while it fails with the death). Rank 0 keeps its process and
   weights: its ``load_model`` calls are counted (target 0).
+  On ``mp`` the rank runs in the node's warm spare (``spare_workers=1``, the default);
+  ``rank replacement, no spare`` is the same with ``spare_workers=0`` (a new process).
 * ``group restart``: the same with ``replace_ranks=False``: every rank starts again.
 * ``new executor`` (the baseline): from ``shutdown()`` of a running executor to the first
   call of a new one with the same config (what an engine without recovery does).
 
 Targets: the replacement at most 0.5x the new executor, the restart at most 1.1x (medians
-over ``--rounds``).
+over ``--rounds``). Before each timing the machine settles (this process's children use
+less than a fifth of a core): a spare started after the last recovery has done its imports,
+as it would have long before a real engine's next death.
 
 Tuned by two settings, beside defaults: the policy's ``backoff_s=0`` (the default waits
 before a restart), and on ``ray`` ``log_to_driver=False`` (Ray's reports of killed actors
@@ -36,6 +40,7 @@ within 1.05x of no recovery (median).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -47,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import psutil
 
 from executor_bench import BenchWorker, format_time, interleave, markdown_table, percentile
 from executor_core import (
@@ -75,8 +81,32 @@ def _first_success(executor: Executor, deadline_s: float) -> None:
                 raise
 
 
+def _settle(limit_s: float = 30.0) -> None:
+    """Wait until this process's children (workers, spares, Ray's processes) use less than a
+    fifth of a core over half a second, or ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = _children_cpu_s()
+        time.sleep(0.5)
+        if _children_cpu_s() - before < 0.1:
+            return
+
+
+def _children_cpu_s() -> float:
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def _reference_config(
-    backend: str, checkpoint: Path, recovery: RecoveryPolicy | None, start_method: str
+    backend: str,
+    checkpoint: Path,
+    recovery: RecoveryPolicy | None,
+    start_method: str,
+    spares: bool = True,
 ) -> Any:
     options: dict[str, Any] = {}
     if backend == "ray":
@@ -85,6 +115,8 @@ def _reference_config(
         options = {"log_to_driver": False, "num_cpus_per_worker": 0.5}
     elif start_method != "spawn":
         options = {"start_method": start_method}
+    if not spares:
+        options["spare_workers"] = 0
     return ExecutorConfig(
         backend=backend,
         worker_cls="executor_reference:ReferenceWorker",
@@ -107,36 +139,43 @@ def bench_back(
     the survivors' load_model calls during the replacements (``"survivor loads"``)."""
     replace = RecoveryPolicy(max_restarts=rounds + 2, backoff_s=0.0)
     restart = attrs.evolve(replace, replace_ranks=False)
-    times: dict[str, list[float]] = {
-        "rank replacement": [],
-        "group restart": [],
-        "new executor": [],
-        "survivor loads": [],
-    }
-    replacing = create_executor(_reference_config(backend, checkpoint, replace, start_method))
+    times: dict[str, list[float]] = {"rank replacement": []}
+    replacers = {"rank replacement": _reference_config(backend, checkpoint, replace, start_method)}
+    if backend == "mp":
+        times["rank replacement, no spare"] = []
+        replacers["rank replacement, no spare"] = _reference_config(
+            backend, checkpoint, replace, start_method, spares=False
+        )
+    times.update({"group restart": [], "new executor": [], "survivor loads": []})
+    executors = {label: create_executor(config) for label, config in replacers.items()}
+    replacing = executors["rank replacement"]
     restarting = create_executor(_reference_config(backend, checkpoint, restart, start_method))
+    executors["group restart"] = restarting
     try:
-        for executor in (replacing, restarting):
+        for executor in executors.values():
             _first_success(executor, 300)
         for _ in range(rounds):
-            for label, executor in (("rank replacement", replacing), ("group restart", restarting)):
+            for label, executor in executors.items():
                 pids = executor.collective_rpc(_pid, timeout=300)
+                _settle()
                 start = time.perf_counter()
                 os.kill(pids[1], signal.SIGKILL)
                 _first_success(executor, 300)
                 times[label].append(time.perf_counter() - start)
             loads = replacing.collective_rpc(_loads, timeout=300)
             times["survivor loads"].append(float(loads[0] - 1))
+            _settle()
             start = time.perf_counter()
             restarting.shutdown()
             restarting = create_executor(
                 _reference_config(backend, checkpoint, restart, start_method)
             )
+            executors["group restart"] = restarting
             _first_success(restarting, 300)
             times["new executor"].append(time.perf_counter() - start)
     finally:
-        replacing.shutdown()
-        restarting.shutdown()
+        for executor in executors.values():
+            executor.shutdown()
     return times
 
 

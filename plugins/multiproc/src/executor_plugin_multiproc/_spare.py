@@ -39,7 +39,7 @@ from ._process import (
     worker_main,
 )
 
-__all__ = ["Spare", "SpareSpec", "spare_main", "worker_module"]
+__all__ = ["Spare", "SpareSpec", "spare_main", "warm_up", "worker_qualname"]
 
 _HEADER = struct.Struct("!I")
 #: More descriptors than a WorkerSpec carries.
@@ -48,11 +48,24 @@ _MAX_FDS = 32
 _HAND_OVER_S = 60.0
 
 
-def worker_module(worker_cls: type | str) -> str:
-    """The module that defines ``worker_cls`` (a class, or a ``"module:Class"`` qualname)."""
+def worker_qualname(worker_cls: type | str) -> str:
+    """``"module:Class"`` of ``worker_cls`` (a class, or such a qualname already)."""
     if isinstance(worker_cls, str):
-        return worker_cls.partition(":")[0]
-    return worker_cls.__module__
+        return worker_cls
+    return f"{worker_cls.__module__}:{worker_cls.__qualname__}"
+
+
+def warm_up(name: str) -> None:
+    """Import ``name``: a module, or a ``"module:Class"`` qualname, then the module that
+    defines the class (a package often re-exports a class whose module imports torch only
+    when loaded)."""
+    module_name, _, qualname = name.partition(":")
+    found: object = importlib.import_module(module_name)
+    for attr in filter(None, qualname.split(".")):
+        found = getattr(found, attr)
+    defined_in = getattr(found, "__module__", None)
+    if isinstance(defined_in, str):
+        importlib.import_module(defined_in)
 
 
 @attrs.frozen(kw_only=True)
@@ -61,7 +74,7 @@ class SpareSpec:
 
     #: The node's environment, without the variables of a rank (applied at the hand-over).
     env: dict[str, str]
-    #: Modules to import while idle.
+    #: What to import while idle: modules or ``"module:Class"`` qualnames (:func:`warm_up`).
     preload: tuple[str, ...]
     #: Its end of the socket on which it receives a rank.
     handover: InheritedFd
@@ -136,7 +149,7 @@ def spare_main(spec: SpareSpec) -> None:
         # A module that fails to import here fails again when the rank's wrapper is
         # unpickled, and that error goes to the driver with its traceback.
         with contextlib.suppress(Exception):
-            importlib.import_module(name)
+            warm_up(name)
     with socket.socket(fileno=spec.handover.fd) as sock:
         worker = _receive(sock)
     if worker is not None:  # None: the node is shutting down

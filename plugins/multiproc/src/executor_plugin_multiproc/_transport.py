@@ -32,7 +32,7 @@ from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
 from ._process import PARENT_DIED_EXIT
-from ._spare import worker_module
+from ._spare import worker_qualname
 from .launcher import AgentLaunch, ManualPlacement, Placement, agent_argv
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -123,7 +123,7 @@ class MultiprocTransport(Transport):
         self._contexts = list(contexts)
         launches = [WorkerLaunch.of(host.wrapper(context), config.env) for context in contexts]
         spares = options.spare_workers if config.recovery is not None else 0
-        preload = (worker_module(config.worker_cls),)
+        preload = (worker_qualname(config.worker_cls),)
         group = None
         if channel is not None:
             group = start_workers(
