@@ -307,7 +307,7 @@ class Hub:
             limit = self._timeout if self.ready else max(self._timeout, STARTUP_SILENCE_S)
             for node in self._live():
                 if now - node.last_seen > limit:
-                    self._lose(
+                    self.lose(
                         node,
                         f"node {node.describe()} sent nothing for {now - node.last_seen:.1f} s: "
                         "its member process or its machine is gone",
@@ -332,7 +332,7 @@ class Hub:
         try:
             self._listener.send(node.peer, parts, timeout=self._timeout)
         except ChannelError as exc:
-            self._lose(node, f"sending to node {node.describe()} failed: {exc}")
+            self.lose(node, f"sending to node {node.describe()} failed: {exc}")
 
     def _receive(self) -> None:
         listener = self._listener
@@ -369,7 +369,7 @@ class Hub:
                 info = wire.read_control(message.parts)
                 reason = str(info.get("reason", "?"))
                 if info.get("started"):  # its workers were running: they are gone
-                    self._lose(node, f"node {node.describe()}: {reason}")
+                    self.lose(node, f"node {node.describe()}: {reason}")
                 else:
                     node.lost = True
                     self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
@@ -380,7 +380,8 @@ class Hub:
         if got_reply:
             self._reply_bell.ring()
 
-    def _lose(self, node: Member, why: str) -> None:
+    def lose(self, node: Member, why: str) -> None:
+        """``node`` is gone (``why``): its ranks' calls fail, once. Any thread."""
         if node.lost or node.done:
             return
         node.lost = True

@@ -203,3 +203,34 @@ def test_a_killed_worker_on_a_placed_node_names_its_rank_and_node() -> None:
     assert sorted(placement.stopped) == [0, 1]
     for job in placement.jobs.values():
         assert job.poll() is not None
+
+
+def test_a_placement_reports_a_lost_agent_only_while_the_executor_runs() -> None:
+    """``Placement.agent_lost``: before the start returned and after shutdown it does
+    nothing; in between, the node's ranks' calls fail naming them, the node and the detail."""
+    before = len(Machines.made)
+
+    class EarlyReport(Machines):
+        def start(self, launch: AgentLaunch) -> None:
+            self.agent_lost(launch.node_rank, "reported during the start")
+            super().start(launch)
+
+    class EarlyExecutor(MultiprocExecutor):
+        placement_cls = EarlyReport
+
+    executor = EarlyExecutor(_config(EarlyExecutor))
+    try:
+        placement = _placement_of(before)
+        assert executor.collective_rpc("get_rank") == [0, 1, 2, 3]  # the early report: no-op
+        pending = executor.collective_rpc("sleep_s", args=(30.0,), non_block=True)
+        placement.agent_lost(1, "the scheduler preempted it")
+        with pytest.raises(WorkerDiedError) as caught:
+            pending.result(timeout=10)
+        assert caught.value.ranks == (2, 3)
+        assert caught.value.node == "machine-1"
+        assert "the scheduler preempted it" in str(caught.value)
+        assert executor.is_failed
+    finally:
+        executor.shutdown()
+    placement.agent_lost(0, "after shutdown")  # nothing to fail: no error
+    assert sorted(placement.stopped) == [0, 1]

@@ -16,6 +16,7 @@ import attrs
 
 from executor_channel.codec import KIND_READY, encode
 from executor_channel.shm import SegmentLayout, WorkerFds, WorkerRings, serve_rings
+from executor_core import WorkerDiedError
 from executor_core.backend import RemoteFailure, WorkerWrapper
 
 from ._probe import answer_probes
@@ -26,6 +27,7 @@ __all__ = [
     "WorkerSpec",
     "dumps_with_fds",
     "loads_with_fds",
+    "worker_died_error",
     "worker_main",
 ]
 
@@ -211,3 +213,13 @@ def worker_main(spec: WorkerSpec) -> None:
         serve_rings(wrapper.handle, calls, replies, rank)
     finally:
         wrapper.shutdown()
+
+
+def worker_died_error(rank: int, exitcode: int, when: str) -> WorkerDiedError:
+    """What a worker process's exit code (negative: the signal) says of its death."""
+    detail = when
+    if exitcode == PARENT_DIED_EXIT:
+        detail = ", ".join(filter(None, [when, "it saw its driver die"]))
+    if exitcode < 0:
+        return WorkerDiedError(rank, signal=-exitcode, detail=detail)
+    return WorkerDiedError(rank, exitcode=exitcode, detail=detail)

@@ -31,7 +31,7 @@ from ._group import WorkerGroup
 from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
-from ._process import PARENT_DIED_EXIT
+from ._process import worker_died_error
 from ._spare import worker_qualname
 from .launcher import AgentLaunch, ManualPlacement, Placement, agent_argv
 
@@ -74,6 +74,7 @@ class MultiprocTransport(Transport):
         self._contexts: list[WorkerContext] = []
         #: Ranks killed as hung (:meth:`kill`): their death is not news to the core.
         self._killed: set[int] = set()
+        self._placement: Placement | None = None
 
     # --- start-up ----------------------------------------------------------------------
 
@@ -161,12 +162,15 @@ class MultiprocTransport(Transport):
         self._driver.ready()
         if group is not None:
             group.start_spares()
+        if placement is not None:
+            placement._report_lost = self._agent_lost
+        self._placement = placement
         # A worker may have died between its handshake and arming the monitor.
         for rank in range(local):
             assert group is not None
             code = group.exit_code(rank)
             if code is not None:
-                raise _died(rank, code, "right after start-up")
+                raise worker_died_error(rank, code, "right after start-up")
 
     def _join_nodes(
         self,
@@ -243,7 +247,7 @@ class MultiprocTransport(Transport):
                 continue
             code = group.exit_code(rank)
             if code is not None and not self._channel_rings().replies[rank].poll():
-                raise _died(rank, code, "during start-up; its stderr has the details")
+                raise worker_died_error(rank, code, "during start-up; its stderr has the details")
 
     def _channel_rings(self) -> NodeRings:
         assert self._driver is not None
@@ -330,6 +334,13 @@ class MultiprocTransport(Transport):
 
     # --- failure and stop ------------------------------------------------------------------
 
+    def _agent_lost(self, node_rank: int, detail: str) -> None:
+        """``Placement.agent_lost``: the scheduler ended that node's agent."""
+        hub = self._driver.hub if self._driver is not None else None
+        for node in hub.nodes if hub is not None else []:
+            if node.node_rank == node_rank:
+                hub.lose(node, detail)  # type: ignore[union-attr]  # not None here
+
     def _remote_failure(self, error: ExecutorFailedError) -> None:
         """The hub's pump: a remote worker or node is gone (a rank killed as hung is not
         news: the core failed its calls already)."""
@@ -343,7 +354,7 @@ class MultiprocTransport(Transport):
         """Monitor thread: a worker ended while the executor was running."""
         if rank in self._killed:  # declared hung: the core failed its calls already
             return
-        self.host.worker_died(_died(rank, exitcode, ""))
+        self.host.worker_died(worker_died_error(rank, exitcode, ""))
         group, options = self._group, self._options
         if group is not None and options is not None and self.host.config.recovery is None:
             # Fail-stop: the survivors go now (with a policy they may rejoin, or the group
@@ -358,6 +369,8 @@ class MultiprocTransport(Transport):
         group, options, driver = self._group, self._options, self._driver
         if options is None or driver is None:
             return  # start-up failed before any process was made
+        if self._placement is not None:
+            self._placement._report_lost = None
         if group is not None:
             group.closing = True
         if graceful and driver.is_ready and not driver.aborted:
@@ -383,12 +396,3 @@ def _ranks_per_node(world_size: int, num_nodes: int) -> int:
             f"{world_size} is not a multiple of num_nodes={num_nodes}",
         )
     return world_size // num_nodes
-
-
-def _died(rank: int, exitcode: int, when: str) -> WorkerDiedError:
-    detail = when
-    if exitcode == PARENT_DIED_EXIT:
-        detail = ", ".join(filter(None, [when, "it saw its driver die"]))
-    if exitcode < 0:
-        return WorkerDiedError(rank, signal=-exitcode, detail=detail)
-    return WorkerDiedError(rank, exitcode=exitcode, detail=detail)

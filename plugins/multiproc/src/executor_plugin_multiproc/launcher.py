@@ -27,7 +27,7 @@ dropped without shutdown).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import attrs
@@ -80,7 +80,22 @@ class Placement:
 
     def __init__(self, config: ExecutorConfig, options: MultiprocOptions) -> None:
         self.config = config
+        #: The executor's options: an instance of its ``options_cls`` (a subclass of
+        #: ``MultiprocOptions`` may carry the placement's own keys).
         self.options = options
+        #: Set by the SDK while the executor runs (see :meth:`agent_lost`).
+        self._report_lost: Callable[[int, str], None] | None = None
+
+    def agent_lost(self, node_rank: int, detail: str) -> None:
+        """Say, from any thread, that the scheduler ended the agent of ``node_rank`` after
+        the start (a cancelled or preempted job, a failed node): its ranks' calls fail with a
+        ``WorkerDiedError`` naming them, the node and ``detail`` (what the scheduler said),
+        and the executor's recovery policy decides what follows, as for any lost node.
+        Before the start returned (:meth:`check` is the way then) and once the executor
+        closes, it does nothing. The SDK's: do not override."""
+        report = self._report_lost
+        if report is not None:
+            report(node_rank, detail)
 
     def secret(self) -> Secret:
         """The executor's secret: a fresh one (each executor its own, never the driver's

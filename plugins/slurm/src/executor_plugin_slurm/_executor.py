@@ -6,12 +6,10 @@ NODE``), inside the allocation this process is in, or in one it asks for with ``
 releases once the last agent is stopped). Everything else (the secret, the port, the
 admission of agents, heartbeats, the rings, every rule of a call) is ``mp``'s.
 
-Two things the launcher contract does not carry are carried here, keyed by the executor's
-config object (one per executor, the same across its recoveries): this backend's own
-options (``mp``'s transport parses ``backend_options`` with ``MultiprocOptions``, so the
-executor hands it a config without the Slurm keys), and a weak reference to the executor, so
-that a step Slurm ends after the start (a cancelled or preempted job, a node failure) fails
-the executor with what Slurm said.
+Its options are ``mp``'s and its own (:class:`SlurmOptions`, the executor's ``options_cls``:
+the placement receives them); a step that Slurm ends after the start (a cancelled or
+preempted job, a node failure) is reported through ``Placement.agent_lost`` with what Slurm
+said.
 """
 
 from __future__ import annotations
@@ -20,57 +18,20 @@ import ipaddress
 import logging
 import os
 import re
-import threading
-import weakref
-from typing import Any, Self
+from typing import Self
 
-import attrs
-
-from executor_core import ConfigError, Executor, ExecutorConfig, ExecutorError, WorkerDiedError
+from executor_core import ConfigError, ExecutorConfig, ExecutorError
 from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
 from executor_plugin_multiproc.launcher import AgentLaunch, Placement
 
 from . import _commands
 from ._allocation import Allocation, Where, where_am_i
-from ._options import MP_KEYS, SlurmOptions
+from ._options import SlurmOptions
 from ._step import AgentStep
 
 __all__ = ["SlurmExecutor", "SlurmPlacement"]
 
 logger = logging.getLogger("executor_plugin_slurm")
-
-
-@attrs.define
-class _Entry:
-    """What an executor's placements need that the contract does not pass."""
-
-    options: SlurmOptions
-    executor: weakref.ref[Executor]
-    #: True once the executor's first start returned (a later step end fails it).
-    started: bool = False
-    #: The placement of the executor's current incarnation (weak: the entry lives until
-    #: the config is collected, and must not keep it alive).
-    placement: weakref.ref[SlurmPlacement] | None = None
-
-
-#: id(the config the executor passed on) -> its entry; dropped with that config.
-_ENTRIES: dict[int, _Entry] = {}
-_ENTRIES_LOCK = threading.Lock()
-
-
-def _entry(config: ExecutorConfig) -> _Entry:
-    with _ENTRIES_LOCK:
-        entry = _ENTRIES.get(id(config))
-    if entry is None:
-        raise ExecutorError(
-            "SlurmPlacement is made by SlurmExecutor (backend 'slurm'), not on its own"
-        )
-    return entry
-
-
-def _ranks(node_rank: int, config: ExecutorConfig) -> tuple[int, ...]:
-    per_node = config.world_size // config.num_nodes
-    return tuple(range(node_rank * per_node, (node_rank + 1) * per_node))
 
 
 def _is_loopback(host: str) -> bool:
@@ -94,7 +55,7 @@ class SlurmPlacement(Placement):
 
     def __new__(cls, config: ExecutorConfig, options: MultiprocOptions) -> Self:
         where = where_am_i()
-        if cls is SlurmPlacement and _runs_ranks(_entry(config).options, where):
+        if cls is SlurmPlacement and _runs_ranks(_slurm_options(options), where):
             cls = _NodeZero  # type: ignore[assignment]
         placement = super().__new__(cls)
         placement.where = where
@@ -102,15 +63,12 @@ class SlurmPlacement(Placement):
 
     def __init__(self, config: ExecutorConfig, options: MultiprocOptions) -> None:
         super().__init__(config, options)
-        entry = _entry(config)
-        self.entry = entry
-        self.slurm = entry.options
+        self.slurm = _slurm_options(options)
         self.allocation: Allocation | None = None
         #: The Slurm node of each node rank (node 0 first: this one, if it runs ranks).
         self.node_names: tuple[str, ...] = ()
         self.steps: dict[int, AgentStep] = {}
         self.stopping = False
-        entry.placement = weakref.ref(self)
 
     # --- the contract ------------------------------------------------------------------
 
@@ -245,9 +203,7 @@ class SlurmPlacement(Placement):
         when Slurm ends the job or a node (a cancel, a preemption, a time limit, a node
         failure) the executor fails with what Slurm said, naming the ranks and the node. A
         step whose agent failed alone is ``mp``'s to report (a lost node)."""
-        entry = self.entry
-        current = entry.placement() if entry.placement is not None else None
-        if self.stopping or not entry.started or current is not self:
+        if self.stopping:
             return
         if line is not None:
             found = _SLURM_ENDS.search(line)
@@ -266,13 +222,8 @@ class SlurmPlacement(Placement):
         self._fail(node, detail)
 
     def _fail(self, node: str, detail: str) -> None:
-        executor = self.entry.executor()
-        if executor is None or executor.is_closed or node not in self.node_names:
-            return
-        ranks = _ranks(self.node_names.index(node), self.config)
-        error = WorkerDiedError(ranks[0], detail=detail, ranks=ranks, node=node)
-        if executor.fail(error):
-            logger.warning("slurm: %s", error)
+        if node in self.node_names:  # the SDK ignores it before the start and after close
+            self.agent_lost(self.node_names.index(node), detail)
 
 
 #: What srun and slurmstepd write when Slurm ends a step, its node or its job.
@@ -303,25 +254,17 @@ def _runs_ranks(options: SlurmOptions, where: Where) -> bool:
 class SlurmExecutor(MultiprocExecutor):
     """``mp`` with its node agents placed by :class:`SlurmPlacement` (backend ``"slurm"``).
 
-    ``executor.config.backend_options`` holds ``mp``'s keys only; the Slurm ones are read
-    when the executor is made (see :class:`~executor_plugin_slurm.SlurmOptions`)."""
+    ``executor.config.backend_options`` holds ``mp``'s keys and the Slurm ones (see
+    :class:`~executor_plugin_slurm.SlurmOptions`)."""
 
     options_cls = SlurmOptions
     placement_cls = SlurmPlacement
 
-    def __init__(self, config: ExecutorConfig, **kwargs: Any) -> None:
-        options = SlurmOptions.from_backend_options(config.backend_options, "slurm")
-        mp_options = {k: v for k, v in config.backend_options.items() if k in MP_KEYS}
-        passed = attrs.evolve(config, backend_options=mp_options)
-        entry = _Entry(options, weakref.ref(self))
-        key = id(passed)
-        with _ENTRIES_LOCK:
-            _ENTRIES[key] = entry
-        weakref.finalize(passed, _forget, key)
-        super().__init__(passed, **kwargs)
-        entry.started = True
 
-
-def _forget(key: int) -> None:
-    with _ENTRIES_LOCK:
-        _ENTRIES.pop(key, None)
+def _slurm_options(options: MultiprocOptions) -> SlurmOptions:
+    if not isinstance(options, SlurmOptions):
+        raise ExecutorError(
+            "SlurmPlacement needs SlurmOptions: it is made by SlurmExecutor (backend 'slurm'), "
+            f"whose options_cls they are, not with {type(options).__name__}"
+        )
+    return options

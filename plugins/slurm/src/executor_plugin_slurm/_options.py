@@ -103,7 +103,3 @@ class SlurmOptions(MultiprocOptions):
             if value is not None:
                 argv.append(f"{flag}={value}")
         return [*argv, *self.salloc_args]
-
-
-#: The keys mp's own transport parses (the rest are this backend's).
-MP_KEYS = frozenset(field.name for field in attrs.fields(MultiprocOptions))
