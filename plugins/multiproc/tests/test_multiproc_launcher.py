@@ -222,7 +222,7 @@ def test_a_placement_reports_a_lost_agent_only_while_the_executor_runs() -> None
     try:
         placement = _placement_of(before)
         assert executor.collective_rpc("get_rank") == [0, 1, 2, 3]  # the early report: no-op
-        pending = executor.collective_rpc("sleep_s", args=(30.0,), non_block=True)
+        pending = executor.collective_rpc("slow", args=(30.0,), non_block=True)
         placement.agent_lost(1, "the scheduler preempted it")
         with pytest.raises(WorkerDiedError) as caught:
             pending.result(timeout=10)
