@@ -53,12 +53,17 @@ PAYLOAD = (b"x" * MB,)
 RAW = "raw Ray, 2 nodes"
 
 
-def start_agent(port: int, log: Any) -> subprocess.Popen[bytes]:
-    """The node agent of node rank 1 (its workers import what this process can)."""
+def start_agent(port: int, log: Any, session: bool = False) -> subprocess.Popen[bytes]:
+    """The node agent of node rank 1 (its workers import what this process can); in a
+    session of its own with ``session``, as a scheduler's step is (on one machine the
+    kernel's autogroups then share the CPUs between the driver's session and the agent's,
+    which changes a round trip's latency: a like-for-like baseline needs the same)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     command = [sys.executable, "-m", "executor_core", "node", "--node-rank", "1"]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", "60"]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=session
+    )
 
 
 def stop_agent(agent: subprocess.Popen[bytes], log: Any) -> None:

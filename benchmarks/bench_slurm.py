@@ -10,7 +10,9 @@ node; ``executor bench``'s worker, sides and timing loop. Both topologies are me
 driver on node 0 holding its rank (``slurm`` in a batch script, emulated by
 ``SLURMD_NODENAME=n1``, beside ``mp`` with ``num_nodes=2`` and a node-1 agent this script
 starts) and the driver on no node (``slurm`` from a salloc shell or a login node, beside the
-``cluster`` example, whose two agents are local processes). The rows:
+``cluster`` example, whose two agents are local processes). Every agent runs in a session of
+its own, as slurmstepd's tasks do: on one machine the kernel shares the CPUs between
+sessions (autogroups), which moves a round trip, so the baselines need the same. The rows:
 
 * create to first call returned, and ``shutdown()``: ``--starts`` executors each (``mp``'s
   agent is started just before ``create_executor``; from a login node ``slurm`` adds a salloc
@@ -136,7 +138,7 @@ def make_cluster() -> tuple[BackendSide, Any]:
 
 def make_mp() -> tuple[BackendSide, Any]:
     port = find_free_port()
-    agent = start_agent(port, subprocess.DEVNULL)
+    agent = start_agent(port, subprocess.DEVNULL, session=True)
     return BackendSide("mp", 2, options={"node_port": port}, num_nodes=2), agent
 
 
@@ -176,7 +178,7 @@ def main() -> None:
         cluster = BackendSide("cluster", 2, num_nodes=2)
         stack.callback(cluster.close)
         port = find_free_port()
-        agent = start_agent(port, subprocess.DEVNULL)
+        agent = start_agent(port, subprocess.DEVNULL, session=True)
         stack.callback(agent.wait, 30)
         two = BackendSide("mp", 2, options={"node_port": port}, num_nodes=2)
         stack.callback(two.close)

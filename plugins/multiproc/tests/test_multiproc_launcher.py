@@ -18,6 +18,8 @@ from executor_channel import ENV_SECRET
 from executor_core import (
     ExecutorConfig,
     ExecutorError,
+    ExecutorState,
+    RecoveryPolicy,
     WorkerDiedError,
 )
 from executor_core.testing import conformance_config
@@ -43,6 +45,7 @@ class Machines(Placement):
         self.jobs: dict[int, subprocess.Popen[bytes]] = {}
         self.launches: list[AgentLaunch] = []
         self.stopped: list[int] = []
+        self.closed = 0
         Machines.made.append(self)
 
     def start(self, launch: AgentLaunch) -> None:
@@ -69,6 +72,9 @@ class Machines(Placement):
             job.kill()
             job.wait()
 
+    def close(self) -> None:
+        self.closed += 1
+
 
 class PlacedExecutor(MultiprocExecutor):
     placement_cls = Machines
@@ -76,6 +82,9 @@ class PlacedExecutor(MultiprocExecutor):
 
 class DriverRanks(Machines):
     driver_runs_ranks: ClassVar[bool] = True
+
+    def node_id(self) -> str:
+        return "machine-0"
 
 
 class DriverRanksExecutor(MultiprocExecutor):
@@ -131,6 +140,7 @@ def test_every_rank_on_placed_machines_with_their_names_and_addresses() -> None:
     assert set(launch.env) == {ENV_SECRET}
     assert launch.env[ENV_SECRET] == launch.secret.hex()
     assert sorted(placement.stopped) == [0, 1]  # each started agent reaped once
+    assert placement.closed == 1
     assert all(job.returncode == 0 for job in placement.jobs.values())
 
 
@@ -141,7 +151,7 @@ def test_driver_ranks_and_placed_agents_share_the_contract() -> None:
         pids = executor.collective_rpc("get_pid")
         nodes = [node for node, *_ in executor.collective_rpc(_context)]
     assert [launch.node_rank for launch in placement.launches] == [1]
-    assert nodes[2:] == ["machine-1", "machine-1"]
+    assert nodes == ["machine-0", "machine-0", "machine-1", "machine-1"]  # node 0: node_id()
     assert os.getpid() not in pids
     assert placement.stopped == [1]
 
@@ -234,3 +244,30 @@ def test_a_placement_reports_a_lost_agent_only_while_the_executor_runs() -> None
         executor.shutdown()
     placement.agent_lost(0, "after shutdown")  # nothing to fail: no error
     assert sorted(placement.stopped) == [0, 1]
+
+
+def test_a_group_restart_keeps_the_placement_and_closes_it_once() -> None:
+    """A recovery's group restart stops the agents and starts the next ones through the
+    same placement (what it holds for all of them lives on); ``close`` runs once, at the
+    end."""
+    before = len(Machines.made)
+    policy = RecoveryPolicy(backoff_s=0.0, replace_ranks=False)
+    executor = PlacedExecutor(_config(PlacedExecutor, recovery=policy))
+    try:
+        placement = _placement_of(before)
+        psutil.Process(executor.collective_rpc("get_pid")[3]).kill()
+        deadline = time.monotonic() + 60
+        while executor.last_recovery is None or executor.state is not ExecutorState.RUNNING:
+            assert executor.state is not ExecutorState.FAILED, executor.failure
+            assert time.monotonic() < deadline, "no recovery within 60 s"
+            time.sleep(0.05)
+        assert executor.last_recovery.kind == "restart"
+        assert executor.collective_rpc("get_rank") == [0, 1, 2, 3]
+        assert len(Machines.made) == before + 1  # no second placement
+        assert [launch.node_rank for launch in placement.launches] == [0, 1, 0, 1]
+        assert sorted(placement.stopped) == [0, 1]  # the first incarnation's agents
+        assert placement.closed == 0
+    finally:
+        executor.shutdown()
+    assert sorted(placement.stopped) == [0, 0, 1, 1]
+    assert placement.closed == 1

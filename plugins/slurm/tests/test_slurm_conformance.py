@@ -24,7 +24,7 @@ class TestSlurmConformance(ExecutorConformanceTests):
     world_size = 2
     num_nodes = 2
     workers_are_processes: ClassVar[bool] = True
-    #: Each restart is a new allocation and two steps: a few kills in a row keep it short.
+    #: Each restart is two new steps in the job: a few kills in a row keep it short.
     recovery_kills = 3
 
     @pytest.fixture(scope="class", autouse=True)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from slurm_cluster import SlurmCluster, alive, wait_for
 
@@ -24,6 +25,8 @@ from executor_core import (
     Executor,
     ExecutorConfig,
     ExecutorError,
+    ExecutorState,
+    RecoveryPolicy,
     WorkerDiedError,
     create_executor,
 )
@@ -137,10 +140,40 @@ def test_within_sbatch_the_driver_runs_node_0s_ranks(slurm: SlurmCluster, tmp_pa
     assert result["node"] == "n1"
     (node0, parent0), (node1, parent1) = result["where"]
     assert parent0 == result["pid"]  # rank 0 is the driver's own worker
-    # The driver's node is named by mp's transport, with this machine's host name.
-    assert node0 == result["host"]
+    # The driver's node is named as Slurm names it (the placement's node_id).
+    assert node0 == "n1"
     assert node1 == "n2"
     assert parent1 != result["pid"]
+
+
+def test_a_lost_agent_comes_back_in_a_new_step_of_the_same_job(slurm: SlurmCluster) -> None:
+    """n2's agent killed (its step ends), with a recovery policy: every rank restarts in new
+    steps of the same job (no second salloc), n2's rank on n2 again; the job is released
+    once, at shutdown."""
+    config = attrs.evolve(_config(), recovery=RecoveryPolicy(backoff_s=0.0))
+    with create_executor(config) as ex:
+        job = _job(slurm)
+        pids = ex.collective_rpc(lambda w: os.getpid())
+        agent = next(
+            pid
+            for pid, cmd in slurm.processes().items()
+            # The agent itself, not the srun whose command line holds the agent's
+            if cmd.startswith(f"{sys.executable} -m executor_core node") and "--node-id n2" in cmd
+        )
+        os.kill(agent, signal.SIGKILL)
+        wait_for(
+            "the executor is back",
+            lambda: ex.last_recovery is not None and ex.state is ExecutorState.RUNNING,
+            60.0,
+        )
+        assert ex.last_recovery is not None
+        assert ex.last_recovery.kind == "restart"
+        assert [node for node, _ in _where(ex)] == ["n1", "n2"]
+        assert ex.collective_rpc(lambda w: os.getpid())[1] != pids[1]
+        assert _job(slurm) == job  # the same allocation, and no other
+        steps = slurm.run("squeue", "--noheader", "--steps", f"--jobs={job}", "--format=%i")
+        assert sorted(steps.split()) == [f"{job}.2", f"{job}.3"]  # the restart's steps
+    assert not [line for line in slurm.jobs() if "RUNNING" in line]  # released
 
 
 def test_within_sbatch_driver_runs_ranks_false_places_every_node(

@@ -30,7 +30,11 @@ class LoopbackScheduler(Placement):
     def start(self, launch: AgentLaunch) -> None:
         node = launch.node_rank
         where = ["--node-id", f"machine-{node}", "--address", f"127.0.0.{node + 2}"]
-        self.jobs[node] = subprocess.Popen([*launch.argv, *where], env={**os.environ, **launch.env})
+        # Its own session, as a scheduler's job would be: a Ctrl-C at the driver's terminal
+        # is the driver's, and the driver stops its agents itself.
+        self.jobs[node] = subprocess.Popen(
+            [*launch.argv, *where], env={**os.environ, **launch.env}, start_new_session=True
+        )
 
     def check(self, launch: AgentLaunch) -> None:
         code = self.jobs[launch.node_rank].poll()

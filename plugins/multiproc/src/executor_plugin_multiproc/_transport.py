@@ -8,9 +8,7 @@ about a call (ordering, reply gathering, timeouts, failure) is the core's.
 
 from __future__ import annotations
 
-import functools
 import pickle
-import socket
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -31,14 +29,10 @@ from ._group import WorkerGroup
 from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
+from ._placing import join_nodes, placement_for
 from ._process import worker_died_error
 from ._spare import worker_qualname
-from .launcher import AgentLaunch, ManualPlacement, Placement, agent_argv
-
-# Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from executor_channel.hub import Hub  # zmq: imported by multi-node executors only
+from .launcher import ManualPlacement, Placement
 
 __all__ = ["MultiprocTransport"]
 
@@ -84,7 +78,9 @@ class MultiprocTransport(Transport):
         options = self._options_cls.from_backend_options(config.backend_options)
         self._options = options
         per_node = _ranks_per_node(config.world_size, config.num_nodes)
-        placement = self._placement_cls(config, options) if config.num_nodes > 1 else None
+        placement = None
+        if config.num_nodes > 1:
+            placement = placement_for(host, self._placement_cls, options)
         local = per_node if placement is None or placement.driver_runs_ranks else 0
         if local:
             check_devices(options, config.device, per_node, host.worker_env)
@@ -100,9 +96,11 @@ class MultiprocTransport(Transport):
         if placement is None:
             contexts = host.contexts()
         else:
-            nodes = self._join_nodes(placement, options, self._driver, first_node=int(bool(local)))
+            nodes = join_nodes(
+                host, placement, options, self._driver.reply_bell, self._remote_failure, local
+            )
             members = nodes.nodes
-            node_ids = [socket.gethostname()] * bool(local) + [node.node_id for node in members]
+            node_ids = [placement.node_id()] * bool(local) + [node.node_id for node in members]
             if len(set(node_ids)) < len(node_ids):  # several agents on one machine
                 node_ids = [f"{name}#{i}" for i, name in enumerate(node_ids)]
             for node, node_id in zip(members, node_ids[bool(local) :], strict=True):
@@ -171,73 +169,6 @@ class MultiprocTransport(Transport):
             code = group.exit_code(rank)
             if code is not None:
                 raise worker_died_error(rank, code, "right after start-up")
-
-    def _join_nodes(
-        self,
-        placement: Placement,
-        options: MultiprocOptions,
-        driver: ChannelDriver,
-        first_node: int,
-    ) -> Hub:
-        """Listen for the agents of nodes ``first_node``.., have the placement start them,
-        and wait until each has joined."""
-        # zmq: imported by multi-node executors only
-        from executor_channel import ChannelError, Listener
-        from executor_channel.hub import Hub
-
-        from . import __version__
-
-        host = self.host
-        config = host.config
-        secret = placement.secret()
-        port = placement.port()
-        try:
-            listener = Listener(secret, host=config.distributed_host, port=port)
-        except ChannelError as exc:  # the port is taken
-            raise ConfigError(
-                "backend_options",
-                {"node_port": port},
-                f"{exc}; pick a free port with backend_options['node_port'] (and the agents' "
-                "--master-port)",
-            ) from None
-        host.add_cleanup(listener.close)
-        master = config.distributed_host
-        if master in ("0.0.0.0", "::"):  # listening everywhere: agents dial this host's name
-            master = socket.gethostname()
-        launches = tuple(
-            AgentLaunch(
-                node_rank=node_rank,
-                argv=agent_argv(
-                    node_rank, config.num_nodes, master, listener.port, options.startup_timeout
-                ),
-                env=secret.to_env(),
-                secret=secret,
-                address=listener.address,
-            )
-            for node_rank in range(first_node, config.num_nodes)
-        )
-        nodes = Hub(listener, options.node_timeout_s, driver.reply_bell, self._remote_failure)
-        # Cleanups run last in, first out: the hub tells the agents to stop, then the
-        # placement reaps them.
-        for launch in launches:
-            placement.start(launch)
-            host.add_cleanup(functools.partial(placement.stop, launch))
-        host.add_cleanup(lambda: nodes.stop(False, 0.0))
-        by_rank = {launch.node_rank: launch for launch in launches}
-
-        def check(awaited: frozenset[int]) -> None:
-            for node_rank in sorted(awaited):
-                placement.check(by_rank[node_rank])
-
-        nodes.join(
-            list(by_rank),
-            __version__,
-            options.startup_timeout,
-            placement.hint(launches),
-            terms={"num_nodes": config.num_nodes},  # an agent's --num-nodes, if it gave one
-            check=check,
-        )
-        return nodes
 
     def _check_start(self, pending: set[int]) -> None:
         """Between waits for the ready frames: a local worker that died ends the start."""

@@ -21,11 +21,15 @@ agent awaited, :meth:`Placement.start` is called once, from the thread that crea
 executor; :meth:`Placement.check` runs about once a second until every agent has joined;
 :meth:`Placement.stop` is called once for each started agent after the executor has told the
 agents to stop (at shutdown, after a failed start, or from the finalizer of an executor
-dropped without shutdown).
+dropped without shutdown). A group restart (a recovery) keeps the same placement: it stops the
+agents and starts the next incarnation's through the same instance, so what it holds for
+all of them (a scheduler's allocation) lives on; :meth:`Placement.close` runs once, when the
+executor is done with it.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from typing import ClassVar
@@ -65,8 +69,9 @@ class AgentLaunch:
 
 class Placement:
     """Where a multi-node executor's agents run: subclass it and give :meth:`start` and
-    :meth:`stop`. One instance per executor; its methods are called from the threads that
-    create and shut down the executor, never at the same time."""
+    :meth:`stop`. One instance per executor, across its group restarts; its methods are
+    called from the threads that create, recover and shut down the executor, never at the
+    same time."""
 
     #: True: the driver's machine runs node 0's ranks and the agents are nodes 1 ..
     #: ``num_nodes - 1`` (``mp``'s way). False: the driver runs no ranks (it may be a login
@@ -97,6 +102,12 @@ class Placement:
         if report is not None:
             report(node_rank, detail)
 
+    def node_id(self) -> str:
+        """What the driver's node is called in ``WorkerContext.node_id`` when it runs node
+        0's ranks (:attr:`driver_runs_ranks`): by default this machine's host name; a
+        scheduler's placement returns the scheduler's name for it."""
+        return socket.gethostname()
+
     def secret(self) -> Secret:
         """The executor's secret: a fresh one (each executor its own, never the driver's
         environment)."""
@@ -122,6 +133,12 @@ class Placement:
         executor told the agents to stop: a well agent is exiting already). Return within
         a few seconds; kill what does not exit."""
         raise NotImplementedError(f"{type(self).__qualname__} must define stop(launch)")
+
+    def close(self) -> None:
+        """Release what serves every incarnation's agents (an allocation asked for at the
+        first :meth:`start`): called once, after the last :meth:`stop`, when the executor
+        shuts down, fails for good or is dropped; not between a group restart's stop and
+        start. The default holds nothing."""
 
     def hint(self, launches: tuple[AgentLaunch, ...]) -> str:
         """What to check when agents did not join in time (ends the start's error)."""

@@ -2,8 +2,9 @@
 
 :class:`SlurmPlacement` is a :class:`~executor_plugin_multiproc.launcher.Placement`: for each
 node it runs ``executor node`` in a step of its own (``srun --nodes=1 --ntasks=1 --nodelist
-NODE``), inside the allocation this process is in, or in one it asks for with ``salloc`` (and
-releases once the last agent is stopped). Everything else (the secret, the port, the
+NODE``), inside the allocation this process is in, or in one it asks for with ``salloc``
+(kept across the executor's group restarts, released when the executor is done with it:
+``Placement.close``). Everything else (the secret, the port, the
 admission of agents, heartbeats, the rings, every rule of a call) is ``mp``'s.
 
 Its options are ``mp``'s and its own (:class:`SlurmOptions`, the executor's ``options_cls``:
@@ -67,29 +68,30 @@ class SlurmPlacement(Placement):
         self.allocation: Allocation | None = None
         #: The Slurm node of each node rank (node 0 first: this one, if it runs ranks).
         self.node_names: tuple[str, ...] = ()
+        #: The steps running now, by node rank (a stopped one leaves it first).
         self.steps: dict[int, AgentStep] = {}
-        self.stopping = False
 
     # --- the contract ------------------------------------------------------------------
 
     def start(self, launch: AgentLaunch) -> None:
+        if self.allocation is not None and self.allocation.ended() is not None:
+            # A group restart after Slurm ended the job (cancelled, preempted, timed out):
+            # whoever ended it meant the executor to end, not to queue again.
+            raise ExecutorError(
+                f"Slurm job {self.allocation.job_id} has ended{self._job_said()}: the "
+                "executor cannot come back in it; create a new one"
+            )
         if self.allocation is None:
             self.allocation = self._allocate()
-        allocation = self.allocation
-        try:
-            node = self.node_names[launch.node_rank]
-            self.steps[launch.node_rank] = AgentStep(
-                allocation.job_id,
-                node,
-                [*launch.argv, "--node-id", node],
-                launch.env,
-                self.slurm.srun_args,
-                self._watch,
-            )
-        except BaseException:
-            if not self.steps:
-                self._release()
-            raise
+        node = self.node_names[launch.node_rank]
+        self.steps[launch.node_rank] = AgentStep(
+            self.allocation.job_id,
+            node,
+            [*launch.argv, "--node-id", node],
+            launch.env,
+            self.slurm.srun_args,
+            self._watch,
+        )
 
     def check(self, launch: AgentLaunch) -> None:
         step = self.steps[launch.node_rank]
@@ -102,14 +104,16 @@ class SlurmPlacement(Placement):
             )
 
     def stop(self, launch: AgentLaunch) -> None:
-        self.stopping = True
         step = self.steps.pop(launch.node_rank, None)
-        try:
-            if step is not None:
-                step.stop(self.options.shutdown_grace_s + 5.0)
-        finally:
-            if not self.steps:
-                self._release()
+        if step is not None:
+            step.stop(self.options.shutdown_grace_s + 5.0)
+
+    def close(self) -> None:
+        self._release()
+
+    def node_id(self) -> str:
+        # Node 0 is this one when the driver runs its ranks (_NodeZero).
+        return self.node_names[0] if self.node_names else super().node_id()
 
     def hint(self, launches: tuple[AgentLaunch, ...]) -> str:
         job = self.allocation.job_id if self.allocation is not None else "?"
@@ -203,8 +207,8 @@ class SlurmPlacement(Placement):
         when Slurm ends the job or a node (a cancel, a preemption, a time limit, a node
         failure) the executor fails with what Slurm said, naming the ranks and the node. A
         step whose agent failed alone is ``mp``'s to report (a lost node)."""
-        if self.stopping:
-            return
+        if step not in self.steps.values():
+            return  # being stopped, or of the incarnation before a group restart
         if line is not None:
             found = _SLURM_ENDS.search(line)
             if found is None or (not found["node"] and "NODE FAILURE" in line):
