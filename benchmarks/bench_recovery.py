@@ -12,8 +12,9 @@ layer, written once into a temporary directory), interleaved in rounds:
   is killed (SIGKILL) and the clock runs from the kill to the first call that succeeds (a
   call made at once, retried while it fails with the death). Rank 0 keeps its process and
   weights: its ``load_model`` calls are counted (target 0).
-  On ``mp`` the rank runs in the node's warm spare (``spare_workers=1``, the default);
-  ``rank replacement, no spare`` is the same with ``spare_workers=0`` (a new process).
+  The rank runs in a warm spare (``spare_workers=1``, the default: on ``mp`` the node's
+  idle process, on ``ray`` an idle actor on the driver's node); ``rank replacement, no
+  spare`` is the same with ``spare_workers=0`` (a new process or actor).
 * ``group restart``: the same with ``replace_ranks=False``: every rank starts again.
 * ``new executor`` (the baseline): from ``shutdown()`` of a running executor to the first
   call of a new one with the same config (what an engine without recovery does).
@@ -25,8 +26,8 @@ as it would have long before a real engine's next death.
 
 Tuned by two settings, beside defaults: the policy's ``backoff_s=0`` (the default waits
 before a restart), and on ``ray`` ``log_to_driver=False`` (Ray's reports of killed actors
-stay off the table) and ``num_cpus_per_worker=0.5`` (the two executors of a round fit on a
-2-core machine's Ray; placement only). ``--mp-start-method forkserver`` is a further tuned
+stay off the table) and ``local_num_cpus=8`` (the executors of a round fit on a 2-core
+machine's Ray; placement only). ``--mp-start-method forkserver`` is a further tuned
 variant of the ``mp`` rows: workers forked from a forkserver that has imported torch and the
 reference model (``set_forkserver_preload``), so that a new rank skips the interpreter's start
 and ``import torch``.
@@ -111,8 +112,8 @@ def _reference_config(
     options: dict[str, Any] = {}
     if backend == "ray":
         # Ray's raylet reports every killed actor on the driver's stderr: kept out of the table.
-        # Half a CPU a worker: the two executors of a round share a 2-core machine's Ray.
-        options = {"log_to_driver": False, "num_cpus_per_worker": 0.5}
+        # 8 logical CPUs: the executors of a round fit a 2-core machine's Ray (placement only).
+        options = {"log_to_driver": False, "local_num_cpus": 8}
     elif start_method != "spawn":
         options = {"start_method": start_method}
     if not spares:
@@ -141,7 +142,7 @@ def bench_back(
     restart = attrs.evolve(replace, replace_ranks=False)
     times: dict[str, list[float]] = {"rank replacement": []}
     replacers = {"rank replacement": _reference_config(backend, checkpoint, replace, start_method)}
-    if backend == "mp":
+    if backend in ("mp", "ray"):
         times["rank replacement, no spare"] = []
         replacers["rank replacement, no spare"] = _reference_config(
             backend, checkpoint, replace, start_method, spares=False
@@ -196,6 +197,7 @@ def bench_hot(calls: int, rounds: int) -> dict[str, list[float]]:
         for label, extra in configs.items()
     }
     try:
+        _settle()  # the spares of the executors with a policy have done their imports
         sides = {
             label: (lambda executor=executor: executor.collective_rpc("noop"))
             for label, executor in executors.items()

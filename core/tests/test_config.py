@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -184,3 +186,19 @@ def test_a_huge_or_hostile_value_still_gives_a_short_message() -> None:
     hostile: Any = _BadRepr()
     with pytest.raises(ConfigError, match=r"=<_BadRepr object \(its repr raised\)>: must be"):
         ExecutorConfig(worker_cls=_Worker, num_nodes=hostile)
+
+
+def test_preload_worker_imports_the_module_that_defines_the_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``executor_core.backend.preload_worker``, what a warm spare runs: by name or by class."""
+    from executor_core.backend import preload_worker
+
+    (tmp_path / "spare_target.py").write_text("class Worker:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "spare_target", raising=False)
+    preload_worker("spare_target:Worker")
+    assert "spare_target" in sys.modules
+    preload_worker(sys.modules["spare_target"].Worker)  # a class: its module, imported
+    with pytest.raises(ImportError, match="no attribute 'Nope'"):
+        preload_worker("spare_target:Nope")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["qualname_of", "resolve_qualname"]
+__all__ = ["preload_worker", "qualname_of", "resolve_qualname"]
 
 
 def resolve_qualname(qualname: str) -> Any:
@@ -33,3 +33,15 @@ def resolve_qualname(qualname: str) -> Any:
 def qualname_of(obj: Any) -> str:
     """The ``"module:QualName"`` string that :func:`resolve_qualname` turns back into ``obj``."""
     return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def preload_worker(worker_cls: type | str) -> None:
+    """Import the module that defines ``worker_cls`` (a class, or its ``"module:Class"``
+    name), and torch with it for a torch worker: what a warm spare, a process that waits to
+    be handed a rank, does ahead, so that the hand-over pays no import. Raises what the
+    import raises; a spare ignores it, since the rank's own start then fails the same way,
+    with its traceback."""
+    if isinstance(worker_cls, str):
+        resolve_qualname(worker_cls)
+    else:
+        importlib.import_module(worker_cls.__module__)

@@ -25,6 +25,7 @@ from ._hookspecs import hookimpl
 from ._host import TransportHost
 from ._lazy import lazy_getattr
 from ._net import find_free_port, tcp_init_method
+from ._qualname import preload_worker
 from ._registry import (
     PLUGINS_ENV_VAR,
     BackendSpec,
@@ -57,5 +58,6 @@ __all__ = [
     "hookimpl",
     "lazy_getattr",
     "method_name",
+    "preload_worker",
     "tcp_init_method",
 ]

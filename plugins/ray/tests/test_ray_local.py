@@ -24,6 +24,7 @@ from executor_core import (
     create_executor,
 )
 from executor_core.testing import conformance_config
+from executor_core.testing._hangs import freeze  # the kit's own
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._placement import PlacementTimeoutError
 
@@ -247,8 +248,9 @@ def _recovered(executor: RayExecutor, within_s: float = 60.0) -> None:
 def test_a_dead_rank_gets_a_new_actor_in_its_own_bundle() -> None:
     """Rank replacement: the dead rank's new actor runs in the dead one's placement-group
     bundle, on the same node with the same local rank, and reads the driver's rings; the
-    placements name its pid; the survivor keeps its actor."""
-    executor = make(recovery=RecoveryPolicy(backoff_s=0.1))
+    placements name its pid; the survivor keeps its actor. (Without a spare: with one, the
+    spare takes the rank, below.)"""
+    executor = make(recovery=RecoveryPolicy(backoff_s=0.1), backend_options={"spare_workers": 0})
     try:
         before = executor.placements
         os.kill(before[1].pid, signal.SIGKILL)
@@ -268,13 +270,57 @@ def test_a_dead_rank_gets_a_new_actor_in_its_own_bundle() -> None:
     _assert_gone(after[1].pid)  # the replacement is killed at shutdown like the others
 
 
+def _spare_pids(executor: RayExecutor, within_s: float = 60.0) -> list[int]:
+    """The pids of the executor's spares, once each has imported the worker's module."""
+    spares = executor.transport._slots.spares  # type: ignore[attr-defined]  # RayTransport's
+    if spares is None:
+        return []
+    waiting = list(spares._waiting)
+    ray.get([warm for _, warm in waiting], timeout=within_s)
+    return [info.pid for info in ray.get([actor.node_info.remote() for actor, _ in waiting])]
+
+
+def test_a_dead_rank_is_handed_to_a_warm_spare_and_a_new_spare_follows() -> None:
+    """With a recovery policy, one idle actor on the driver's node has imported the worker's
+    module; the replacement of a dead rank runs in it (the survivor keeps its actor), a new
+    spare follows, and shutdown ends both. No spare without a policy or with 0."""
+    executor = make(recovery=RecoveryPolicy(backoff_s=0.0))
+    try:
+        (spare,) = _spare_pids(executor)
+        before = executor.placements
+        assert spare not in [p.pid for p in before]
+        os.kill(before[1].pid, signal.SIGKILL)
+        _recovered(executor)
+        record = executor.last_recovery
+        assert record is not None
+        assert (record.kind, record.restarted) == ("replace", (1,))
+        pids = executor.collective_rpc("get_pid", timeout=30)
+        assert pids == [before[0].pid, spare]
+        assert executor.placements[1] == attrs.evolve(before[1], pid=spare)
+        assert executor.collective_rpc(lambda w: os.environ["OMP_NUM_THREADS"]) == ["1", "1"]
+        (second,) = _spare_pids(executor)
+        assert second not in (spare, before[0].pid)
+        _assert_gone(before[1].pid)
+    finally:
+        executor.shutdown()
+    _assert_gone(spare)
+    _assert_gone(second)
+    for options in ({}, {"spare_workers": 0}):
+        recovery = RecoveryPolicy() if options else None
+        executor = make(recovery=recovery, backend_options=options)
+        try:
+            assert _spare_pids(executor) == []
+        finally:
+            executor.shutdown()
+
+
 def test_a_rank_killed_as_hung_is_replaced_and_its_old_actor_stays_quiet() -> None:
     """A rank declared hung is killed through Ray, whose report of that death comes late:
     it must not fail the replacement (nor the executor afterwards)."""
     executor = make(recovery=RecoveryPolicy(backoff_s=0.0), hang_timeout_s=1.0)
     try:
         pids = executor.collective_rpc("get_pid", timeout=30)
-        os.kill(pids[1], signal.SIGSTOP)
+        freeze(pids[1])  # stopped before the call: a spinning worker could answer it
         with pytest.raises(WorkerDiedError, match="rank 1"):
             executor.collective_rpc("echo", args=("frozen",), timeout=30)
         _recovered(executor)

@@ -37,6 +37,27 @@ def _all_reduce(worker: Any) -> float:
     return float(total.item())
 
 
+def freeze(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped: the signal lands asynchronously, and a
+    worker spinning for its next call on another core could otherwise answer one more."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within_s
+    while _state(pid) not in ("T", "t"):
+        assert time.monotonic() < deadline, (
+            f"process {pid} not stopped {within_s:g} s after SIGSTOP"
+        )
+        time.sleep(0.001)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (``/proc/PID/stat``; "" where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 class HangTests(KitBase):
     """``hang_timeout_s`` on a backend with a probe: a stopped worker (SIGSTOP, by the pid it
     reports; ``workers_are_processes``) is declared dead, named, killed and, with a recovery
@@ -72,7 +93,7 @@ class HangTests(KitBase):
         others = [r for r, pid in enumerate(pids) if pid != os.getpid()]
         assert others, "workers_are_processes is True, but every worker reports the driver's pid"
         victim = others[-1]
-        os.kill(pids[victim], signal.SIGSTOP)
+        freeze(pids[victim])
         return victim, pids[victim]
 
     def _declared(self, executor: Executor, future: Any, victim: int, pid: int) -> float:

@@ -18,7 +18,6 @@ included, so a spare would save nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing.context
 import os
 import signal
@@ -27,6 +26,8 @@ import struct
 from multiprocessing.process import BaseProcess
 
 import attrs
+
+from executor_core.backend import preload_worker
 
 from ._process import (
     InheritedFd,
@@ -39,7 +40,7 @@ from ._process import (
     worker_main,
 )
 
-__all__ = ["Spare", "SpareSpec", "spare_main", "warm_up", "worker_qualname"]
+__all__ = ["Spare", "SpareSpec", "spare_main", "worker_qualname"]
 
 _HEADER = struct.Struct("!I")
 #: More descriptors than a WorkerSpec carries.
@@ -55,26 +56,13 @@ def worker_qualname(worker_cls: type | str) -> str:
     return f"{worker_cls.__module__}:{worker_cls.__qualname__}"
 
 
-def warm_up(name: str) -> None:
-    """Import ``name``: a module, or a ``"module:Class"`` qualname, then the module that
-    defines the class (a package often re-exports a class whose module imports torch only
-    when loaded)."""
-    module_name, _, qualname = name.partition(":")
-    found: object = importlib.import_module(module_name)
-    for attr in filter(None, qualname.split(".")):
-        found = getattr(found, attr)
-    defined_in = getattr(found, "__module__", None)
-    if isinstance(defined_in, str):
-        importlib.import_module(defined_in)
-
-
 @attrs.frozen(kw_only=True)
 class SpareSpec:
     """What a spare process is started with."""
 
     #: The node's environment, without the variables of a rank (applied at the hand-over).
     env: dict[str, str]
-    #: What to import while idle: modules or ``"module:Class"`` qualnames (:func:`warm_up`).
+    #: What to import while idle: ``"module:Class"`` names (``preload_worker``).
     preload: tuple[str, ...]
     #: Its end of the socket on which it receives a rank.
     handover: InheritedFd
@@ -149,7 +137,7 @@ def spare_main(spec: SpareSpec) -> None:
         # A module that fails to import here fails again when the rank's wrapper is
         # unpickled, and that error goes to the driver with its traceback.
         with contextlib.suppress(Exception):
-            warm_up(name)
+            preload_worker(name)
     with socket.socket(fileno=spec.handover.fd) as sock:
         worker = _receive(sock)
     if worker is not None:  # None: the node is shutting down

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +13,7 @@ import ray
 
 from executor_channel.codec import KIND_READY, encode
 from executor_channel.shm import SegmentLayout, WorkerRings, serve_rings
-from executor_core.backend import RemoteFailure, WorkerWrapper, find_free_port
+from executor_core.backend import RemoteFailure, WorkerWrapper, find_free_port, preload_worker
 
 from ._lifeline import ActorLifeline, Address, hold
 from ._ranks import ActorInfo
@@ -64,6 +65,13 @@ class RayWorker:
             pid=os.getpid(),
             gpu_ids=tuple(str(gpu) for gpu in gpu_ids),
         )
+
+    def warm_up(self, worker_cls: type | str) -> None:
+        """A spare's wait (``_spare``): import what defines the worker class, so that the
+        rank it is handed starts without imports. A failing import is left to that rank's
+        start, which reports it with its traceback."""
+        with contextlib.suppress(Exception):
+            preload_worker(worker_cls)
 
     def free_port(self, host: str) -> int:
         """A free TCP port on this node (for the torch.distributed rendezvous)."""

@@ -10,6 +10,7 @@ import attrs
 from executor_channel.options import ChannelOptions
 from executor_core.options import (
     boolean,
+    integer,
     number,
     one_of,
     option,
@@ -76,3 +77,7 @@ class RayOptions(ChannelOptions):
     temp_dir: str | None = option(None, optional(text()))
     #: Forward the actors' stdout/stderr to this process (a local instance only).
     log_to_driver: bool = option(True, boolean())
+    #: With a recovery policy: idle actors on the driver's node, the worker class's module
+    #: imported, for a rank replacement to take instead of starting an actor (``_spare``).
+    #: 0: none. Ignored with ``resources_per_worker``.
+    spare_workers: int = option(1, integer(at_least=0, at_most=64))

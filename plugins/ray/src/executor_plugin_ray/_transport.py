@@ -95,29 +95,13 @@ class RayTransport(Transport):
         # A recovery's restart hands the Ray connection over (host.kept): releasing the
         # executor's last lease would shut down the Ray instance this process started.
         lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
-
-        # The cleanups ask the host that runs them (``self.host``): after a rank replacement
-        # it is no longer the one that started the transport.
-        def release_lease() -> None:
-            if self.host.restarting:
-                self.host.keep("ray_lease", lease, lease.release)
-            else:
-                lease.release()
-
-        host.add_cleanup(release_lease)
+        self._keep_or_release("ray_lease", lease, lease.release)
         # A recovery's restart keeps the placement group too: the new actors go into the same
         # bundles, so every rank comes back on its node.
         group = host.take("ray_group")
         if group is None:
             group, _bundles = reserve_placement_group(options, config.device, config.world_size)
-
-        def remove_or_keep_group() -> None:
-            if self.host.restarting:
-                self.host.keep("ray_group", group, functools.partial(remove_group, group))
-            else:
-                remove_group(group)
-
-        host.add_cleanup(remove_or_keep_group)
+        self._keep_or_release("ray_group", group, functools.partial(remove_group, group))
         actors = create_actors(group, options, config)
         host.add_cleanup(functools.partial(kill_actors, actors))
         startup = Startup(options, self._check_running)
@@ -167,6 +151,22 @@ class RayTransport(Transport):
         remaining = max(0.0, deadline - time.monotonic())
         driver.wait_until_ready(range(config.world_size), remaining, self._check_start)
         driver.ready()
+        if local:  # spares for the ranks a replacement brings back: this node's
+            bundle = placements[local[0]].actor_index
+            self._slots.start_spares(options, config, bundle, host.add_cleanup)
+
+    def _keep_or_release(self, name: str, value: Any, release: Callable[[], None]) -> None:
+        """At the end: hand ``value`` to the next incarnation if the executor restarts
+        (``TransportHost.keep``), else ``release()``. The cleanup asks the host that runs it
+        (``self.host``): after a rank replacement it is not the one that started."""
+
+        def cleanup() -> None:
+            if self.host.restarting:
+                self.host.keep(name, value, release)
+            else:
+                release()
+
+        self.host.add_cleanup(cleanup)
 
     def _wrapper(self, placement: WorkerPlacement, context: WorkerContext) -> WorkerWrapper:
         wrapper = self.host.wrapper(context)
