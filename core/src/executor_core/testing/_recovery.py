@@ -4,6 +4,7 @@ core's rules; one that declares it cannot refuses a policy."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import threading
@@ -55,7 +56,8 @@ class RecoveryTests(RecoveringBase):
         """Rule: a rank killed mid-call fails that call with ``WorkerDiedError`` naming it;
         the executor is back within ``recovery_s``, with the same ranks, local ranks, node
         ids and environment (new processes, a new rendezvous); no failure callback runs; the
-        hooks report the recovery."""
+        hooks report the recovery; every rank meets at the new rendezvous (a gloo
+        ``all_reduce`` across every rank gives the world size, where torch is installed)."""
         executor = self._recovering(fresh_executor)
         failures: list[ExecutorFailedError] = []
         executor.register_failure_callback(failures.append)
@@ -124,18 +126,14 @@ class RecoveryTests(RecoveringBase):
             f"rule broken: a recovered death is no failure; callbacks got {failures}"
         )
         assert pids_alive([pid], self.settle_s) == []
-
-    def test_gloo_all_reduce_across_every_rank_after_recovery(
-        self, fresh_executor: ExecutorFactory
-    ) -> None:
-        """Rule: after a recovery every rank meets at the new rendezvous: a gloo
-        ``all_reduce`` across every rank gives the world size."""
-        pytest.importorskip("torch")
-        executor = self._recovering(fresh_executor)
-        self._kill(executor)
-        self._wait_running(executor, "after a rank was killed")
-        sums = executor.collective_rpc(gloo_sum, timeout=self.recovery_s)
-        assert sums == [float(executor.world_size)] * executor.world_size
+        # Once its own test, on an executor of its own recovered from the same kill: the
+        # recovery is the same, so the recovered executor here is checked instead.
+        if importlib.util.find_spec("torch") is not None:
+            sums = executor.collective_rpc(gloo_sum, timeout=self.recovery_s)
+            assert sums == [float(executor.world_size)] * executor.world_size, (
+                f"rule broken: after a recovery every rank meets at the new rendezvous: a gloo "
+                f"all_reduce across every rank gave {sums}"
+            )
 
     def test_replaced_ranks_leave_the_survivors_memory_alone(
         self, fresh_executor: ExecutorFactory, tmp_path: Path
