@@ -8,8 +8,9 @@
 #   bash benchmarks/waiting_ablation.sh [ROUNDS (default 3)] [OUT_DIR (default waiting-ablation)]
 #
 # Per variant and round: `executor bench --backends mp --workloads hot,cold,payload`; then
-# once each, bench_multiproc.py's no-op next to 2 busy processes (the contention rules) and
-# bench_small_after_large.py twice (the bulk rule).
+# once each, bench_multiproc.py's no-op next to 2 busy processes (the contention rules; that
+# script tunes its mp side's slots to 32 MiB) and bench_small_after_large.py twice (the bulk
+# rule). Every other option, the waiting ones included, at its default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}

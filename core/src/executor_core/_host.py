@@ -89,7 +89,7 @@ class TransportHost:
         self.replies: Replies | None = None
         #: Declares hung ranks dead (``ExecutorConfig.hang_timeout_s``), once started.
         self.hang_watch: HangWatch | None = None
-        self._cleanups: list[Callable[[], None]] = []
+        self._cleanups: list[Callable[[], None] | _KeepOrRelease] = []
         self.released = False
         #: What every worker's environment gets (see ``worker_environment``), fixed when the
         #: executor is created.
@@ -204,6 +204,13 @@ class TransportHost:
         down or failed for good), in the order values were kept."""
         self.kept[name] = (value, release)
 
+    def keep_or_release(self, name: str, value: Any, release: Callable[[], None]) -> None:
+        """Register a cleanup that hands ``value`` to the next incarnation (:meth:`keep`)
+        if the executor is restarting when it runs, and calls ``release()`` otherwise. The
+        host that runs it decides: after a rank replacement, the one that took over."""
+        with self.state_lock:
+            self._cleanups.append(_KeepOrRelease(name, value, release))
+
     def take(self, name: str) -> Any:
         """What the previous incarnation kept under ``name`` (:meth:`keep`), or None."""
         entry = self.kept.pop(name, None)
@@ -301,7 +308,7 @@ class TransportHost:
         errors: list[BaseException] = []
         for callback in reversed(callbacks):
             try:
-                callback()
+                callback(self) if isinstance(callback, _KeepOrRelease) else callback()
             except Exception as exc:  # noqa: BLE001 - run every releaser (each is logged), then report
                 _log_exception("executor cleanup %r failed", callback)
                 errors.append(exc)
@@ -329,3 +336,19 @@ def run_callback(
         callback(error)
     except Exception:  # noqa: BLE001 - one bad callback must not stop the others; logged
         _log_exception("executor failure callback %r raised", callback)
+
+
+class _KeepOrRelease:
+    """A cleanup of :meth:`TransportHost.keep_or_release`: run with the host that runs it."""
+
+    def __init__(self, name: str, value: Any, release: Callable[[], None]) -> None:
+        self.name, self.value, self.release = name, value, release
+
+    def __call__(self, host: TransportHost) -> None:
+        if host.restarting:
+            host.keep(self.name, self.value, self.release)
+        else:
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"keep_or_release({self.name!r})"

@@ -32,14 +32,7 @@ def placement_for(
     cleanup, the incarnation's last (registered first), keeps it for the next incarnation
     while the executor restarts, and closes it otherwise."""
     placement: Placement = host.take(_KEPT) or placement_cls(host.config, options)
-
-    def keep_or_close() -> None:
-        if host.restarting:
-            host.keep(_KEPT, placement, placement.close)
-        else:
-            placement.close()
-
-    host.add_cleanup(keep_or_close)
+    host.keep_or_release(_KEPT, placement, placement.close)
     return placement
 
 

@@ -95,13 +95,13 @@ class RayTransport(Transport):
         # A recovery's restart hands the Ray connection over (host.kept): releasing the
         # executor's last lease would shut down the Ray instance this process started.
         lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
-        self._keep_or_release("ray_lease", lease, lease.release)
+        host.keep_or_release("ray_lease", lease, lease.release)
         # A recovery's restart keeps the placement group too: the new actors go into the same
         # bundles, so every rank comes back on its node.
         group = host.take("ray_group")
         if group is None:
             group, _bundles = reserve_placement_group(options, config.device, config.world_size)
-        self._keep_or_release("ray_group", group, functools.partial(remove_group, group))
+        host.keep_or_release("ray_group", group, functools.partial(remove_group, group))
         actors = create_actors(group, options, config)
         host.add_cleanup(functools.partial(kill_actors, actors))
         startup = Startup(options, self._check_running)
@@ -154,19 +154,6 @@ class RayTransport(Transport):
         if local:  # spares for the ranks a replacement brings back: this node's
             bundle = placements[local[0]].actor_index
             self._slots.start_spares(options, config, bundle, host.add_cleanup)
-
-    def _keep_or_release(self, name: str, value: Any, release: Callable[[], None]) -> None:
-        """At the end: hand ``value`` to the next incarnation if the executor restarts
-        (``TransportHost.keep``), else ``release()``. The cleanup asks the host that runs it
-        (``self.host``): after a rank replacement it is not the one that started."""
-
-        def cleanup() -> None:
-            if self.host.restarting:
-                self.host.keep(name, value, release)
-            else:
-                release()
-
-        self.host.add_cleanup(cleanup)
 
     def _wrapper(self, placement: WorkerPlacement, context: WorkerContext) -> WorkerWrapper:
         wrapper = self.host.wrapper(context)
