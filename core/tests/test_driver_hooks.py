@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from executor_core import (
-    Executor,
     RPCTimeoutError,
     WorkerDiedError,
     WorkerError,
@@ -220,8 +219,8 @@ def test_without_an_implementation_nothing_is_called(monkeypatch: pytest.MonkeyP
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("an observer hook ran with no implementation")
 
-    monkeypatch.setattr(Executor, "_observed", refuse)
     monkeypatch.setattr(_observe.CallObserver, "begin", refuse)
+    monkeypatch.setattr(_observe.CallObserver, "finished", refuse)
     registry = _registry("uniproc")  # no observer plugin
     with create_executor(conformance_config("uni"), registry) as executor:
         assert executor.collective_rpc("get_rank") == [0]

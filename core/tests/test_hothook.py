@@ -64,9 +64,9 @@ def _both_ways(manager: pluggy.PluginManager, values: tuple[Any, ...]) -> tuple[
     manager.hook.observed(a=values[0], b=values[1], c=values[2])
     by_pluggy = list(log)
     log.clear()
-    hot = HotHook(manager.hook.observed)
-    assert hot.active()
-    hot(*values)
+    call = HotHook(manager.hook.observed).current()
+    assert call is not None
+    call(*values)
     return by_pluggy, list(log)
 
 
@@ -86,15 +86,30 @@ def test_same_calls_in_the_same_order_as_pluggy() -> None:
 def test_inactive_without_implementations_and_follows_registration() -> None:
     manager = _manager()
     hot = HotHook(manager.hook.observed)
-    assert not hot.active()
+    assert hot.current() is None
     log: list[tuple[str, Any]] = []
     plugin = Recorder("late", log)
     manager.register(plugin)
-    assert hot.active()
-    hot(3, "y", 0.5)
+    call = hot.current()
+    assert call is not None
+    call(3, "y", 0.5)
     assert log == [("late", (3, "y", 0.5))]
     manager.unregister(plugin)
-    assert not hot.active()
+    assert hot.current() is None
+
+
+def test_a_lone_implementation_taking_every_argument_is_called_as_it_is() -> None:
+    manager = _manager()
+    log: list[tuple[str, Any]] = []
+    plugin = Recorder("only", log)
+    manager.register(plugin)
+    assert HotHook(manager.hook.observed).current() == plugin.observed
+    manager.register(Partial(log))
+    call = HotHook(manager.hook.observed).current()
+    assert call is not None
+    assert call != plugin.observed
+    call(1, "x", 2.5)
+    assert log == [("partial", (2.5, 1)), ("only", (1, "x", 2.5))]
 
 
 class Wrapper:
@@ -113,9 +128,9 @@ def test_wrappers_go_through_pluggy() -> None:
     log: list[tuple[str, Any]] = []
     manager.register(Recorder("plain", log))
     manager.register(Wrapper(log))
-    hot = HotHook(manager.hook.observed)
-    assert hot.active()
-    hot(4, "z", 1.0)
+    call = HotHook(manager.hook.observed).current()
+    assert call is not None
+    call(4, "z", 1.0)
     assert log == [("before", 4), ("plain", (4, "z", 1.0)), ("after", 4)]
 
 
@@ -130,10 +145,10 @@ def test_an_implementation_error_propagates_as_with_pluggy() -> None:
     manager.register(Failing())
     with pytest.raises(RuntimeError, match="observer failed on 5"):
         manager.hook.observed(a=5, b="", c=0.0)
-    hot = HotHook(manager.hook.observed)
-    assert hot.active()
+    call = HotHook(manager.hook.observed).current()
+    assert call is not None
     with pytest.raises(RuntimeError, match="observer failed on 5"):
-        hot(5, "", 0.0)
+        call(5, "", 0.0)
 
 
 def test_a_hook_without_specification_is_refused() -> None:

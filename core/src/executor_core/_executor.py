@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from ._calls import Call, as_worker_error
 from ._config import ExecutorConfig
@@ -105,11 +105,6 @@ class Executor(Lifecycle):
         :class:`WorkerError` (of the lowest failing rank); the executor stays usable.
         Calls from several threads reach every rank in one and the same order.
         """
-        host = self._host
-        if host.closed or host.table.closed_error is not None:
-            timeout = self._await_recovery(host, timeout, method)
-        if timeout is not None or self._default_timeout is not None:
-            timeout = self._resolve_timeout(timeout)
         if type(method) is not str and not callable(method):
             raise TypeError(
                 "method must be a worker method name or a callable taking the worker, "
@@ -126,15 +121,9 @@ class Executor(Lifecycle):
                 expected = (unique_reply_rank,)
             else:  # a rank this transport does not drive (SPMD): its own ranks answer
                 unique_reply_rank = None
-        if self._calls_started or self._calls_finished:  # a plugin observes calls
-            return self._observed(
-                method, timeout, args, kwargs, non_block, unique_reply_rank, expected
-            )
-        return self._call(
-            None, method, timeout, args, kwargs, non_block, unique_reply_rank, expected
-        )
+        return self._submit(method, timeout, args, kwargs, non_block, unique_reply_rank, expected)
 
-    def _observed(
+    def _submit(
         self,
         method: str | Callable[..., Any],
         timeout: float | None,
@@ -144,9 +133,18 @@ class Executor(Lifecycle):
         reply_rank: int | None,
         expected: tuple[int, ...],
     ) -> list[Any] | Future[list[Any]]:
-        """:meth:`_call` between the started and finished hooks (a plugin implements one). A
-        non-blocking call's :class:`Observation` ends when the call completes (or here, if its
-        send raises)."""
+        """A validated call (:meth:`collective_rpc`'s, or :meth:`execute_model`'s, valid by
+        construction): wait out a recovery, apply the default timeout, then :meth:`_call`,
+        between the driver's observer hooks if a plugin implements one."""
+        host = self._host
+        if host.closed or host.table.closed_error is not None:
+            timeout = self._await_recovery(host, timeout, method)
+        if timeout is not None or self._default_timeout is not None:
+            timeout = self._resolve_timeout(timeout)
+        if not (self._calls_started or self._calls_finished):  # no plugin observes calls
+            return self._call(None, method, timeout, args, kwargs, non_block, reply_rank, expected)
+        # Between the started and finished hooks. A non-blocking call's Observation ends when
+        # the call completes (or here, if its send raises).
         name = method if type(method) is str else method_name(method)
         observer = self._observer
         call_id = observer.begin(name, non_block)
@@ -242,14 +240,12 @@ class Executor(Lifecycle):
 
     def execute_model(self, batch: Any, non_block: bool = False) -> Any:
         """Run one step on every worker; return the output rank's result (or a Future of it)."""
+        reply_rank, expected = self._step_reply
         if non_block:
-            fut = self.collective_rpc(
-                "execute_model", args=(batch,), unique_reply_rank=self.output_rank, non_block=True
-            )
-            return chain_future(fut, _first)
-        return self.collective_rpc(
-            "execute_model", args=(batch,), unique_reply_rank=self.output_rank
-        )[0]
+            fut = self._submit("execute_model", None, (batch,), None, True, reply_rank, expected)
+            return chain_future(cast("Future[list[Any]]", fut), _first)
+        result = self._submit("execute_model", None, (batch,), None, False, reply_rank, expected)
+        return cast("list[Any]", result)[0]
 
     # --- asyncio -------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ pays it on every call. For a hook whose implementations are all plain functions,
 functions can be called directly, with the same arguments, in the same order as pluggy would
 (:class:`HotHook`). As soon as one implementation is a wrapper, pluggy's own call is used.
 
-Plugins may be registered or removed at any time: every :meth:`HotHook.active` compares the
+Plugins may be registered or removed at any time: every :meth:`HotHook.current` compares the
 hook's implementations with those it has seen (pluggy's own list, which pluggy changes in place,
 so the check allocates nothing), and rebuilds the direct calls when they changed. pluggy's call
 tracing (``PluginManager.add_hookcall_monitoring``) does not see direct calls.
@@ -45,11 +45,10 @@ def live_impls(caller: pluggy.HookCaller) -> Any:
 
 class HotHook:
     """One hook, called with positional values in the order of its specification's arguments.
-
-    Call :meth:`active` first, then call the object if it returned True.
+    Ask :meth:`current` for the function to call, and call it only if it is not None.
     """
 
-    __slots__ = ("_argnames", "_caller", "_direct", "_live", "_seen")
+    __slots__ = ("_argnames", "_call", "_caller", "_live", "_seen")
 
     def __init__(self, caller: pluggy.HookCaller) -> None:
         spec = caller.spec
@@ -61,38 +60,46 @@ class HotHook:
         self._live: list[pluggy.HookImpl] | None = live if isinstance(live, list) else None
         self._argnames: tuple[str, ...] = tuple(spec.argnames)
         self._seen: list[pluggy.HookImpl] = []
-        # (function, indices of the values it takes, or None for all of them), in call order;
-        # None while an implementation is a wrapper (pluggy calls them all).
-        self._direct: list[tuple[Callable[..., Any], tuple[int, ...] | None]] | None = []
+        #: What :meth:`current` returns as of the implementations in ``_seen``.
+        self._call: Callable[..., None] | None = None
 
-    def active(self) -> bool:
-        """True if any plugin implements the hook now."""
+    def current(self) -> Callable[..., None] | None:
+        """A function that calls every implementation the hook has now, with the values in the
+        specification's order, or None while no plugin implements it. A lone implementation
+        that takes every argument is returned itself: an observer then costs one call."""
         impls = self._live if self._live is not None else self._caller.get_hookimpls()
         if impls != self._seen:
             self._rebuild(impls)
-        return bool(impls)
-
-    def __call__(self, *values: Any) -> None:
-        """Call every implementation (as of the last :meth:`active`) with ``values``."""
-        direct = self._direct
-        if direct is None:
-            self._caller(**dict(zip(self._argnames, values, strict=True)))
-            return
-        for function, indices in direct:
-            if indices is None:
-                function(*values)
-            else:
-                function(*[values[i] for i in indices])
+        return self._call
 
     def _rebuild(self, impls: Sequence[pluggy.HookImpl]) -> None:
         self._seen = list(impls)
+        if not impls:
+            self._call = None
+            return
         if any(impl.wrapper or impl.hookwrapper for impl in impls):
-            self._direct = None
+            caller, argnames = self._caller, self._argnames
+
+            def through_pluggy(*values: Any) -> None:
+                caller(**dict(zip(argnames, values, strict=True)))
+
+            self._call = through_pluggy
             return
         position = {name: i for i, name in enumerate(self._argnames)}
+        everything = tuple(range(len(self._argnames)))
         direct: list[tuple[Callable[..., Any], tuple[int, ...] | None]] = []
         for impl in reversed(impls):  # pluggy's order: last registered (and tryfirst) first
             indices = tuple(position[name] for name in impl.argnames)
-            full = indices == tuple(range(len(self._argnames)))
-            direct.append((impl.function, None if full else indices))
-        self._direct = direct
+            direct.append((impl.function, None if indices == everything else indices))
+        if len(direct) == 1 and direct[0][1] is None:
+            self._call = direct[0][0]
+            return
+
+        def in_order(*values: Any) -> None:
+            for function, indices in direct:
+                if indices is None:
+                    function(*values)
+                else:
+                    function(*[values[i] for i in indices])
+
+        self._call = in_order

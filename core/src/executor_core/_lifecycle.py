@@ -101,6 +101,7 @@ class Lifecycle(WaysBack):
             None if spec is None else spec.capabilities.recovery == "replace"
         )
         self._all_ranks = tuple(range(config.world_size))
+        self._step_reply: tuple[int | None, tuple[int, ...]] = (None, self._all_ranks)
         self._default_timeout = config.rpc_timeout
         self._next_seq = 1
         hooks = self.registry.hook
@@ -165,7 +166,13 @@ class Lifecycle(WaysBack):
         finally:
             self._starting = None
         driven = transport.ranks
-        self._all_ranks = tuple(driven) if driven is not None else tuple(range(self.world_size))
+        self._all_ranks = ranks = (
+            tuple(driven) if driven is not None else tuple(range(self.world_size))
+        )
+        # execute_model's reply rank and the ranks it waits for: the output rank, or, where this
+        # transport does not drive it (SPMD), the ranks it does.
+        output = self.config.output_rank
+        self._step_reply = (output, (output,)) if output in ranks else (None, ranks)
         self._publish(host, transport, replies, finalizer)
         self._run_inline = transport.inline_runner() if len(self._all_ranks) == 1 else None
 

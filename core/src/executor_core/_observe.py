@@ -53,8 +53,8 @@ class CallObserver:
     def begin(self, method: str, non_block: bool) -> int:
         """Call the started hook; return the call's id."""
         call_id = next(_call_ids)
-        started = self._started
-        if started.active():
+        started = self._started.current()
+        if started is not None:
             try:
                 # In the specification's order: backend, method, call_id, world_size, non_block.
                 started(self.backend, method, call_id, self.world_size, non_block)
@@ -66,8 +66,8 @@ class CallObserver:
         self, method: str, call_id: int, duration_s: float, error: BaseException | None
     ) -> None:
         """Call the finished hook."""
-        finished = self._finished
-        if finished.active():
+        finished = self._finished.current()
+        if finished is not None:
             try:
                 finished(self.backend, method, call_id, duration_s, error)
             except Exception:  # noqa: BLE001 - an observer never breaks a call; logged

@@ -136,22 +136,31 @@ class WorkerWrapper:
         """Run ``method`` (a name, a callable taking the worker, or a cloudpickled callable)."""
         if self._thread_device is not None:
             self._thread_device.bind()
+        # A worker method's name, the common case, resolved here rather than in _resolve
+        # (which gives the errors and the other forms): this runs once per call and rank.
+        if type(method) is str:
+            func = getattr(self.worker, method, None)
+            if func is None or not callable(func):
+                func = self._resolve(method)
+        else:
+            func = self._resolve(method)
         observers = self._observers
         if observers is None:
             observers = self._observers = HotHook(self.hooks.executor_worker_rpc_finished)
-        if not observers.active():
-            # Nobody observes RPCs: skip timing and the hook call.
-            return self._resolve(method)(*args, **(kwargs or {}))
+        observe = observers.current()
+        if observe is None:  # nobody observes RPCs: no timing, no hook call
+            return func(*args, **kwargs) if kwargs else func(*args)
         start = time.perf_counter()
         error: BaseException | None = None
         try:
-            return self._resolve(method)(*args, **(kwargs or {}))
+            return func(*args, **kwargs) if kwargs else func(*args)
         except BaseException as exc:
             error = exc
             raise
         finally:
             # In the specification's order: context, method, duration_s, error.
-            observers(self.context, method_name(method), time.perf_counter() - start, error)
+            name = method if type(method) is str else method_name(method)
+            observe(self.context, name, time.perf_counter() - start, error)
 
     def execute(
         self,
