@@ -12,6 +12,9 @@ worker, sides, Ray session and timing loop):
 * ``raw Ray, 2 nodes`` (the baseline): a simulated Ray cluster of a head node (this driver's)
   and one more, one plain actor pinned to each by a custom resource; a "collective" is a
   call on each and a ``ray.get`` of both; token authentication unless ``--no-ray-token``.
+* ``raw pyzmq over TCP``: a pyzmq PAIR socket over TCP on 127.0.0.2 to each of two spawned
+  processes, pickle 5, no authentication: the wire alone (issue 30's first cross-node
+  baseline).
 * ``mp, 1 node``: ``mp`` with 2 workers on one node, for reference.
 
 A no-op, and a 1 MiB ``bytes`` argument whose length each rank returns (Ray gets the bytes
@@ -40,6 +43,7 @@ from executor_bench import (
     BackendSide,
     RayActorsSide,
     RaySession,
+    ZmqSide,
     format_time,
     interleave,
     markdown_table,
@@ -96,6 +100,14 @@ def rows(case: str, samples: dict[str, list[float]], base: str = RAW) -> list[li
     ]
 
 
+def wire_ratio(case: str, samples: dict[str, list[float]]) -> str:
+    """``mp, 2 nodes``'s median over the raw pyzmq wire's (issue 30's target: at most 1.5x)."""
+    ratio = statistics.median(samples["mp, 2 nodes"]) / statistics.median(
+        samples["raw pyzmq over TCP"]
+    )
+    return f"{case}: mp, 2 nodes over raw pyzmq over TCP: {ratio:.2f}x (target <= 1.5x)"
+
+
 def call_options(parser: argparse.ArgumentParser) -> None:
     """The options of the timed calls (``--noop-calls``, ``--mb-calls``, ``--rounds``,
     ``--warmup``)."""
@@ -134,6 +146,8 @@ def main() -> None:
         stack.callback(two.close)
         one = BackendSide("mp", 2)
         stack.callback(one.close)
+        wire = ZmqSide(2, tcp_host="127.0.0.2")
+        stack.callback(wire.close)
         contexts = two.executor.collective_rpc(operator.attrgetter("context"))
         assert contexts[0].node_id != contexts[1].node_id, "both mp ranks on one node"
         assert two.call("size_of", PAYLOAD) == raw.call("size_of", PAYLOAD) == [MB, MB]
@@ -143,7 +157,12 @@ def main() -> None:
             f"{time.monotonic() - started:.1f} s\n"
         )
         time.sleep(1.0)  # let Ray's and the agent's start-up work settle
-        noop = {"mp, 2 nodes": two, RAW: raw, "mp, 1 node (reference)": one}
+        noop = {
+            "mp, 2 nodes": two,
+            RAW: raw,
+            "raw pyzmq over TCP": wire,
+            "mp, 1 node (reference)": one,
+        }
         samples = interleave(
             {name: functools.partial(side.call, "noop", ()) for name, side in noop.items()},
             args.rounds,
@@ -151,6 +170,7 @@ def main() -> None:
             warmup=args.warmup,
         )
         table = rows("no-op collective_rpc", samples)
+        over_wire = [wire_ratio("no-op", samples)]
         one_mb = {
             name: functools.partial(side.call, "size_of", PAYLOAD) for name, side in noop.items()
         }
@@ -162,8 +182,10 @@ def main() -> None:
             warmup=max(1, args.warmup // 3),
         )
         table += rows("1 MiB bytes argument, each rank returns len()", samples)
+        over_wire.append(wire_ratio("1 MiB", samples))
         del ref  # before Ray shuts down
     print(markdown_table(["case", "side", "calls", "median", "p99", "ratio to raw Ray"], table))
+    print("\n".join(over_wire))
     print(f"total {time.monotonic() - started:.1f} s")
 
 

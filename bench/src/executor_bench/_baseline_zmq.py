@@ -1,5 +1,5 @@
-"""The ``zmq`` baseline: a pyzmq PAIR socket over ipc to each of N spawned processes, pickle
-protocol 5 (not in the default run; zmq is imported when the side starts)."""
+"""The ``zmq`` baseline: a pyzmq PAIR socket over ipc (or TCP) to each of N spawned processes,
+pickle protocol 5 (not in the default run; zmq is imported when the side starts)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def _zmq_reader(address: str, rank: int) -> None:
 
 
 class ZmqSide:
-    """A pyzmq PAIR socket over ipc to each of ``workers`` spawned processes, pickle 5."""
+    """A pyzmq PAIR socket over ipc to each of ``workers`` spawned processes, pickle 5; over
+    TCP on ``tcp_host`` (a loopback address: another "node"'s wire, without authentication)
+    if given."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, tcp_host: str | None = None) -> None:
         import zmq
 
         self._dir = tempfile.mkdtemp(prefix="executor-bench-zmq-")
@@ -38,9 +40,13 @@ class ZmqSide:
         self._socks: list[Any] = []
         self._procs: list[BaseProcess] = []
         for rank in range(workers):
-            address = f"ipc://{self._dir}/w{rank}"
             sock = self._context.socket(zmq.PAIR)
-            sock.bind(address)
+            if tcp_host is None:
+                address = f"ipc://{self._dir}/w{rank}"
+                sock.bind(address)
+            else:
+                port = sock.bind_to_random_port(f"tcp://{tcp_host}")
+                address = f"tcp://{tcp_host}:{port}"
             proc = SPAWN.Process(target=_zmq_reader, args=(address, rank), daemon=True)
             proc.start()
             self._socks.append(sock)
