@@ -105,3 +105,16 @@ def test_import_vllm_says_why_not(tmp_path: Path) -> None:
     broken = make_fake_vllm(tmp_path / "broken", "import vllm.platforms.nowhere\n")
     with pytest.raises(LookupError, match=r"cannot import .* from .*broken: ModuleNotFound"):
         import_vllm(str(broken))
+
+
+@pytest.mark.parametrize("tcp_host", [None, "127.0.0.1"])
+def test_the_zmq_baseline_answers_over_ipc_and_tcp(tcp_host: str | None) -> None:
+    from executor_bench import ZmqSide
+
+    side = ZmqSide(2, tcp_host=tcp_host)
+    try:
+        assert side.call("size_of", (b"x" * 5000,)) == [5000, 5000]
+        assert side.call("noop", ()) == [None, None]
+    finally:
+        side.close()
+    assert all(not proc.is_alive() for proc in side._procs)
