@@ -74,7 +74,9 @@ def get_ip():
 
 
 def get_open_zmq_ipc_path():
-    return f"ipc://{tempfile.gettempdir()}/{uuid.uuid4()}"
+    # As vLLM's: under VLLM_RPC_BASE_PATH (the bench gives each side a directory of its own).
+    base = os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
+    return f"ipc://{base}/{uuid.uuid4()}"
 
 
 def get_open_zmq_inproc_path():

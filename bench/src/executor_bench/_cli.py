@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -214,6 +215,10 @@ def _command_line() -> str:
     return shlex.join([program, *sys.argv[1:]])
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _bench_main(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.bench_parser
     if args.kinds is not None and "payload" not in args.workloads:
@@ -245,7 +250,13 @@ def _bench_main(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     output_dir = _output_dir(parser, args.output_dir)
     machine = describe_machine()
-    result = bench.measure()
+    # SIGTERM (a scheduler's, a `kill`) stops the run like Ctrl-C: every side started so far
+    # is closed, and its processes, rings and sockets go with it.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = bench.measure()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     machine["load_average_end"] = list(os.getloadavg())
     document = to_json(result, machine, _command_line())
     markdown = to_markdown(document)
