@@ -59,7 +59,16 @@ def _read(fd, n):
 
 
 class MessageQueue:
-    def __init__(self, n_reader, n_local_reader, **options):
+    def __init__(self, n_reader, n_local_reader, local_reader_ranks=None, connect_ip=None,
+                 **options):
+        # vLLM's rules for the layout: the local ranks are n_local_reader of them (by
+        # default the first), remote readers need an address, and only local ones a ring.
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        assert len(local_reader_ranks) == n_local_reader, (local_reader_ranks, n_local_reader)
+        assert n_reader == n_local_reader or connect_ip, "remote readers need connect_ip"
+        self.layout = (n_reader, n_local_reader, local_reader_ranks, connect_ip)
+        self._local = local_reader_ranks
         self._root = tempfile.mkdtemp(prefix="fake-shm-broadcast-")
         self._paths = [os.path.join(self._root, str(i)) for i in range(n_reader)]
         for path in self._paths:
@@ -67,18 +76,19 @@ class MessageQueue:
         # Read-write: opening does not wait for the other end.
         self._fds = [os.open(path, os.O_RDWR) for path in self._paths]
         self._mine = None
-        self.buffer = _Buffer()
+        self.buffer = _Buffer() if n_local_reader else None
 
     @classmethod
     def create_from_handle(cls, handle, rank):
+        paths, local = handle
         queue = cls.__new__(cls)
         queue._root, queue._fds = None, []
-        queue._mine = os.open(handle[rank], os.O_RDWR)
-        queue.buffer = _Buffer()
+        queue._mine = os.open(paths[rank], os.O_RDWR)
+        queue.buffer = _Buffer() if rank in local else None
         return queue
 
     def export_handle(self):
-        return list(self._paths)
+        return list(self._paths), list(self._local)
 
     def wait_until_ready(self):
         pass

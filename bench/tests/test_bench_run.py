@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from bench_helpers import make_fake_vllm, run_executor
 
@@ -240,3 +246,56 @@ def test_import_times_are_measured_in_fresh_interpreters(small_run: dict[str, An
     }
     assert all(ms > 0 for ms in imports.values())
     assert "## Import time" in (small_run["out"] / "results.md").read_text()
+
+
+def test_a_sigterm_stops_a_run_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM mid-run: the run stops like Ctrl-C, every side it started is
+    closed (no process of its left, no shared memory of the channel's)."""
+    shm_before = set(os.listdir("/dev/shm"))
+    env = {k: v for k, v in os.environ.items() if k != "EXECUTOR_PLUGINS"}
+    command = [sys.executable, "-m", "executor_core", "bench", "--backends", "mp"]
+    command += ["--baselines", "pipe", "--workloads", "hot", "--repeats", "400"]
+    command += ["--no-progress", "--output-dir", str(tmp_path)]
+    bench = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        process = psutil.Process(bench.pid)
+        deadline = time.monotonic() + 60
+        # Both sides running: mp's 2 workers and the Pipe baseline's 2 readers at least.
+        while len(process.children(recursive=True)) < 4:
+            assert bench.poll() is None, bench.communicate()
+            assert time.monotonic() < deadline, "the bench never started its sides"
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the timed calls
+        children = process.children(recursive=True)
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode != 0
+    assert "KeyboardInterrupt" in stderr
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {alive}"
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def test_the_vllm_baseline_lays_out_a_remote_reader_as_vllm_does(tmp_path: Path) -> None:
+    """``remote_ranks``: those readers are remote (an address, no ring), and so are their
+    reply queues' reader (the driver); the calls still reach every rank."""
+    fake = make_fake_vllm(tmp_path)
+    script = (
+        "import executor_bench as b\n"
+        f"b.import_vllm({str(fake)!r})\n"
+        "s = b.VllmQueueSide(2, own_replies=True, remote_ranks=(1,), remote_ip='127.0.0.2')\n"
+        "print(s.call('size_of', (b'x' * 5000,)), s._queue.layout,"
+        " [r.buffer is None for r in s._replies])\n"
+        "s.close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[5000, 5000] (2, 1, [0], '127.0.0.2') [False, True]"

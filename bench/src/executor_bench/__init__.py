@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from ._baseline_pipe import PipeSide
     from ._baseline_ray import RayActorsSide
-    from ._baseline_vllm import VllmQueueSide
+    from ._baseline_vllm import VllmQueueSide, import_vllm
     from ._baseline_zmq import ZmqSide
     from ._overhead import CallObserver, import_ms, per_call_us
     from ._ray_session import RaySession
@@ -45,6 +45,7 @@ __all__ = [
     "executor_register_commands",
     "format_time",
     "import_ms",
+    "import_vllm",
     "interleave",
     "make_payload",
     "markdown_table",
@@ -64,6 +65,7 @@ _LAZY: dict[str, str] = {
     "ZmqSide": "._baseline_zmq",
     "format_time": "._workloads",
     "import_ms": "._overhead",
+    "import_vllm": "._baseline_vllm",
     "interleave": "._workloads",
     "make_payload": "._workloads",
     "markdown_table": "._workloads",

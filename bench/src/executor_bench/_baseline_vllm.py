@@ -74,14 +74,19 @@ def describe_vllm(module: Any) -> str:
     return f"vllm {version} ({root})"
 
 
-def _vllm_reader(handle: Any, rank: int, conn: Connection, own_replies: bool) -> None:
+def _vllm_reader(
+    handle: Any, rank: int, conn: Connection, own_replies: bool, remote_ip: str | None
+) -> None:
     """A vLLM reader: dequeue as vLLM's worker loop does; reply through ``conn``, or through
-    a queue of its own (its handle goes to the writer over ``conn`` first)."""
+    a queue of its own (its handle goes to the writer over ``conn`` first). With
+    ``remote_ip`` it is a remote reader (its calls come over TCP) and its reply queue's one
+    reader is remote too, as vLLM lays out a rank on another node."""
     shm_broadcast = importlib.import_module(SHM_MODULE)
     queue = shm_broadcast.MessageQueue.create_from_handle(handle, rank)
     replies = None
     if own_replies:
-        replies = shm_broadcast.MessageQueue(1, 1)
+        local = 0 if remote_ip is not None else 1
+        replies = shm_broadcast.MessageQueue(1, local, connect_ip=remote_ip)
         conn.send(replies.export_handle())
     queue.wait_until_ready()
     if replies is not None:
@@ -114,10 +119,17 @@ def _recv_handle(conn: Connection) -> Any:
 class VllmQueueSide:
     """vLLM's ``MessageQueue`` from this process to ``workers`` reader processes; replies
     come through a Pipe each, or (``own_replies``) through a queue of each reader's.
-    ``max_chunk_bytes``: the call queue's chunk (None: the constructor's default)."""
+    ``max_chunk_bytes``: the call queue's chunk (None: the constructor's default).
+    ``remote_ranks`` are remote readers, as on another node: their calls travel over TCP on
+    ``remote_ip`` (a loopback address here), and so do their replies with ``own_replies``."""
 
     def __init__(
-        self, workers: int, own_replies: bool = False, max_chunk_bytes: int | None = None
+        self,
+        workers: int,
+        own_replies: bool = False,
+        max_chunk_bytes: int | None = None,
+        remote_ranks: tuple[int, ...] = (),
+        remote_ip: str = "127.0.0.1",
     ) -> None:
         shm_broadcast = importlib.import_module(SHM_MODULE)
         # vLLM puts its zmq ipc sockets under VLLM_RPC_BASE_PATH: a directory of this side's.
@@ -128,14 +140,25 @@ class VllmQueueSide:
         self._procs: list[BaseProcess] = []
         self._replies: list[Any] = []
         try:
-            extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
-            self._queue = shm_broadcast.MessageQueue(workers, workers, **extra)
-            self._rings = [str(self._queue.buffer.shared_memory.name)]
+            extra: dict[str, Any] = {}
+            if max_chunk_bytes is not None:
+                extra["max_chunk_bytes"] = max_chunk_bytes
+            local = [rank for rank in range(workers) if rank not in remote_ranks]
+            if remote_ranks:
+                extra.update(local_reader_ranks=local, connect_ip=remote_ip)
+            self._queue = shm_broadcast.MessageQueue(workers, len(local), **extra)
+            self._rings = [] if self._queue.buffer is None else [self._ring(self._queue)]
             for rank in range(workers):
                 here, there = SPAWN.Pipe()
                 proc = SPAWN.Process(
                     target=_vllm_reader,
-                    args=(self._queue.export_handle(), rank, there, own_replies),
+                    args=(
+                        self._queue.export_handle(),
+                        rank,
+                        there,
+                        own_replies,
+                        remote_ip if rank in remote_ranks else None,
+                    ),
                     daemon=True,
                 )
                 proc.start()
@@ -146,7 +169,8 @@ class VllmQueueSide:
             self._queue.wait_until_ready()
             for handle in handles:
                 replies = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
-                self._rings.append(str(replies.buffer.shared_memory.name))
+                if replies.buffer is not None:  # a remote reply queue has no ring here
+                    self._rings.append(self._ring(replies))
                 replies.wait_until_ready()
                 self._replies.append(replies)
         finally:
@@ -154,6 +178,10 @@ class VllmQueueSide:
                 os.environ.pop("VLLM_RPC_BASE_PATH", None)
             else:
                 os.environ["VLLM_RPC_BASE_PATH"] = before
+
+    @staticmethod
+    def _ring(queue: Any) -> str:
+        return str(queue.buffer.shared_memory.name)
 
     def call(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         """Enqueue the call once; read each reader's reply."""
