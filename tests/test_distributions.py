@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 from pathlib import Path
@@ -46,8 +47,8 @@ def test_installed_version_is_the_packages(directory: str) -> None:
     assert importlib.metadata.version(distribution) == module.__version__
 
 
-#: The most lines a product module may have (issue 26: one job per module; scripts/ has the
-#: same bound in test_gpu_check_script.py).
+#: The most lines a product module, a script or a benchmark may have (issue 26: one job per
+#: module).
 MAX_MODULE_LINES = 400
 
 
@@ -60,3 +61,58 @@ def test_no_module_is_over_the_bound(directory: str) -> None:
         if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES
     }
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by job): {over}"
+
+
+def _imported(path: Path) -> list[str]:
+    """Every module and ``module.name`` that ``path`` imports (absolute imports only)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def _private(name: str) -> bool:
+    return "._" in name.replace(".__", ".")
+
+
+def _product_files() -> dict[Path, str | None]:
+    """Every Python file that ships or that a user runs, with the package it belongs to
+    (None for the scripts and benchmarks, which belong to none)."""
+    files: dict[Path, str | None] = {}
+    for directory, (_, package) in DISTRIBUTIONS.items():
+        for path in (ROOT / directory / "src" / package).rglob("*.py"):
+            files[path] = package
+    for folder in ("scripts", "benchmarks"):
+        for path in (ROOT / folder).glob("*.py"):
+            files[path] = None
+    return files
+
+
+def test_no_private_import_across_distributions() -> None:
+    """Issue 26: product code, scripts and benchmarks use only the public faces of the other
+    distributions (a distribution's own tests may reach into it)."""
+    found = {}
+    for path, package in _product_files().items():
+        bad = [
+            name
+            for name in _imported(path)
+            if (
+                name.startswith("executor_") and name.split(".", 1)[0] != package and _private(name)
+            )
+            or (package is None and name.startswith("ray.") and _private(name))
+        ]
+        if bad:
+            found[str(path.relative_to(ROOT))] = sorted(set(bad))
+    assert not found, f"private names of another distribution imported: {found}"
+
+
+def test_scripts_and_benchmarks_are_under_the_bound() -> None:
+    over = {
+        str(path.relative_to(ROOT)): lines
+        for path, package in _product_files().items()
+        if package is None and (lines := path.read_text().count("\n")) > MAX_MODULE_LINES
+    }
+    assert not over, f"scripts over {MAX_MODULE_LINES} lines (split them by job): {over}"

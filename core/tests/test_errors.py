@@ -53,6 +53,7 @@ def test_unpicklable_exception_still_gives_text() -> None:
         WorkerError(1, "m", "ValueError", "msg", "Traceback ...", ValueError("msg")),
         WorkerDiedError(2, exitcode=-9, signal=9, detail="node lost"),
         RPCTimeoutError("slow", [0, 1], 1.5),
+        RPCTimeoutError("slow", [1], 1.5, WorkerError(0, "slow", "OSError", "busy", "")),
         ConfigError("world_size", 3, "must be 2"),
     ],
 )

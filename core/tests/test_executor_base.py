@@ -266,6 +266,31 @@ def test_non_blocking_timeout_fails_the_future_on_time() -> None:
         assert info.value.ranks == (0, 1)
 
 
+def test_a_timeout_names_the_failure_that_a_rank_already_answered_with() -> None:
+    """Rank 0 fails at once (it cannot host the rendezvous, say) while rank 1 waits for it:
+    the timeout says what rank 0 raised, in both the blocking and the non-blocking form."""
+    failure = RemoteFailure.capture(0, "m", OSError("address already in use"))
+    with _ManualExecutor(_config()) as executor:
+        transport = _transport(executor)
+        thread, out = _call_in_thread(lambda: executor.collective_rpc("m", timeout=0.3))
+        _wait_sent(transport, 1)
+        transport.host.deliver(transport.sent[0].seq, 0, False, failure)
+        future = executor.collective_rpc("m", timeout=0.3, non_block=True)
+        transport.host.deliver(transport.sent[1].seq, 0, False, failure)
+        thread.join(5)
+        with pytest.raises(RPCTimeoutError) as info:
+            future.result(5)
+        for error in (out[0], info.value):
+            assert isinstance(error, RPCTimeoutError)
+            assert error.ranks == (1,)
+            assert "rank 0 had failed the call" in str(error)
+            assert "OSError" in str(error)
+            assert "address already in use" in str(error)
+            assert isinstance(error.failed, WorkerError)
+            assert error.failed.rank == 0
+            assert error.__cause__ is error.failed
+
+
 def test_invalid_arguments_are_refused_before_sending() -> None:
     with _ManualExecutor(_config()) as executor:
         with pytest.raises(ValueError, match="timeout"):

@@ -221,17 +221,36 @@ class RecoveringError(ExecutorError):
 class RPCTimeoutError(ExecutorError, TimeoutError):
     """A collective call did not complete within its timeout.
 
-    Names the method and the ranks that had not answered.
+    Names the method and the ranks that had not answered. Where another rank had already
+    failed the call (its error is :attr:`failed`, the lowest failing rank's, also chained as
+    ``__cause__``), the message says so: that failure is usually why the others still wait
+    (a rank that cannot host a rendezvous leaves its peers waiting at it).
     """
 
-    def __init__(self, method: str, ranks: Sequence[int], timeout: float) -> None:
+    def __init__(
+        self,
+        method: str,
+        ranks: Sequence[int],
+        timeout: float,
+        failed: ExecutorError | None = None,
+    ) -> None:
         self.method = method
         self.ranks = tuple(ranks)
         self.timeout = timeout
-        super().__init__(
+        self.failed = failed
+        text = (
             f"collective_rpc {method!r} timed out after {timeout:g} s; "
             f"ranks that did not answer: {list(self.ranks)}"
         )
+        if failed is not None:
+            rank = getattr(failed, "rank", None)
+            who = "another rank" if rank is None else f"rank {rank}"
+            first = str(failed).split("\n", 1)[0]
+            text += f"; {who} had failed the call: {first} (the whole error is chained below)"
+            self.__cause__ = failed
+        super().__init__(text)
 
-    def __reduce__(self) -> tuple[type[RPCTimeoutError], tuple[str, tuple[int, ...], float]]:
-        return (type(self), (self.method, self.ranks, self.timeout))
+    def __reduce__(
+        self,
+    ) -> tuple[type[RPCTimeoutError], tuple[str, tuple[int, ...], float, ExecutorError | None]]:
+        return (type(self), (self.method, self.ranks, self.timeout, self.failed))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ._calls import CallTable
 from ._config import worker_environment
 from ._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError
-from ._net import tcp_init_method
+from ._net import release_port, reserve_port, tcp_init_method
 from ._replies import Replies
 from ._worker import WorkerContext
 from ._wrapper import WorkerWrapper
@@ -97,6 +97,8 @@ class TransportHost:
         # What that replaces in this process: an in-process worker applies it to the driver's
         # environment, and release puts it back (see _restore_env).
         self._saved_env = {key: os.environ.get(key) for key in self.worker_env}
+        #: The port :meth:`rendezvous` keeps (one cell, shared with a host that takes over).
+        self._rendezvous: list[int] = []
 
     def take_over(self, old: TransportHost) -> None:
         """A rank replacement: this host carries on ``old``'s transport, so it takes what
@@ -113,6 +115,7 @@ class TransportHost:
         with self.state_lock:
             self._cleanups[:0] = cleanups
         self._saved_env = old._saved_env
+        self._rendezvous = old._rendezvous
 
     def attach(self, transport: Transport) -> Replies:
         """Take the executor's transport (once, before it starts); return its :class:`Replies`."""
@@ -157,7 +160,7 @@ class TransportHost:
     ) -> list[WorkerContext]:
         """Every rank's context, in rank order. ``node_ids[rank]`` names each rank's node
         (default: every rank on this host); local ranks count up per node in rank order.
-        ``init_method`` defaults to a free port on ``config.distributed_host``.
+        ``init_method`` defaults to :meth:`rendezvous` on ``config.distributed_host``.
         ``node_addresses`` maps a node id to its address (``WorkerContext.node_address``)."""
         world_size = self.config.world_size
         if node_ids is None:
@@ -165,7 +168,7 @@ class TransportHost:
         if len(node_ids) != world_size:
             raise ValueError(f"node_ids has {len(node_ids)} entries for {world_size} ranks")
         if init_method is None:
-            init_method = tcp_init_method(self.config.distributed_host)
+            init_method = self.rendezvous()
         per_node: dict[str, int] = {}
         local_ranks = []
         for node in node_ids:
@@ -182,6 +185,23 @@ class TransportHost:
             )
             for rank, node in enumerate(node_ids)
         ]
+
+    def rendezvous(self, host: str | None = None) -> str:
+        """A ``tcp://`` torch.distributed rendezvous on ``host`` (default
+        ``config.distributed_host``, which must be this machine) at a port that this executor
+        keeps free (:func:`reserve_port`) until its workers have stopped or the next
+        rendezvous replaces it: rank 0's store binds it however long a worker waits to join."""
+        host = host or self.config.distributed_host
+        port = reserve_port(host)
+        cell = self._rendezvous
+        with self.state_lock:
+            previous = cell[:]
+            cell[:] = [port]
+        if previous:
+            release_port(previous[0])
+        else:
+            self.add_cleanup(lambda: release_port(cell[0]))
+        return tcp_init_method(host, port)
 
     def wrapper(self, context: WorkerContext) -> WorkerWrapper:
         """The wrapper that hosts ``context``'s worker: in this process as it is (with this

@@ -92,7 +92,7 @@ class Replies:
                 if not call.done and deadline is not None and time.monotonic() >= deadline:
                     table.remove(call)
                     if not call.done:
-                        raise RPCTimeoutError(call.name, call.missing(), call.timeout or 0.0)
+                        raise _timed_out(call)
         except BaseException:
             if not call.done:
                 table.remove(call)
@@ -186,12 +186,18 @@ class Replies:
             now = time.monotonic()
             for call in table.expired(now):
                 table.remove(call)
-                call.finish(False, RPCTimeoutError(call.name, call.missing(), call.timeout or 0.0))
+                call.finish(False, _timed_out(call))
 
     def _next_deadline(self) -> float | None:
         expired = self._table.expired(float("inf"))
         deadlines = [c.deadline for c in expired if c.deadline is not None]
         return min(deadlines) if deadlines else None
+
+
+def _timed_out(call: Call) -> RPCTimeoutError:
+    """The error of a call past its deadline: the ranks still missing, and the failure that
+    a rank already answered with (the lowest failing rank's), if any."""
+    return RPCTimeoutError(call.name, call.missing(), call.timeout or 0.0, call.error)
 
 
 def _slice(deadline: float | None) -> float:

@@ -24,7 +24,7 @@ from ._calls import Call
 from ._hookspecs import hookimpl
 from ._host import TransportHost
 from ._lazy import lazy_getattr
-from ._net import find_free_port, tcp_init_method
+from ._net import find_free_port, reserve_port, tcp_init_method
 from ._qualname import preload_worker
 from ._registry import (
     PLUGINS_ENV_VAR,
@@ -59,5 +59,6 @@ __all__ = [
     "lazy_getattr",
     "method_name",
     "preload_worker",
+    "reserve_port",
     "tcp_init_method",
 ]

@@ -24,6 +24,7 @@ from executor_channel import hub as wire
 from executor_channel.codec import KIND_STOP
 from executor_channel.shm import Doorbell, NodeRings, Received, Ring
 from executor_core import ConfigError, ExecutorError
+from executor_core.backend import reserve_port
 
 from ._agent_status import DRIVER_LOST_EXIT, REFUSED_EXIT, REJOIN, remedy
 from ._group import WorkerGroup
@@ -390,11 +391,9 @@ def _owned(view: Received) -> Any:
 
 
 def _free_port(address: str) -> int:
-    """A TCP port free on ``address`` a moment ago (0 if it cannot be bound here)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    """A TCP port kept free on ``address`` for the torch rendezvous (``reserve_port``), or 0
+    if it cannot be bound here."""
     try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((address, 0))
-            return int(sock.getsockname()[1])
+        return reserve_port(address)
     except OSError:
         return 0

@@ -230,7 +230,7 @@ class MultiprocTransport(Transport):
         config = host.config
         driver.rebind(host)
         # A new rendezvous on this host, as at start (the driver's node hosts it).
-        init_method = tcp_init_method(config.distributed_host)
+        init_method = host.rendezvous()
         contexts = [
             attrs.evolve(context, distributed_init_method=init_method) for context in self._contexts
         ]

@@ -13,7 +13,7 @@ import ray
 
 from executor_channel.codec import KIND_READY, encode
 from executor_channel.shm import SegmentLayout, WorkerRings, serve_rings
-from executor_core.backend import RemoteFailure, WorkerWrapper, find_free_port, preload_worker
+from executor_core.backend import RemoteFailure, WorkerWrapper, preload_worker, reserve_port
 
 from ._lifeline import ActorLifeline, Address, hold
 from ._ranks import ActorInfo
@@ -74,8 +74,9 @@ class RayWorker:
             preload_worker(worker_cls)
 
     def free_port(self, host: str) -> int:
-        """A free TCP port on this node (for the torch.distributed rendezvous)."""
-        return find_free_port(host)
+        """A TCP port on this node kept free for the torch.distributed rendezvous, which this
+        actor's rank (rank 0) hosts (``reserve_port``)."""
+        return reserve_port(host)
 
     def init_worker(self, wrapper: WorkerWrapper) -> Failed | None:
         """Build the user's worker (``wrapper``, from ``TransportHost.wrapper``) and run

@@ -300,7 +300,7 @@ class RayTransport(Transport):
             monitor.watch(rank, actor.watch.remote())
             self._killed.discard(rank)  # after the swap: the old actor's watch is gone
         # Rank 0 is on this node (the driver's node's ranks come first): a port free here.
-        init_method = tcp_init_method(self._rendezvous_host())
+        init_method = host.rendezvous(self._rendezvous_host())
         contexts = [
             attrs.evolve(context, distributed_init_method=init_method) for context in self._contexts
         ]

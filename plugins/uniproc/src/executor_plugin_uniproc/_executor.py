@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from executor_core import Executor, WorkerError
-from executor_core.backend import Call, Transport, WorkerContext, tcp_init_method
+from executor_core.backend import Call, Transport, WorkerContext
 
 from ._serial import SerialRunner
 
@@ -31,7 +31,7 @@ class InProcessTransport(Transport):
             local_rank=0,
             local_world_size=1,
             node_id=socket.gethostname(),
-            init_method=tcp_init_method(host.config.distributed_host),
+            init_method=host.rendezvous(),
         )
 
     def start(self) -> None:
