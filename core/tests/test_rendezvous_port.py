@@ -69,4 +69,4 @@ def test_reservations_are_bounded_oldest_released_first(monkeypatch: pytest.Monk
 
 def test_a_host_that_is_not_here_is_refused() -> None:
     with pytest.raises(OSError):
-        reserve_port("192.0.2.1")  # TEST-NET-1: no address of this machine
+        reserve_port("240.0.0.1")  # reserved (class E): no machine has it on an interface
