@@ -51,8 +51,6 @@ def reserve_port(host: str = LOOPBACK) -> int:
         raise
     port: int = sock.getsockname()[1]
     with _lock:
-        if not _reserved:
-            atexit.register(_release_all)  # closed, not left to the collector, at exit
         _reserved[port] = sock
         while len(_reserved) > _KEPT:
             _reserved.popitem(last=False)[1].close()
@@ -67,8 +65,8 @@ def release_port(port: int) -> None:
         sock.close()
 
 
+@atexit.register  # closed at exit, not left to the collector
 def _release_all() -> None:
-    atexit.unregister(_release_all)
     for port in list(_reserved):
         release_port(port)
 
