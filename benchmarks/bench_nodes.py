@@ -6,9 +6,10 @@
 Two "nodes" on this machine over loopback, one rank on each, in one run (``executor bench``'s
 worker, sides, Ray session and timing loop):
 
-* ``mp, 2 nodes``: ``mp`` with ``num_nodes=2``: rank 0 a worker of this driver, rank 1 one of
-  a node agent (``python -m executor_core node --node-rank 1``) this script starts, sharing
-  ``EXECUTOR_CHANNEL_SECRET``; default options but ``node_port``.
+* ``mp, 2 nodes``: ``executor bench``'s side of its ``nodes`` workload (``TwoNodeSide``):
+  ``mp`` with ``num_nodes=2``, rank 0 a worker of this driver, rank 1 one of a node agent on
+  127.0.0.2 that it starts; default options but ``node_port``. ``executor bench --workloads
+  nodes`` measures it against the two wire baselines below; this script adds raw Ray.
 * ``raw Ray, 2 nodes`` (the baseline): a simulated Ray cluster of a head node (this driver's)
   and one more, one plain actor pinned to each by a custom resource; a "collective" is a
   call on each and a ``ray.get`` of both; token authentication unless ``--no-ray-token``.
@@ -34,13 +35,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import operator
 import os
-import secrets
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any
 
@@ -48,6 +44,7 @@ from executor_bench import (
     BackendSide,
     RayActorsSide,
     RaySession,
+    TwoNodeSide,
     VllmQueueSide,
     ZmqSide,
     format_time,
@@ -56,8 +53,6 @@ from executor_bench import (
     markdown_table,
     percentile,
 )
-from executor_channel import ENV_SECRET
-from executor_core.backend import find_free_port
 
 MB = 1 << 20
 PAYLOAD = (b"x" * MB,)
@@ -65,33 +60,6 @@ RAW = "raw Ray, 2 nodes"
 VLLM = "vLLM MQ, remote reader"
 #: Seconds after a vLLM block: its local reader spins for a second after each read.
 SETTLE_S = 1.2
-
-
-def start_agent(port: int, log: Any, session: bool = False) -> subprocess.Popen[bytes]:
-    """The node agent of node rank 1 (its workers import what this process can); in a
-    session of its own with ``session``, as a scheduler's step is (on one machine the
-    kernel's autogroups then share the CPUs between the driver's session and the agent's,
-    which changes a round trip's latency: a like-for-like baseline needs the same)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-m", "executor_core", "node", "--node-rank", "1"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", "60"]
-    return subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=session
-    )
-
-
-def stop_agent(agent: subprocess.Popen[bytes], log: Any) -> None:
-    """Wait for the agent to exit (the executor's shutdown stops it), else kill it."""
-    try:
-        agent.wait(10)
-    except subprocess.TimeoutExpired:
-        agent.kill()
-        agent.wait(10)
-    if agent.returncode != 0:
-        log.seek(0)
-        tail = log.read().decode(errors="replace")[-2000:]
-        print(f"agent (pid {agent.pid}) ended with {agent.returncode}:\n{tail}", file=sys.stderr)
-    print(f"agent pid {agent.pid} ended with code {agent.returncode}")
 
 
 def rows(case: str, samples: dict[str, list[float]], base: str = RAW) -> list[list[Any]]:
@@ -137,7 +105,6 @@ def main() -> None:
     parser.add_argument("--vllm-path", help="vLLM's MessageQueue (benchmarks/vllm_mq.sh)")
     args = parser.parse_args()
     os.environ["EXECUTOR_PLUGINS"] = "multiproc"
-    os.environ[ENV_SECRET] = secrets.token_hex(32)
     started = time.monotonic()
     with contextlib.ExitStack() as stack:  # every callback runs, in reverse order
         # Ray first: its start keeps both cores busy for seconds, which the mp nodes'
@@ -152,11 +119,7 @@ def main() -> None:
 
         nodes = ray.get([actor.node_id.remote() for actor in raw.actors])
         assert nodes[0] == ray.get_runtime_context().get_node_id() != nodes[1], nodes
-        port = find_free_port()
-        log = stack.enter_context(tempfile.TemporaryFile())
-        agent = start_agent(port, log)
-        stack.callback(stop_agent, agent, log)
-        two = BackendSide("mp", 2, options={"node_port": port}, num_nodes=2)
+        two = TwoNodeSide()
         stack.callback(two.close)
         one = BackendSide("mp", 2)
         stack.callback(one.close)
@@ -167,8 +130,6 @@ def main() -> None:
             import_vllm(args.vllm_path)
             vllm = VllmQueueSide(2, own_replies=True, remote_ranks=(1,), remote_ip="127.0.0.2")
             stack.callback(vllm.close)
-        contexts = two.executor.collective_rpc(operator.attrgetter("context"))
-        assert contexts[0].node_id != contexts[1].node_id, "both mp ranks on one node"
         assert two.call("size_of", PAYLOAD) == raw.call("size_of", PAYLOAD) == [MB, MB]
         ref = (ray.put(PAYLOAD[0]),)
         print(

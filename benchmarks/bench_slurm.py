@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import call_options, rows, start_agent
+from bench_nodes import call_options, rows
 
 from executor_bench import BackendSide, format_time, interleave, markdown_table
 from executor_channel import ENV_SECRET
@@ -48,6 +48,19 @@ MB = 1 << 20
 PAYLOAD = (b"x" * MB,)
 MP = "mp, 2 nodes"
 TESTS = Path(__file__).resolve().parents[1] / "plugins" / "slurm" / "tests"
+
+
+def start_agent(port: int, log: Any, session: bool = False) -> subprocess.Popen[bytes]:
+    """The node agent of node rank 1 (its workers import what this process can); in a
+    session of its own with ``session``, as a scheduler's step is (on one machine the
+    kernel's autogroups then share the CPUs between the driver's session and the agent's,
+    which changes a round trip's latency: a like-for-like baseline needs the same)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    command = [sys.executable, "-m", "executor_core", "node", "--node-rank", "1"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", "60"]
+    return subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=session
+    )
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 from bench_helpers import make_fake_vllm
 
 from executor_bench._baseline_vllm import describe_vllm, import_vllm
-from executor_bench._options import MIB, format_size, parse_size
+from executor_bench._options import DEFAULT_WORKLOADS, MIB, WORKLOADS, format_size, parse_size
 from executor_bench._workloads import Plan, Row, Summary, percentile
 
 
@@ -73,6 +73,23 @@ def test_plan() -> None:
     assert quick.warmup_calls(Row("payload", "bytes", 64 * MIB)) == 2
     assert Row("payload", "tensor", MIB).key == "payload/tensor/1048576"
     assert Row("cold").title(0.002) == "no-op after 2 ms idle"
+    assert default.calls(Row("nodes")) == default.nodes_calls > quick.nodes_calls
+
+
+@pytest.mark.parametrize(
+    "row",
+    [Row("hot"), Row("payload", "tensor", MIB), Row("nodes"), Row("nodes", "bytes", MIB)],
+)
+def test_a_row_is_found_again_from_its_key(row: Row) -> None:
+    assert Row.from_key(row.key) == row
+    assert row.method == ("noop" if row.size is None else "size_of")
+
+
+def test_the_nodes_workload_is_asked_for_not_default() -> None:
+    """It starts a node agent and sides of its own: only a run that names it has it."""
+    assert "nodes" in WORKLOADS
+    assert "nodes" not in DEFAULT_WORKLOADS
+    assert Row("nodes", "bytes", MIB).title(0.002) == "2 nodes: bytes 1 MiB"
 
 
 @pytest.fixture

@@ -282,6 +282,57 @@ def test_a_sigterm_stops_a_run_and_leaves_nothing_behind(tmp_path: Path) -> None
     assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
+def test_the_nodes_workload_measures_mp_across_two_nodes_against_the_wire(tmp_path: Path) -> None:
+    """``--workloads nodes``: mp with rank 1 under a node agent on 127.0.0.2, the raw pyzmq
+    wire and vLLM's remote reader (here a stand-in), each on a no-op and a 1 MiB argument;
+    the four targets are judged; the sides of other workloads are not started, and the
+    agent is gone after the run."""
+    fake = make_fake_vllm(tmp_path / "fake")
+    out = tmp_path / "out"
+    began = time.time()
+    result = run_executor(
+        "bench",
+        "--backends",
+        "mp",
+        "--baselines",
+        "vllm",
+        "--vllm-path",
+        str(fake),
+        "--workloads",
+        "nodes",
+        "--quick",
+        "--no-progress",
+        "--output-dir",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads((out / "results.json").read_text())
+    assert document["skipped"] == document["failed"] == []
+    sides = ["mp, 2 nodes", "pyzmq over TCP", "vLLM MQ, remote reader"]
+    assert [side["name"] for side in document["sides"]] == sides
+    assert "agent on 127.0.0.2" in document["sides"][0]["note"]
+    rows = _rows(document)
+    keys = ("nodes", f"nodes/bytes/{1 << 20}")
+    assert set(rows) == {(key, side) for key in keys for side in sides}
+    for key in keys:
+        assert all(rows[key, side]["n"] == 2 * 5 for side in sides)  # --quick: 2 rounds of 5
+        assert set(rows[key, "mp, 2 nodes"]["ratios"]) == set(sides[1:])
+    targets = {(t["row"], t["baseline"]): t for t in document["targets"]}
+    assert set(targets) == {(key, side) for key in keys for side in sides[1:]}
+    wire = targets["nodes", "pyzmq over TCP"]
+    assert (wire["limit"], wire["title"]) == (1.5, "mp, 2 nodes: no-op, median")
+    assert targets[keys[1], "vLLM MQ, remote reader"]["limit"] == 0.8
+    assert all(t["verdict"] in ("met", "not met", "undecided") for t in targets.values())
+    agents = [
+        p
+        for p in psutil.process_iter(["cmdline", "create_time"])
+        if p.info["create_time"] >= began - 1
+        and "node" in (p.info["cmdline"] or [])
+        and "127.0.0.2" in (p.info["cmdline"] or [])
+    ]
+    assert agents == [], "a node agent outlived the run"
+
+
 def test_the_vllm_baseline_lays_out_a_remote_reader_as_vllm_does(tmp_path: Path) -> None:
     """``remote_ranks``: those readers are remote (an address, no ring), and so are their
     reply queues' reader (the driver); the calls still reach every rank."""

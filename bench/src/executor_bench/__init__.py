@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ._baseline_ray import RayActorsSide
     from ._baseline_vllm import VllmQueueSide, import_vllm
     from ._baseline_zmq import ZmqSide
+    from ._nodes import TwoNodeSide
     from ._overhead import CallObserver, import_ms, per_call_us
     from ._ray_session import RaySession
     from ._sides import BackendSide
@@ -39,6 +40,7 @@ __all__ = [
     "PipeSide",
     "RayActorsSide",
     "RaySession",
+    "TwoNodeSide",
     "VllmQueueSide",
     "ZmqSide",
     "__version__",
@@ -61,6 +63,7 @@ _LAZY: dict[str, str] = {
     "PipeSide": "._baseline_pipe",
     "RayActorsSide": "._baseline_ray",
     "RaySession": "._ray_session",
+    "TwoNodeSide": "._nodes",
     "VllmQueueSide": "._baseline_vllm",
     "ZmqSide": "._baseline_zmq",
     "format_time": "._workloads",

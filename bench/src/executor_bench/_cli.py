@@ -20,6 +20,7 @@ from ._options import (
     BASELINES,
     DEFAULT_BASELINES,
     DEFAULT_SIZES,
+    DEFAULT_WORKLOADS,
     KIB,
     MIB,
     PAYLOAD_KINDS,
@@ -144,9 +145,11 @@ def add_bench_command(commands: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument(
         "--workloads",
         type=_csv(WORKLOADS),
-        default=list(WORKLOADS),
+        default=list(DEFAULT_WORKLOADS),
         metavar="NAMES",
-        help=f"workloads, comma-separated, of {','.join(WORKLOADS)} (default: all)",
+        help=f"workloads, comma-separated, of {','.join(WORKLOADS)} (default: all but "
+        "nodes, which starts a node agent on 127.0.0.2 and measures mp across two nodes "
+        "against raw pyzmq over TCP and vLLM's remote readers)",
     )
     parser.add_argument(
         "--repeats",

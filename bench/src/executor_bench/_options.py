@@ -11,6 +11,10 @@ __all__ = [
     "BASELINES",
     "DEFAULT_BASELINES",
     "DEFAULT_SIZES",
+    "DEFAULT_WORKLOADS",
+    "NODES_ADDRESS",
+    "NODES_SIZE",
+    "NODE_SIDES",
     "PAYLOAD_KINDS",
     "WORKLOADS",
     "format_size",
@@ -22,8 +26,23 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 #: The workloads, in the order they are reported (``imports``: import times in fresh
-#: interpreters; ``overhead``: the core's own cost per call, in one process, on ``uni``).
-WORKLOADS = ("imports", "overhead", "hot", "cold", "payload", "startup")
+#: interpreters; ``overhead``: the core's own cost per call, in one process, on ``uni``;
+#: ``nodes``: calls to ranks on a second node of this machine, against the wire, ``_nodes``).
+WORKLOADS = ("imports", "overhead", "hot", "cold", "payload", "startup", "nodes")
+#: The workloads of a run that names none: ``nodes`` starts a node agent and sides of its
+#: own, and only when asked for.
+DEFAULT_WORKLOADS = WORKLOADS[:-1]
+#: The ``nodes`` workload's argument sizes: a no-op, and one ``bytes`` argument of this size.
+NODES_SIZE = MIB
+#: The ``nodes`` workload's second node: another loopback address, so that its traffic
+#: crosses TCP as another machine's would.
+NODES_ADDRESS = "127.0.0.2"
+#: The ``nodes`` workload's sides, by what they run, with their label in the results.
+NODE_SIDES = {
+    "mp": "mp, 2 nodes",
+    "zmq": "pyzmq over TCP",
+    "vllm": "vLLM MQ, remote reader",
+}
 #: What a payload argument is: ``bytes``, or a CPU float32 tensor (needs torch).
 PAYLOAD_KINDS = ("bytes", "tensor")
 #: Payload sizes of the default run: from a small message to several ring slots.

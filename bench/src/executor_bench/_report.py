@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._intervals import CONFIDENCE, MIN_P99_CALLS, MIN_UNITS, Estimate, ratio_estimate
+from ._options import NODE_SIDES, NODES_ADDRESS, NODES_SIZE
 from ._overhead import OVERHEAD_LIMITS
 from ._result import BenchResult
 from ._workloads import Row, Summary, format_time
@@ -36,10 +37,16 @@ class Target:
 
 
 #: The SDK's performance goals against vLLM's MessageQueue (the project's issue 15): the
-#: cold call after 2 ms idle, and the tail of back-to-back no-op calls.
+#: cold call after 2 ms idle, and the tail of back-to-back no-op calls; across two nodes
+#: (issue 30), near the wire and ahead of vLLM's remote readers, authentication on.
 TARGETS = (
     Target("mp", "vLLM MQ", "cold", "median", 0.8),
     Target("mp", "vLLM MQ", "hot", "p99", 0.6),
+    *(
+        Target(NODE_SIDES["mp"], NODE_SIDES[baseline], row, "median", limit)
+        for row in ("nodes", f"nodes/bytes/{NODES_SIZE}")
+        for baseline, limit in (("zmq", 1.5), ("vllm", 0.8))
+    ),
 )
 
 
@@ -147,11 +154,14 @@ def _targets(result: BenchResult) -> list[dict[str, Any]]:
         if not any(mine) or not any(theirs):
             continue
         estimate = ratio_estimate(mine, theirs, target.statistic)
-        title = Row(target.row).title(result.plan.idle_s)
+        row = Row.from_key(target.row)
+        title = f"{target.backend} {row.title(result.plan.idle_s)}"
+        if row.workload == "nodes":  # the side's name says where its ranks are
+            title = f"{target.backend}: {row.title(result.plan.idle_s).partition(': ')[2]}"
         out.append(
             {
                 **asdict(target),
-                "title": f"{target.backend} {title}, {target.statistic}",
+                "title": f"{title}, {target.statistic}",
                 "ratio": estimate.point,
                 **_judged(estimate, target.limit, "ratio", "per-round ratio"),
             }
@@ -274,6 +284,11 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{_count(plan['startup_samples'], 'start-up')} per side"
         + (" (--quick)" if options["quick"] else ""),
     ]
+    if "nodes" in options["workloads"]:
+        lines.append(
+            f"- Across nodes: 2 ranks a side, rank 1 on a second node behind {NODES_ADDRESS}; "
+            f"{_count(plan['nodes_calls'], 'call')} per row and round"
+        )
     lines += [
         f"- {key.replace('_', ' ').capitalize()}: {v}" for key, v in document["facts"].items()
     ]

@@ -15,6 +15,7 @@ import time
 
 from ._baselines import select_baselines
 from ._config import BenchConfig
+from ._nodes import select_node_sides
 from ._overhead import Overhead, measure_imports, measure_overhead
 from ._ray_session import RaySession
 from ._result import BenchResult
@@ -48,6 +49,12 @@ class Bench(TimingLoop):
         )
         self.skipped += skipped
         self.sides = backends + baselines
+        if "nodes" in config.workloads:
+            nodes, skipped = select_node_sides(backends, config.vllm_path)
+            self.sides += nodes
+            self.skipped += skipped
+        # A side takes part in some workloads only: one with none of this run's is not started.
+        self.sides = [side for side in self.sides if side.workloads & set(config.workloads)]
         self.plan = Plan.create(quick=config.quick, repeats=config.repeats, idle_s=config.idle_s)
         self.rows = build_rows(config, kinds)
 
@@ -56,7 +63,7 @@ class Bench(TimingLoop):
     def measure(self) -> BenchResult:
         """Start the sides, measure every row, stop them; return what was measured."""
         config = self.config
-        call_rows = [row for row in self.rows if row.workload in ("hot", "cold", "payload")]
+        call_rows = [row for row in self.rows if row.workload not in ("startup", "shutdown")]
         startup = "startup" in config.workloads
         for row in call_rows:
             if row.kind is not None and row.size is not None:

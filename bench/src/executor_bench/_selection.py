@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from ._config import BenchConfig
-from ._options import PAYLOAD_KINDS
+from ._options import NODES_SIZE, PAYLOAD_KINDS
 from ._sides import BenchUsageError, SideSpec
 from ._workloads import Row
 
@@ -22,6 +22,8 @@ def build_rows(config: BenchConfig, kinds: Sequence[str]) -> list[Row]:
             rows += [Row("payload", kind, size) for kind in kinds for size in config.sizes]
         elif workload == "startup":
             rows += [Row("startup"), Row("shutdown")]
+        elif workload == "nodes":
+            rows += [Row("nodes"), Row("nodes", "bytes", NODES_SIZE)]
         elif workload in ("imports", "overhead"):
             continue  # measured apart, in fresh interpreters or this process (_overhead)
         else:

@@ -31,7 +31,7 @@ class _SideFailed(Exception):
 
 
 def _check(side: SideSpec, row: Row, result: list[Any]) -> None:
-    expected = [row.size if row.workload == "payload" else None] * side.workers
+    expected = [row.size] * side.workers
     if result != expected:
         raise _SideFailed(f"{row.key}: returned {result!r:.200}, expected {expected!r:.200}")
 
@@ -157,7 +157,7 @@ class TimingLoop:
         self._settle(side)
 
     def _args(self, row: Row) -> tuple[Any, ...]:
-        return (self.payloads[row.key],) if row.workload == "payload" else ()
+        return () if row.size is None else (self.payloads[row.key],)
 
     def _settle(self, side: SideSpec) -> None:
         if side.spins:

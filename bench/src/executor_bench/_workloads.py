@@ -64,13 +64,25 @@ class Row:
             return "start-up: create to first call returned"
         if self.workload == "shutdown":
             return "shutdown"
+        if self.workload == "nodes":
+            what = "no-op" if self.size is None else f"{self.kind} {format_size(self.size)}"
+            return f"2 nodes: {what}"
         assert self.size is not None
         return f"{self.kind} {format_size(self.size)}"
 
+    @classmethod
+    def from_key(cls, key: str) -> Row:
+        """The row whose :attr:`key` is ``key``."""
+        workload, _, rest = key.partition("/")
+        if not rest:
+            return cls(workload)
+        kind, _, size = rest.partition("/")
+        return cls(workload, kind, int(size))
+
     @property
     def method(self) -> str:
-        """The worker method the row calls."""
-        return SIZE_OF if self.workload == "payload" else NOOP
+        """The worker method the row calls: a row with an argument, ``size_of``."""
+        return NOOP if self.size is None else SIZE_OF
 
 
 @dataclass(frozen=True)
@@ -91,13 +103,15 @@ class Plan:
     #: least 2 and at most 12 calls. vLLM's ring has 10 chunks whose first write takes the
     #: page faults; the other sides' rings and allocators warm up alike.
     warmup_bytes: int
+    #: Timed calls per round of each ``nodes`` row (a no-op, a 1 MiB argument).
+    nodes_calls: int = 50
 
     @classmethod
     def create(cls, *, quick: bool, repeats: int | None, idle_s: float) -> Plan:
         """The default plan, or ``quick``'s (fewer calls: for a first look, not a record)."""
         rounds = repeats if repeats is not None else (2 if quick else 5)
         if quick:
-            return cls(rounds, 40, 10, 1, 1, idle_s, 32 * MIB)
+            return cls(rounds, 40, 10, 1, 1, idle_s, 32 * MIB, 5)
         # 1000 back-to-back no-ops a round: the p99 of 1000 calls would be their 10th
         # slowest, which a handful of the machine's own pauses (a process taken off its core
         # for tens of µs) decides; over 5000 it is a figure of the calls. They cost little
@@ -106,7 +120,7 @@ class Plan:
 
     def calls(self, row: Row) -> int:
         """Timed calls of ``row`` per round."""
-        return {"hot": self.hot_calls, "cold": self.cold_calls}.get(
+        return {"hot": self.hot_calls, "cold": self.cold_calls, "nodes": self.nodes_calls}.get(
             row.workload, self.payload_calls
         )
 
