@@ -16,7 +16,6 @@ The workload always has two ranks, one a node, whatever ``--workers`` says.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -24,8 +23,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from typing import IO, Any
+from unittest import mock
 
 from ._baseline_vllm import VllmQueueSide, describe_vllm, import_vllm
 from ._baseline_zmq import ZmqSide
@@ -36,22 +35,6 @@ __all__ = ["TwoNodeSide", "select_node_sides"]
 
 #: Seconds the agent gets to exit once the executor has stopped it, before it is killed.
 _AGENT_EXIT_S = 10.0
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment for the block (the driver reads its node
-    agents' secret from there when the executor starts), then as before."""
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class TwoNodeSide:
@@ -83,7 +66,9 @@ class TwoNodeSide:
             stderr=subprocess.STDOUT,
         )
         try:
-            with _environ(secret):
+            # The driver reads its node agents' secret from this process's environment when
+            # the executor starts; no other side's start should see it.
+            with mock.patch.dict(os.environ, secret):
                 self._side = BackendSide("mp", 2, env, options={"node_port": port}, num_nodes=2)
             nodes = self._side.executor.collective_rpc(_node_id)
             if nodes[0] == nodes[1]:
