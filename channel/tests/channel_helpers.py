@@ -1,4 +1,5 @@
-"""Shared pieces of the channel tests: a listener loop in a thread, frame capture, raw sockets."""
+"""Shared pieces of the channel tests: a listener loop in a thread, frame capture, raw sockets,
+a ring's ends in a fresh segment."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import zmq
 
 from executor_channel import ChannelTimeoutError, Connection, Listener, Message
+from executor_channel._slot_views import SlotViews
+from executor_channel.shm import Doorbell, Ring, RingLayout, SharedSegment
 
 # Every wait in these tests is bounded by this (a hung test fails instead of blocking CI).
 WAIT = 10.0
@@ -105,3 +108,29 @@ def raw_dealers(
         for sock in sockets:
             sock.close()
         context.term()
+
+
+class RingEnds:
+    """A writer and ``readers`` readers on one ring in a fresh segment; with ``views``, each
+    reader reads in place through slot views of its own (as a worker reads its calls)."""
+
+    def __init__(self, slots: int, slot_bytes: int, readers: int, views: bool = False) -> None:
+        layout = RingLayout(0, readers, slots, slot_bytes)
+        self.segment = SharedSegment.create(layout.nbytes)
+        data = [Doorbell() for _ in range(readers)]
+        space = Doorbell()
+        buf = self.segment.buf
+        self.writer = Ring(buf, layout, reader=None, data_bells=data, space_bell=space)
+        self.views: list[SlotViews | None] = [
+            SlotViews.open(self.segment.fd, layout) if views else None for _ in range(readers)
+        ]
+        self.readers = [
+            Ring(buf, layout, reader=i, data_bells=[data[i]], space_bell=space, views=own)
+            for i, own in enumerate(self.views)
+        ]
+
+    def close(self) -> None:
+        for views in self.views:
+            if views is not None:
+                views.close()
+        self.segment.close()

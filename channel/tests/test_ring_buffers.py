@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from channel_helpers import RingEnds
 
 from executor_channel import _buffer_cache, _buffers
 from executor_channel.codec import decode, encode
-from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
+from executor_channel.shm import Received
 
 MIB = 1 << 20
 WAIT = 10.0  # every wait in these tests is bounded by this
@@ -29,20 +30,11 @@ def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[_buffers.BufferCache]:
     fresh.release()
 
 
-class Rings:
+class Rings(RingEnds):
     """A writer and ``readers`` readers on one ring in a fresh segment."""
 
     def __init__(self, slots: int, slot_bytes: int, readers: int = 1) -> None:
-        layout = RingLayout(0, readers, slots, slot_bytes)
-        self.segment = SharedSegment.create(layout.nbytes)
-        data = [Doorbell() for _ in range(readers)]
-        space = Doorbell()
-        buf = self.segment.buf
-        self.writer = Ring(buf, layout, reader=None, data_bells=data, space_bell=space)
-        self.readers = [
-            Ring(buf, layout, reader=i, data_bells=[data[i]], space_bell=space)
-            for i in range(readers)
-        ]
+        super().__init__(slots, slot_bytes, readers)
 
     def send(self, parts: list[Any], nbytes: int) -> threading.Thread:
         """Write in a thread (a message bigger than the ring needs the readers meanwhile)."""
@@ -70,9 +62,6 @@ class Rings:
         assert not thread.is_alive()
         assert not thread.errors  # type: ignore[attr-defined]
         return result
-
-    def close(self) -> None:
-        self.segment.close()
 
 
 @pytest.fixture

@@ -2,10 +2,12 @@
 
 CPU tensors, numpy arrays and large ``bytes`` (arguments and results, and items of small
 tuples, lists and dicts in them) are not copied into the pickle stream: their memory travels as
-separate out-of-band buffers that the ring copies once into shared memory, and the receiver
-copies once out of it into memory it owns (a received object never aliases the ring, whose
-slots are reused; large buffers go into warm memory of the receive buffer cache, ``_buffers``,
-which reuses a block only once nothing refers to it). Everything else is ordinary pickle.
+separate out-of-band buffers that the ring copies once into shared memory. The receiver either
+copies each once out of it into memory it owns (large buffers into warm memory of the receive
+buffer cache, ``_buffers``, which reuses a block only once nothing refers to it), or, given a
+:class:`pickle.PickleBuffer`, uses them in place: memory the receiver owns, or a worker's
+private view of its call's slot (``_slot_views``), which the ring does not reuse while
+anything built on it lives. Everything else is ordinary pickle.
 
 A frame is ``header | buffer lengths | pickle bytes | buffers``. The header carries the
 message kind, rank and sequence number, so a reply whose body cannot be unpickled is still
@@ -350,9 +352,11 @@ def decode(buf: memoryview | pickle.PickleBuffer | Assembled) -> tuple[int, bool
 
     A frame in a memoryview (a view of a ring slot, reused once read) is copied out of: each
     out-of-band buffer once, into memory the object it rebuilds owns. A frame in a
-    :class:`pickle.PickleBuffer` is memory the receiver owns already (the ring hands a
-    message that spanned several slots that way, after copying it out once): its buffers are
-    used in place, so a large payload is not copied twice; so are the pieces of an
+    :class:`pickle.PickleBuffer` is memory the receiver may keep (the ring hands a message
+    that spanned several slots that way, after copying it out once, and a worker's call of
+    one slot as its private view of the slot, :meth:`~._ring_reader.RingReader.read_held`):
+    its buffers are used in place, so a large payload is not copied twice; so are the pieces
+    of an
     :class:`~._ring_reader.Assembled` frame (see :func:`plan_assembly`).
     """
     if isinstance(buf, Assembled):

@@ -22,6 +22,7 @@ from ._ring import Ring
 from ._ring_layout import RingLayout
 from ._ring_reader import Received
 from ._segment import SharedSegment
+from ._slot_views import SlotViews
 from ._spin import Spinner
 
 __all__ = [
@@ -241,6 +242,8 @@ class WorkerRings:
             space_bell=Doorbell(fds.call_space_bell),
             spin=spin,
             wait_spin_s=max(idle_spin_s, spin_s),  # 0: only ``spin_s``
+            # Calls are read in place: a tensor argument is not copied out of its slot.
+            views=SlotViews.open(fds.segment, layout.broadcast),
         )
         replies = Ring(
             segment.buf,

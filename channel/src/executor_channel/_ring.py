@@ -10,7 +10,9 @@ is published as soon as it is written: readers copy it out and free its slot whi
 writes the next, and a message bigger than the ring streams through it (the writer waits for
 freed slots), so no payload is too big and none is truncated. Readers copy out what they read
 before releasing its slots; a message of several chunks goes into memory the reader owns,
-warm memory from the receive buffer cache (``_buffers``) when it is large.
+warm memory from the receive buffer cache (``_buffers``) when it is large. A reader with
+private views of the slots (:mod:`._slot_views`: a worker reading its calls) decodes a
+message of one chunk in place instead, and releases its slot once the call has returned.
 
 The counter protocol, per message (a message of ``n`` chunks; reader ``i``):
 
@@ -25,7 +27,8 @@ writer                  copies chunk ``c`` into     stores ``written += 1`` (rel
                         slot ``c % slots``          each chunk; rings every data doorbell
 reader ``i``            sees a chunk                loads ``written`` (acquire) ``>`` its
                                                     own count
-reader ``i``            copies it out, frees it     stores ``consumed[i] += 1`` (release);
+reader ``i``            copies it out (or its call  stores ``consumed[i] += 1`` (release);
+                        used it in place), frees it
                                                     rings the space doorbell only if
                                                     ``writer_waiting`` (full fence first)
 writer, ring full       sets ``writer_waiting``     full fence, then loads ``consumed`` again

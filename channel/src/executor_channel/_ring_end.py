@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from ._doorbell import Doorbell
 from ._fence import load_acquire, store_release
 from ._ring_layout import LINE, RingLayout
+from ._slot_views import SlotViews
 from ._spin import Spinner
 
 __all__ = ["MAX_SLEEP_S", "RingEnd"]
@@ -35,8 +36,14 @@ class RingEnd:
         spin: Spinner | None = None,
         wait_spin_s: float | None = None,
         ends_bulk: bool = True,
+        views: SlotViews | None = None,
     ) -> None:
         self._buf = buf
+        #: A reader's private views of the slots, to decode a message in place (see
+        #: :meth:`RingReader.read_held`); None: it copies.
+        self._views = views
+        #: The slot :meth:`RingReader.read_held` holds, and the bytes of it read in place.
+        self._held: tuple[int, int, int] | None = None
         #: Which spinner a message of one slot on this ring takes out of its ``bulk`` state
         #: (see :meth:`Spinner.contended`): on a ring of calls, a small call starts a new
         #: exchange; a small reply (``ends_bulk=False``) may answer a large call that the

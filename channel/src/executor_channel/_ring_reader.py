@@ -1,6 +1,8 @@
 """A ring's reader (:class:`RingReader`): it waits for the next message, hands it to its
 ``decode`` and frees its slots; a message of several slots it copies out as it streams in,
-into memory it owns (:data:`Received`, :data:`Assemble`).
+into memory it owns (:data:`Received`, :data:`Assemble`). With private views of the slots
+(:mod:`._slot_views`), :meth:`RingReader.read_held` hands a message of one slot over in place
+and holds the slot until :meth:`RingReader.release_held`.
 
 Its steps are the reader's rows of the counter protocol in :mod:`._ring`.
 """
@@ -233,6 +235,61 @@ class RingReader(RingEnd):
             raise
         del dests
         return decode(received)
+
+    def read_held(
+        self,
+        decode: Callable[[Received], T],
+        abort: Callable[[], None] | None = None,
+        assemble: Assemble | None = None,
+    ) -> T:
+        """Wait for the next message and return ``decode`` of it, as :meth:`read` without a
+        deadline, except that a message of one slot is handed to ``decode`` as a
+        :class:`pickle.PickleBuffer` over this reader's private view of the slot
+        (:class:`~._slot_views.SlotViews`): what ``decode`` rebuilds may use it in place, and
+        then the slot stays held until :meth:`release_held`, which must come before the next
+        read (if nothing ``decode`` returned uses the slot, it is freed at once).
+        A reader without views reads as :meth:`read` does (release_held is then a no-op)."""
+        views = self._views
+        if views is None or not self.wait_readable(None, abort):
+            item = self.read(decode, None, abort, assemble)
+            assert item is not None  # no deadline: read returns a message
+            return item
+        index = self._count % self._nslots
+        nbytes, size = _CHUNK.unpack_from(self._buf, self._slot_offs[index])
+        if size != nbytes:
+            item = self.read(decode, None, abort, assemble)
+            assert item is not None
+            return item
+        if self._ends_bulk is not None:
+            self._ends_bulk.bulk = False
+        received = pickle.PickleBuffer(views.view(index, SLOT_HEADER, SLOT_HEADER + size))
+        try:
+            item = decode(received)
+        except BaseException:
+            del received
+            self._held = (index, SLOT_HEADER, SLOT_HEADER + size)
+            self.release_held()
+            raise
+        del received
+        if views.shared(index):  # what it rebuilt uses the slot: hold it until the call ends
+            self._held = (index, SLOT_HEADER, SLOT_HEADER + size)
+        else:  # it copied all it keeps (a message with no tensor, array or large bytes)
+            self._release(1)
+            _buffers.cache.tick()
+        return item
+
+    def release_held(self) -> None:
+        """Free the slot :meth:`read_held` holds, once its call is over and the caller has
+        dropped what it decoded: what is still referenced is frozen, what the reader wrote
+        is dropped (see :class:`~._slot_views.SlotViews`). Nothing if no slot is held."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        views = self._views
+        assert views is not None
+        views.settle(*held)
+        self._release(1)
+        _buffers.cache.tick()
 
     def _release(self, chunks: int) -> None:
         self._count += chunks

@@ -48,19 +48,27 @@ def reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame
 def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
     """Run calls from the broadcast ring until the stop message; answer as ``handle`` says
     (:meth:`WorkerWrapper.handle <executor_core.backend.WorkerWrapper.handle>`, or a
-    function with its signature: it knows which ranks answer)."""
-    read, write = calls.read, replies.write
+    function with its signature: it knows which ranks answer).
+
+    A call is read in place where the ring allows it (:meth:`Ring.read_held
+    <._ring_reader.RingReader.read_held>`): its slot is freed once the call has been answered
+    and its arguments dropped."""
+    read, write, release = calls.read_held, replies.write, calls.release_held
     spinner = replies.spinner
     handoff = spinner.handoff if spinner is not None else None
     small_call_waiting = calls.small_waiting
     while True:
-        item = read(decode_call, None, None, plan_assembly)
-        assert item is not None  # no deadline: read returns a message
+        item = read(decode_call, None, plan_assembly)
         kind, seq, reply_rank, body = item
         if kind == KIND_STOP:
+            del item, body
+            release()
             return
+        small_reply = False
         if isinstance(body, RemoteFailure):
             failure = attrs.evolve(body, rank=rank)
+            del item, body
+            release()
             write(*reply_frame(rank, seq, "<decode>", False, failure))
             continue
         method, args, kwargs = body
@@ -68,10 +76,13 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
         if reply is not None:
             parts, nbytes = reply_frame(rank, seq, method, *reply)
             write(parts, nbytes)
-            if handoff is not None and replies.fits_one_slot(nbytes):
-                # The driver may be spinning on this core for this reply (see Spinner.handoff).
-                handoff(small_call_waiting)
+            small_reply = replies.fits_one_slot(nbytes)
             del parts
-        # Drop this call's arguments and result now: an idle worker must not keep the last
-        # call's memory (a large payload, a cached receive buffer) until the next one.
+        # Drop this call's arguments and result now: its slot is freed only once nothing
+        # refers to it, and an idle worker must not keep the last call's memory (a large
+        # payload, a cached receive buffer) until the next one.
         del item, body, method, args, kwargs, reply
+        release()
+        if handoff is not None and small_reply:
+            # The driver may be spinning on this core for this reply (see Spinner.handoff).
+            handoff(small_call_waiting)

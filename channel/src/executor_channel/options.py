@@ -18,6 +18,9 @@ from ._node_rings import RingSizes
 __all__ = ["ChannelOptions"]
 
 _MIB = 1 << 20
+#: Room in a default slot for a call's header, method, pickled arguments and the lengths of
+#: its out-of-band buffers, beside a payload of a round size.
+_FRAMING = 64 << 10
 
 
 @attrs.frozen(kw_only=True)
@@ -26,8 +29,10 @@ class ChannelOptions:
 
     #: Slots in the broadcast ring (calls that can be queued before the writer waits).
     slots: int = option(4, integer(at_least=2))
-    #: Bytes per broadcast slot; a bigger call is streamed through several slots.
-    slot_bytes: int = option(16 * _MIB, integer(at_least=4096))
+    #: Bytes per broadcast slot; a bigger call is streamed through several slots. A call of
+    #: one slot is read in place, with no copy; a larger one is copied out as it streams. The
+    #: default holds a 16 MiB tensor with the rest of its call (``_FRAMING``).
+    slot_bytes: int = option(16 * _MIB + _FRAMING, integer(at_least=4096))
     #: Slots in each worker's reply ring.
     reply_slots: int = option(2, integer(at_least=1))
     #: Bytes per reply slot (default: ``slot_bytes``).

@@ -1,8 +1,9 @@
 """The channel within one node: rings of slots in a shared-memory segment, woken by doorbells.
 
 For backends whose workers share the driver's machine. A :class:`SharedSegment` holds one or
-more :class:`Ring` objects (one writer, any number of readers, each message copied once in
-and once out); a reader or writer that finds nothing to do spins briefly under a
+more :class:`Ring` objects (one writer, any number of readers, each message copied once in;
+a reader copies it out, or, for a worker's call of one slot, reads it in place through
+copy-on-write views of its own); a reader or writer that finds nothing to do spins briefly under a
 :class:`Spinner`, then sleeps on a :class:`Doorbell` (an eventfd), so idle processes use no
 CPU. What goes into a ring is a frame of :mod:`executor_channel.codec`. :class:`NodeRings`
 (the writer's) and :class:`WorkerRings` (a worker's) are one node's set: a broadcast ring of

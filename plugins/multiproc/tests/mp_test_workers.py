@@ -31,6 +31,19 @@ class CodecWorker(ConformanceWorker):
     def identity(self, value: Any) -> Any:
         return value
 
+    def keep(self, value: Any) -> None:
+        """Hold on to an argument after the call (see ``kept``)."""
+        self.__dict__.setdefault("_kept", []).append(value)
+
+    def kept(self) -> list[Any]:
+        return list(self.__dict__.get("_kept", []))
+
+    def negate_on(self, tensor: Any, rank: int) -> float:
+        """Negate the argument in place on ``rank``; every rank answers its argument's sum."""
+        if self.rank == rank:
+            tensor.neg_()
+        return float(tensor.sum())
+
     def describe(self, value: Any) -> dict[str, Any]:
         return {"type": type(value).__name__, "rank": self.rank}
 

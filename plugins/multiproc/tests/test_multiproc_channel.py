@@ -206,6 +206,23 @@ def test_large_tensor_and_array_through_small_slots(executor: Executor) -> None:
     ]
 
 
+def test_arguments_read_in_place_stay_each_ranks_own(executor: Executor) -> None:
+    # 16 KiB tensors fit a slot of this executor's: each call is read in place, not copied.
+    first = torch.full((4096,), 1.0)
+    executor.collective_rpc("keep", args=(first,))
+    for value in range(2, 9):  # the two slots refilled, three times over
+        sent = torch.full((4096,), float(value))
+        # Rank 0 negates its argument in place: rank 1's is its own, and so is the driver's.
+        assert executor.collective_rpc("negate_on", args=(sent, 0)) == [
+            -4096.0 * value,
+            4096.0 * value,
+        ]
+        assert bool((sent == value).all())
+    for kept in executor.collective_rpc("kept"):  # a kept argument never changed under it
+        assert len(kept) == 1
+        assert torch.equal(kept[0], first)
+
+
 def test_unpicklable_argument_raises_before_sending(executor: Executor) -> None:
     with pytest.raises((pickle.PicklingError, TypeError, AttributeError)):
         executor.collective_rpc("identity", args=(lambda: None,))

@@ -46,7 +46,7 @@ def test_defaults() -> None:
     assert options.num_cpus_per_worker == 1.0
     assert options.address is None
     assert options.node_timeout_s == 1.0
-    assert options.ring_sizes.slot_bytes == 16 << 20
+    assert options.ring_sizes.slot_bytes == (16 << 20) + (64 << 10)
 
 
 @pytest.mark.parametrize(
