@@ -119,6 +119,7 @@ class RingEnds:
         self.segment = SharedSegment.create(layout.nbytes)
         data = [Doorbell() for _ in range(readers)]
         space = Doorbell()
+        self.bells = [*data, space]
         buf = self.segment.buf
         self.writer = Ring(buf, layout, reader=None, data_bells=data, space_bell=space)
         self.views: list[SlotViews | None] = [
@@ -133,4 +134,6 @@ class RingEnds:
         for views in self.views:
             if views is not None:
                 views.close()
+        for bell in self.bells:
+            bell.close()
         self.segment.close()

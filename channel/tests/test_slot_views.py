@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from channel_helpers import RingEnds
 
-from executor_channel import _buffers
+from executor_channel import _buffers, _slot_views
 from executor_channel._slot_views import SlotViews
 from executor_channel.codec import decode, encode
 from executor_channel.shm import Received, RingLayout, SharedSegment
@@ -154,11 +154,24 @@ def test_without_pagemap_a_reader_copies(monkeypatch: pytest.MonkeyPatch) -> Non
         return real_open(path, *args)
 
     try:
+        monkeypatch.setattr(_slot_views, "_pagemap", None)  # not opened yet in this process
         monkeypatch.setattr("os.open", refuse)
         assert SlotViews.open(segment.fd, layout) is None
     finally:
         monkeypatch.undo()
         segment.close()
+
+
+def test_every_ring_of_a_process_shares_one_pagemap_descriptor() -> None:
+    first, second = Rings(2, 64 * KIB), Rings(2, 64 * KIB)
+    try:
+        assert first.views[0]._pagemap == second.views[1]._pagemap
+        before = len(os.listdir("/proc/self/fd"))
+        Rings(2, 64 * KIB).close()  # a segment's descriptor comes and goes, nothing else
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        first.close()
+        second.close()
 
 
 def test_a_large_call_read_in_place_takes_no_warm_memory(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 
 from ._ring_layout import RingLayout
 
@@ -45,6 +46,22 @@ _FILE = 1 << 61
 _TOP_PRESENT = _PRESENT >> 56
 _TOP_FILE = _FILE >> 56
 _PRIVATE = bytes(int(byte & (_TOP_PRESENT | _TOP_FILE) == _TOP_PRESENT) for byte in range(256))
+
+
+#: This process's ``/proc/self/pagemap``, opened once (and again in a forked child, whose
+#: ``self`` is another process): every ring's views share it, so attaching rings again
+#: opens no descriptor.
+_pagemap: tuple[int, int] | None = None  # (process id, descriptor)
+_pagemap_lock = threading.Lock()
+
+
+def _pagemap_fd() -> int:
+    global _pagemap
+    with _pagemap_lock:
+        pid = os.getpid()
+        if _pagemap is None or _pagemap[0] != pid:
+            _pagemap = (pid, os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
+        return _pagemap[1]
 
 
 def _address(mapping: mmap.mmap) -> int:
@@ -77,7 +94,7 @@ class SlotViews:
         """Views of ``layout``'s slots, or None where this process cannot tell a private page
         from a shared one (then the reader must copy)."""
         try:
-            pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            pagemap = _pagemap_fd()
         except OSError:
             return None
         views = cls(fd, layout, pagemap)
@@ -164,14 +181,10 @@ class SlotViews:
             self.written += 1
 
     def close(self) -> None:
-        """Drop the mappings (one still referenced goes with what refers to it) and the
-        pagemap's descriptor. Idempotent."""
+        """Drop the mappings (one still referenced goes with what refers to it). Idempotent.
+        The pagemap's descriptor is the process's, kept for the next views."""
         maps, self._maps = self._maps, [None] * len(self._maps)
         for mapping in maps:
             if mapping is not None:
                 with contextlib.suppress(BufferError):
                     mapping.close()
-        if self._pagemap >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._pagemap)
-            self._pagemap = -1
