@@ -14,6 +14,7 @@ import pytest
 from channel_helpers import RingEnds
 
 from executor_channel import _buffers, _slot_views
+from executor_channel._ring_reader import IN_PLACE_MIN
 from executor_channel._slot_views import SlotViews
 from executor_channel.codec import decode, encode
 from executor_channel.shm import Received, RingLayout, SharedSegment
@@ -81,10 +82,22 @@ def test_a_message_with_nothing_out_of_band_frees_its_slot_at_once(rings: Rings)
     assert rings.send("c", wait=0.05)  # both slots were free
 
 
+def test_a_small_message_is_copied_and_frees_its_slot_at_once(rings: Rings) -> None:
+    small = torch.rand(IN_PLACE_MIN // 8)  # half the size read in place
+    for _ in range(2):
+        assert rings.send(small)
+        for reader, views in zip(rings.readers, rings.views, strict=True):
+            got = reader.read_held(_body)
+            assert torch.equal(got, small)
+            assert views is not None
+            assert not any(views.shared(slot) for slot in (0, 1))  # a copy of its own
+    assert rings.send(small, wait=0.05)  # both slots were free
+
+
 def test_an_in_place_write_is_the_writers_alone_and_later_messages_read_as_written(
     rings: Rings,
 ) -> None:
-    size = 3 * 64 * KIB  # 768 KiB: most of a slot
+    size = 3 * 64 * KIB  # 192 KiB
     for round_ in range(4):  # both slots, twice
         assert rings.send(torch.full((size // 4,), float(round_)))
         mine = rings.readers[0].read_held(_body)

@@ -27,6 +27,11 @@ _CHUNK = _ring_layout.CHUNK
 
 T = TypeVar("T")
 
+#: :meth:`RingReader.read_held` reads a message in place from this size: below it, copying
+#: what the message carries costs less than holding its slot and checking its pages after
+#: the call (figures: docs/benchmarks.md, "Calls read in place").
+IN_PLACE_MIN = 64 << 10
+
 
 class Assembled:
     """A message of several slots that the reader copied into several pieces of memory it
@@ -247,7 +252,8 @@ class RingReader(RingEnd):
         :class:`pickle.PickleBuffer` over this reader's private view of the slot
         (:class:`~._slot_views.SlotViews`): what ``decode`` rebuilds may use it in place, and
         then the slot stays held until :meth:`release_held`, which must come before the next
-        read (if nothing ``decode`` returned uses the slot, it is freed at once).
+        read (if nothing ``decode`` returned uses the slot, it is freed at once). A message
+        smaller than :data:`IN_PLACE_MIN` is copied, as :meth:`read` does.
         A reader without views reads as :meth:`read` does (release_held is then a no-op)."""
         views = self._views
         if views is None or not self.wait_readable(None, abort):
@@ -256,7 +262,7 @@ class RingReader(RingEnd):
             return item
         index = self._count % self._nslots
         nbytes, size = _CHUNK.unpack_from(self._buf, self._slot_offs[index])
-        if size != nbytes:
+        if size != nbytes or size < IN_PLACE_MIN:
             item = self.read(decode, None, abort, assemble)
             assert item is not None
             return item

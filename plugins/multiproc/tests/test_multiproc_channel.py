@@ -24,6 +24,7 @@ from executor_core.testing import conformance_config
 
 __all__ = ["shm_unchanged"]  # the fixture, imported for the tests below
 
+CODEC_WORKER = "mp_test_workers:CodecWorker"
 SMALL_RING = {"slots": 2, "slot_bytes": 64 << 10, "reply_slots": 2, "shutdown_grace_s": 1.0}
 
 
@@ -34,7 +35,7 @@ def executor() -> Iterator[Executor]:
         conformance_config(
             "mp",
             world_size=2,
-            worker_cls="mp_test_workers:CodecWorker",
+            worker_cls=CODEC_WORKER,
             backend_options=SMALL_RING,
         )
     )
@@ -206,21 +207,23 @@ def test_large_tensor_and_array_through_small_slots(executor: Executor) -> None:
     ]
 
 
-def test_arguments_read_in_place_stay_each_ranks_own(executor: Executor) -> None:
-    # 16 KiB tensors fit a slot of this executor's: each call is read in place, not copied.
-    first = torch.full((4096,), 1.0)
-    executor.collective_rpc("keep", args=(first,))
-    for value in range(2, 9):  # the two slots refilled, three times over
-        sent = torch.full((4096,), float(value))
-        # Rank 0 negates its argument in place: rank 1's is its own, and so is the driver's.
-        assert executor.collective_rpc("negate_on", args=(sent, 0)) == [
-            -4096.0 * value,
-            4096.0 * value,
-        ]
-        assert bool((sent == value).all())
-    for kept in executor.collective_rpc("kept"):  # a kept argument never changed under it
-        assert len(kept) == 1
-        assert torch.equal(kept[0], first)
+def test_arguments_read_in_place_stay_each_ranks_own() -> None:
+    # At default options a 256 KiB tensor is read in place, not copied out of its slot.
+    ex = create_executor(conformance_config("mp", world_size=2, worker_cls=CODEC_WORKER))
+    try:
+        n = 64 << 10
+        first = torch.full((n,), 1.0)
+        ex.collective_rpc("keep", args=(first,))
+        for value in range(2, 11):  # the four slots refilled, twice over
+            sent = torch.full((n,), float(value))
+            # Rank 0 negates its argument in place: rank 1's is its own, and the driver's.
+            assert ex.collective_rpc("negate_on", args=(sent, 0)) == [-n * value, n * value]
+            assert bool((sent == value).all())
+        for kept in ex.collective_rpc("kept"):  # a kept argument never changed under it
+            assert len(kept) == 1
+            assert torch.equal(kept[0], first)
+    finally:
+        ex.shutdown()
 
 
 def test_unpicklable_argument_raises_before_sending(executor: Executor) -> None:
