@@ -60,8 +60,11 @@ _FOREIGN = 1 << 63
 #: large message copies such a buffer straight into the ``bytes`` it becomes.
 _BYTES = 1 << 62
 _LENGTH_BITS = _BYTES - 1
-#: ``bytes`` at least this large travel out of band.
-OOB_BYTES_THRESHOLD = 4096
+#: ``bytes`` at least this large travel out of band. Smaller ones go in the pickle: copying
+#: them there costs less than this module's out-of-band path in Python, while a much larger
+#: pickle is built in fresh memory each call and costs more (figures: docs/benchmarks.md,
+#: "Calls read in place").
+OOB_BYTES_THRESHOLD = 128 << 10
 #: Containers longer than this are not searched for large ``bytes`` (keeps encoding O(1)).
 _SCAN_LIMIT = 64
 
