@@ -256,30 +256,30 @@ class RingReader(RingEnd):
         smaller than :data:`IN_PLACE_MIN` is copied, as :meth:`read` does.
         A reader without views reads as :meth:`read` does (release_held is then a no-op)."""
         views = self._views
-        if views is None or not self.wait_readable(None, abort):
+        if views is not None:
+            self.wait_readable(None, abort)  # no deadline: true once a message is there
+            index = self._count % self._nslots
+            nbytes, size = _CHUNK.unpack_from(self._buf, self._slot_offs[index])
+        if views is None or size != nbytes or size < IN_PLACE_MIN:
+            # Copied, as read copies: no views, several slots, or small enough to copy.
             item = self.read(decode, None, abort, assemble)
             assert item is not None  # no deadline: read returns a message
             return item
-        index = self._count % self._nslots
-        nbytes, size = _CHUNK.unpack_from(self._buf, self._slot_offs[index])
-        if size != nbytes or size < IN_PLACE_MIN:
-            item = self.read(decode, None, abort, assemble)
-            assert item is not None
-            return item
         if self._ends_bulk is not None:
             self._ends_bulk.bulk = False
-        received = pickle.PickleBuffer(views.view(index, SLOT_HEADER, SLOT_HEADER + size))
+        held = (index, SLOT_HEADER, SLOT_HEADER + size)
+        received = pickle.PickleBuffer(views.view(*held))
         try:
             item = decode(received)
         except BaseException:
             del received
-            self._held = (index, SLOT_HEADER, SLOT_HEADER + size)
+            self._held = held
             self.release_held()
             raise
         del received
         if views.shared(index):  # what it rebuilt uses the slot: hold it until the call ends
-            self._held = (index, SLOT_HEADER, SLOT_HEADER + size)
-        else:  # it copied all it keeps (a message with no tensor, array or large bytes)
+            self._held = held
+        else:  # nothing was built on the slot (no tensor or array; bytes are copies)
             self._release(1)
             _buffers.cache.tick()
         return item
