@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from executor_channel import _buffers, _heap
-from executor_channel._codec import plan_assembly
-from executor_channel.codec import decode, encode
+from executor_channel._codec import OOB_BYTES_THRESHOLD, plan_assembly
+from executor_channel._ring_writer import STREAM_CHUNK
+from executor_channel.codec import copied_whole, decode, encode
 from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
 
 MIB = 1 << 20
@@ -243,3 +244,20 @@ def test_small_and_huge_bytes_take_the_plain_path() -> None:
     view[:] = b"0123456789"
     assert data == b"0123456789"
     assert _heap.new_bytes(0, 256 * MIB) is None
+
+
+def test_calls_whose_readers_copy_every_byte_may_be_streamed() -> None:
+    # copied_whole: no out-of-band buffer of the frame is built on in place by a worker.
+    big = STREAM_CHUNK + 1
+
+    def copied(body: Any) -> bool:
+        parts, nbytes = encode(1, True, -1, 1, body)
+        return copied_whole(parts[0], nbytes)
+
+    assert copied(("m", (b"x" * big,), {}))  # bytes: copied into their own object
+    assert copied(("m", (b"x" * big, b"y" * (OOB_BYTES_THRESHOLD + 1)), {}))
+    assert copied(("m", ([0.5] * (big // 8),), {}))  # all in the pickle: rebuilt anew
+    assert not copied(("m", (b"x" * (STREAM_CHUNK - 4096),), {}))  # one chunk, with its header
+    numpy = pytest.importorskip("numpy")
+    assert not copied(("m", (numpy.zeros(big, dtype=numpy.uint8),), {}))  # built in place
+    assert not copied(("m", (b"x" * big, numpy.zeros(8)), {}))  # one array is enough

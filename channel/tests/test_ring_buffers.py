@@ -14,6 +14,7 @@ import pytest
 from channel_helpers import RingEnds
 
 from executor_channel import _buffer_cache, _buffers
+from executor_channel._ring_writer import STREAM_CHUNK
 from executor_channel.codec import decode, encode
 from executor_channel.shm import Received
 
@@ -36,13 +37,14 @@ class Rings(RingEnds):
     def __init__(self, slots: int, slot_bytes: int, readers: int = 1) -> None:
         super().__init__(slots, slot_bytes, readers)
 
-    def send(self, parts: list[Any], nbytes: int) -> threading.Thread:
+    def send(self, parts: list[Any], nbytes: int, copied: bool = False) -> threading.Thread:
         """Write in a thread (a message bigger than the ring needs the readers meanwhile)."""
         errors: list[BaseException] = []
 
         def write() -> None:
             try:
-                assert self.writer.write(parts, nbytes, deadline=time.monotonic() + WAIT)
+                deadline = time.monotonic() + WAIT
+                assert self.writer.write(parts, nbytes, deadline=deadline, copied=copied)
             except BaseException as exc:
                 errors.append(exc)
                 raise
@@ -52,9 +54,15 @@ class Rings(RingEnds):
         thread.start()
         return thread
 
-    def transfer(self, decode_fn: Callable[[Received], Any], parts: list[Any], nbytes: int) -> Any:
+    def transfer(
+        self,
+        decode_fn: Callable[[Received], Any],
+        parts: list[Any],
+        nbytes: int,
+        copied: bool = False,
+    ) -> Any:
         """Send one message and read it with the first reader."""
-        thread = self.send(parts, nbytes)
+        thread = self.send(parts, nbytes, copied)
         try:
             result = self.readers[0].read(decode_fn, deadline=time.monotonic() + WAIT)
         finally:
@@ -126,6 +134,34 @@ def test_every_reader_gets_the_whole_streamed_message(rings: Callable[..., Rings
     for reader in [*readers, thread]:
         reader.join(WAIT)
     assert got == [payload] * 3
+
+
+@pytest.mark.usefixtures("cache")
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_copied_message_streams_even_if_it_fits_one_slot(
+    rings: Callable[..., Rings], copied: bool
+) -> None:
+    # A message the readers copy anyway is streamed in chunks of at most STREAM_CHUNK, so that
+    # they copy one while the next is written; any other that fits a slot is written whole.
+    ring = rings(4, 3 * STREAM_CHUNK)
+    payload = os.urandom(2 * STREAM_CHUNK + 5)
+    kind, data = ring.transfer(lambda v: (type(v), bytes(v)), [payload], len(payload), copied)
+    assert data == payload
+    # Streamed: copied out of 3 chunks, into memory the reader owns; whole: a view of a slot.
+    assert kind is (pickle.PickleBuffer if copied else memoryview)
+    assert ring.readers[0]._count == (3 if copied else 1)
+    small = os.urandom(STREAM_CHUNK)  # at most one chunk: written whole either way
+    assert ring.transfer(type, [small], len(small), copied) is memoryview
+
+
+@pytest.mark.usefixtures("cache")
+def test_a_message_larger_than_a_slot_streams_in_chunks_of_at_most_stream_chunk(
+    rings: Callable[..., Rings],
+) -> None:
+    ring = rings(2, 2 * STREAM_CHUNK)
+    payload = os.urandom(2 * STREAM_CHUNK + 1)  # 3 chunks of STREAM_CHUNK or less, not 2
+    assert ring.transfer(bytes, [payload], len(payload)) == payload
+    assert ring.readers[0]._count == 3
 
 
 @pytest.mark.usefixtures("cache")

@@ -24,6 +24,7 @@ from typing import Any
 
 from . import _buffers
 from ._ring_reader import Assembled
+from ._ring_writer import STREAM_CHUNK
 
 __all__ = [
     "KIND_CALL",
@@ -33,6 +34,7 @@ __all__ = [
     "OOB_BYTES_THRESHOLD",
     "DecodeError",
     "Frame",
+    "copied_whole",
     "decode",
     "encode",
     "encode_call",
@@ -285,6 +287,23 @@ def encode_call(reply_rank: int, seq: int, method: str | bytes, args: Any, kwarg
             _BARE_CALLS[method] = data
     head = _HEADER.pack(KIND_CALL, True, reply_rank, seq, 0, len(data))
     return [head, data], len(head) + len(data)
+
+
+def copied_whole(first: Any, nbytes: int) -> bool:
+    """Whether every worker copies all of a call's frame of ``nbytes`` out of the ring, given
+    its first part (which starts with the header and buffer lengths): true when none of its
+    out-of-band buffers rebuilds a tensor or an array, which a worker builds in place (each
+    rebuilds ``bytes``, which owns a copy of its data, or there are none). The ring may then
+    stream it (:meth:`RingWriter.write <._ring_writer.RingWriter.write>`'s ``copied``); a
+    frame of at most :data:`~._ring_writer.STREAM_CHUNK` is written whole either way, and is
+    not looked at."""
+    if nbytes <= STREAM_CHUNK:
+        return False
+    count = _HEADER.unpack_from(first, 0)[4]
+    return all(
+        _LENGTH.unpack_from(first, _HEADER.size + _LENGTH.size * i)[0] & _BYTES
+        for i in range(count)
+    )
 
 
 class DecodeError(Exception):

@@ -17,7 +17,7 @@ from typing import Any
 from executor_core import ExecutorClosedError, ExecutorError, ExecutorFailedError
 from executor_core.backend import Call, RemoteFailure, TransportHost
 
-from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
+from ._codec import KIND_READY, KIND_STOP, copied_whole, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
 from ._ring import Ring, RingAbortedError
@@ -164,7 +164,14 @@ class ChannelDriver:
             sent = True
             if ring is not None:
                 deadline = call.deadline
-                sent = ring.write(parts, nbytes, deadline, self._while_sending, finish_by=deadline)
+                sent = ring.write(
+                    parts,
+                    nbytes,
+                    deadline,
+                    self._while_sending,
+                    finish_by=deadline,
+                    copied=copied_whole(parts[0], nbytes),
+                )
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)
             if sent and ring is not None and ring.fits_one_slot(nbytes):

@@ -14,7 +14,7 @@ from ._fence import WEAK_ORDER, acquire_fence, fence_seq_cst, load, store_releas
 from ._ring_end import MAX_SLEEP_S, RingEnd
 from ._ring_layout import SLOT_HEADER
 
-__all__ = ["RingStalledError", "RingWriter"]
+__all__ = ["STREAM_CHUNK", "RingStalledError", "RingWriter"]
 
 #: The slot header's struct, bound here rather than imported by name: CPython compiles a
 #: method call on an imported name as an attribute load, a bound method made on each call.
@@ -25,6 +25,13 @@ _CHUNK = _ring_layout.CHUNK
 #: ring frees its call slot only after that, and nothing rings the space doorbell for it).
 _CALLBACK_FIRST_S = 0.0005
 _CALLBACK_MAX_S = 0.05
+
+#: A message that its readers copy out (one larger than a slot, or one the writer says is
+#: ``copied``) is streamed in chunks of at most this size: each reader copies one chunk
+#: while the next is written, instead of starting once the whole message is in. Smaller
+#: chunks overlap more and cost more wake-ups (figures: docs/benchmarks.md, "Calls read in
+#: place").
+STREAM_CHUNK = 4 << 20
 
 
 class RingStalledError(Exception):
@@ -112,8 +119,14 @@ class RingWriter(RingEnd):
         abort: Callable[[], None] = _never,
         *,
         finish_by: float | None = None,
+        copied: bool = False,
     ) -> bool:
         """Publish the message made of ``parts`` (``nbytes`` in all) to every reader.
+
+        ``copied``: no reader reads this message in place (see :meth:`RingReader.read_held
+        <._ring_reader.RingReader.read_held>`), so one larger than :data:`STREAM_CHUNK` is
+        streamed in chunks even if it fits one slot. Otherwise a message is written whole
+        into one slot if it fits; a larger one is always streamed.
 
         Returns False, having published nothing, if the slots it needs did not free up
         before ``deadline``. Once the first chunk of a message longer than the ring is out,
@@ -124,7 +137,8 @@ class RingWriter(RingEnd):
         send returns by its deadline, whatever the readers do).
         """
         buf = self._buf
-        if nbytes <= self._slot_data:  # the common case, kept short (no extra calls)
+        if nbytes <= self._slot_data and (not copied or nbytes <= STREAM_CHUNK):
+            # The common case, kept short (no extra calls).
             if self._free < 1 and not self._wait_for_space(1, deadline, abort, True):
                 return False
             count = self._count
@@ -145,12 +159,13 @@ class RingWriter(RingEnd):
             return True
         if self._spin is not None:
             self._spin.bulk = True
-        nchunks = -(-nbytes // self._slot_data)
+        nchunks = -(-nbytes // min(self._slot_data, STREAM_CHUNK))
         needed = min(nchunks, self._nslots)
         if self._free < needed and not self._wait_for_space(needed, deadline, abort):
             return False
         try:
-            self._stream(parts, nbytes, nchunks, finish_by, abort)
+            # Chunks of one size (the last may be shorter), as few as the limit allows.
+            self._stream(parts, nbytes, nchunks, -(-nbytes // nchunks), finish_by, abort)
         except BaseException:
             if self._streaming:  # readers hold part of a message that will never end
                 self.broken = True
@@ -162,13 +177,13 @@ class RingWriter(RingEnd):
         parts: Sequence[memoryview | bytes],
         nbytes: int,
         nchunks: int,
+        chunk_bytes: int,
         finish_by: float | None,
         abort: Callable[[], None],
     ) -> None:
         # Each chunk is published as soon as it is written, so readers copy it out while
         # the next one is written: the copies overlap instead of taking turns.
         nslots = self._nslots
-        slot_data = self._slot_data
         buf = self._buf
         part_index, part_pos = 0, 0
         remaining = nbytes
@@ -182,7 +197,7 @@ class RingWriter(RingEnd):
                     f"could not be finished by its deadline: a reader stopped reading it"
                 )
             slot = self._slot_offs[self._count % nslots]
-            size = min(slot_data, remaining)
+            size = min(chunk_bytes, remaining)
             _CHUNK.pack_into(buf, slot, nbytes, size)
             pos = slot + SLOT_HEADER
             end = pos + size

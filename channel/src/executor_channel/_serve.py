@@ -75,7 +75,7 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
         reply = handle(method, args, kwargs, reply_rank)
         if reply is not None:
             parts, nbytes = reply_frame(rank, seq, method, *reply)
-            write(parts, nbytes)
+            write(parts, nbytes, copied=True)  # the driver copies what it reads
             small_reply = replies.fits_one_slot(nbytes)
             del parts
         # Drop this call's arguments and result now: its slot is freed only once nothing

@@ -12,6 +12,7 @@ from ._codec import (
     KIND_STOP,
     DecodeError,
     Frame,
+    copied_whole,
     decode,
     encode,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "KIND_STOP",
     "DecodeError",
     "Frame",
+    "copied_whole",
     "decode",
     "encode",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 
 from executor_channel import ChannelError, ChannelTimeoutError, Connection
 from executor_channel import hub as wire
-from executor_channel.codec import KIND_STOP
+from executor_channel.codec import KIND_STOP, copied_whole
 from executor_channel.shm import Doorbell, NodeRings, Received, Ring
 from executor_core import ConfigError, ExecutorError
 from executor_core.backend import reserve_port
@@ -303,7 +303,8 @@ class NodeAgent:
                 continue
             self._nodes_workers().skip_dead()
             try:
-                calls.write([frame], frame.nbytes, None, self._while_writing)
+                copied = copied_whole(frame, frame.nbytes)
+                calls.write([frame], frame.nbytes, None, self._while_writing, copied=copied)
             except _Killed as killed:
                 return killed.status
             if frame.nbytes and frame[0] == KIND_STOP:
