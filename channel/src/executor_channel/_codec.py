@@ -16,10 +16,11 @@ attributed to its call.
 
 from __future__ import annotations
 
-import io
+import copyreg
 import pickle
 import struct
 import sys
+import threading
 from typing import Any
 
 from . import _buffers
@@ -117,7 +118,8 @@ def _rebuild_tensor(
     dtype = getattr(torch, dtype_name)
     if memoryview(view).nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(_private(view), dtype=torch.uint8).view(dtype).reshape(shape)
+    flat = torch.frombuffer(_private(view), dtype=dtype)
+    return flat if len(shape) == 1 else flat.view(shape)
 
 
 def _rebuild_ndarray(
@@ -155,39 +157,120 @@ def _wrap_bulk(obj: Any, depth: int = 3) -> Any:
     return obj
 
 
-class _Pickler(pickle.Pickler):
-    """Pickler whose own reducers send bulk memory out of band (see module docstring)."""
+#: torch dtypes that numpy has too, by dtype: a tensor of one is handed over as ``numpy()``
+#: gives it (filled on first use; torch is imported only by a process that sends tensors).
+_NUMPY_DTYPES: dict[Any, str] = {}
+_NUMPY_DTYPE_NAMES = (
+    *("float64", "float32", "float16", "complex128", "complex64"),
+    *("int64", "int32", "int16", "int8", "uint8", "bool"),
+)
 
-    def __init__(self, stream: io.BytesIO) -> None:
+
+def _numpy_dtypes(torch: Any) -> dict[Any, str]:
+    if not _NUMPY_DTYPES:
+        for name in _NUMPY_DTYPE_NAMES:
+            _NUMPY_DTYPES[getattr(torch, name)] = name
+    return _NUMPY_DTYPES
+
+
+class _Reducers(dict[type, Any]):
+    """A pickler's ``dispatch_table``: this module's reducers by type, then copyreg's (read at
+    each lookup, so that a reducer registered later is found)."""
+
+    def __missing__(self, kind: type) -> Any:
+        return copyreg.dispatch_table[kind]  # KeyError: the pickler asks the object itself
+
+
+class _Pickler(pickle.Pickler):
+    """Pickler whose own reducers send bulk memory out of band (see module docstring).
+
+    They are found through its ``dispatch_table``, a lookup by type in C (a
+    ``reducer_override`` would be called in Python for every object that is not a plain
+    container or scalar, the reducers' own results included). One per thread is reused
+    (:meth:`current`): making a pickler costs more than most calls' pickling. It writes to
+    itself (:meth:`write`), so that what it wrote can be taken as it is, without a copy."""
+
+    _local = threading.local()
+
+    def __init__(self) -> None:
+        self.out: list[Any] = []
         self.buffers: list[pickle.PickleBuffer] = []
         self.mine: set[int] = set()
         self.bulk: set[int] = set()
-        super().__init__(stream, protocol=5, buffer_callback=self.buffers.append)
-        self._tensor_type: type | None = None
-        self._ndarray_type: type | None = None
+        self.busy = False
+        self._table = _Reducers({_Bulk: self._reduce_bulk})
+        self._numpy_dtypes: dict[Any, str] = {}
+        self.dispatch_table = self._table  # read by the C pickler in __init__: set it first
+        super().__init__(self, protocol=5, buffer_callback=self.buffers.append)
+
+    @classmethod
+    def current(cls) -> _Pickler:
+        """This thread's pickler, or a new one if it is in use (a reducer that encodes)."""
+        pickler: _Pickler | None = getattr(cls._local, "pickler", None)
+        if pickler is None:
+            pickler = cls._local.pickler = cls()
+        elif pickler.busy:
+            return cls()
+        table = pickler._table
+        if len(table) < 3:  # torch or numpy may have been imported since
+            modules = sys.modules
+            if "torch" in modules:
+                torch = modules["torch"]
+                table[torch.Tensor] = pickler._reduce_tensor
+                pickler._numpy_dtypes = _numpy_dtypes(torch)
+            if "numpy" in modules:
+                table[modules["numpy"].ndarray] = pickler._reduce_ndarray
+        return pickler
+
+    def write(self, data: Any) -> int:
+        """Where the pickle goes: kept as written (the C pickler hands over whole frames, and
+        large in-band ``bytes`` as the objects themselves)."""
+        self.out.append(data)
+        return len(data)
+
+    def run(self, body: Any) -> tuple[list[Any], list[tuple[memoryview, int]]]:
+        """Pickle ``body``: the pickle's pieces, and each out-of-band buffer with its flags."""
+        self.busy = True
+        mine, bulk = self.mine, self.bulk
+        try:
+            self.dump(body)
+            buffers = []
+            for buffer in self.buffers:
+                flags = 0 if id(buffer) in mine else _FOREIGN
+                if id(buffer) in bulk:
+                    flags |= _BYTES
+                buffers.append((buffer.raw(), flags))
+            return self.out, buffers
+        finally:
+            self.clear_memo()
+            self.out = []
+            self.buffers.clear()
+            mine.clear()
+            bulk.clear()
+            self.busy = False
 
     def _own(self, data: Any) -> pickle.PickleBuffer:
         buffer = pickle.PickleBuffer(data)
         self.mine.add(id(buffer))
         return buffer
 
-    def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is _Bulk:
-            buffer = self._own(obj.data)
-            self.bulk.add(id(buffer))
-            return _rebuild_bytes, (buffer,)
-        if self._tensor_type is None and "torch" in sys.modules:
-            self._tensor_type = getattr(sys.modules["torch"], "Tensor", None)
-        if kind is self._tensor_type:
-            return self._reduce_tensor(obj)
-        if self._ndarray_type is None and "numpy" in sys.modules:
-            self._ndarray_type = getattr(sys.modules["numpy"], "ndarray", None)
-        if kind is self._ndarray_type:
-            return self._reduce_ndarray(obj)
-        return NotImplemented
+    def _reduce_bulk(self, obj: _Bulk) -> Any:
+        buffer = self._own(obj.data)
+        self.bulk.add(id(buffer))
+        return _rebuild_bytes, (buffer,)
 
     def _reduce_tensor(self, tensor: Any) -> Any:
+        name = self._numpy_dtypes.get(tensor.dtype)
+        if name is not None:
+            # A dense CPU tensor without grad, conjugate or negative bit: numpy() shares its
+            # memory and refuses every other kind (caught below), with no copy.
+            try:
+                data: Any = tensor.numpy()
+            except (RuntimeError, TypeError):
+                pass
+            else:
+                if data.flags.c_contiguous:
+                    return _rebuild_tensor, (self._own(data), name, tuple(tensor.shape))
         if (
             tensor.device.type != "cpu"
             or tensor.requires_grad
@@ -195,11 +278,11 @@ class _Pickler(pickle.Pickler):
             or tensor.is_quantized
             or tensor.is_nested
         ):
-            return NotImplemented  # torch's own pickling handles these
+            return tensor.__reduce_ex__(5)  # torch's own pickling handles these
         flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
         dtype = str(tensor.dtype).removeprefix("torch.")
         if flat.numel() == 0:
-            data: Any = b""
+            data = b""
         else:
             import torch  # already imported: we hold a tensor
 
@@ -207,36 +290,61 @@ class _Pickler(pickle.Pickler):
         return _rebuild_tensor, (self._own(data), dtype, tuple(tensor.shape))
 
     def _reduce_ndarray(self, array: Any) -> Any:
-        if array.dtype.hasobject:
-            return NotImplemented
+        dtype = array.dtype
+        if dtype.hasobject:
+            return array.__reduce_ex__(5)
         if array.flags.c_contiguous:
             order = "C"
         elif array.flags.f_contiguous:
             order = "F"
         else:
-            return NotImplemented  # numpy pickles a contiguous copy in band
-        return _rebuild_ndarray, (self._own(array), array.dtype, array.shape, order)
+            return array.__reduce_ex__(5)  # numpy pickles a contiguous copy in band
+        try:
+            buffer = self._own(array)
+        except ValueError:  # no buffer of its dtype (datetimes): numpy pickles it
+            return array.__reduce_ex__(5)
+        # A built-in dtype travels as its one-letter code: pickling the dtype object costs
+        # more than the rest of the array's reduction.
+        code = dtype.char if dtype.isbuiltin == 1 else dtype
+        return _rebuild_ndarray, (buffer, code, array.shape, order)
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
+_CONTAINERS = frozenset({tuple, list, dict})
 
 
-def _plain(obj: Any, depth: int = 2) -> bool:
-    """True if ``obj`` certainly pickles the same without our reducers (a fast path)."""
+#: What :func:`_scan` finds a body needs: this module's pickler (something other than scalars
+#: and small ``bytes``, or not looked at), and large ``bytes`` wrapped for it (:func:`_wrap_bulk`).
+_PICKLER = 1
+_BULK = 2
+
+
+def _scan(obj: Any, depth: int = 3) -> int:
+    """What encoding ``obj`` needs: 0 if it certainly pickles the same without this module's
+    reducers (scalars, small ``bytes``, and tuples, lists and dicts of them, looked at
+    whole); else :data:`_PICKLER`, with :data:`_BULK` if it holds a large ``bytes`` where
+    :func:`_wrap_bulk` (the same depth and limits) wraps it. One pass, so that a call with a
+    tensor is looked at once, not once for each question."""
     kind = type(obj)
     if kind in _SCALARS:
-        return True
+        return 0
     if kind is bytes:
-        return len(obj) < OOB_BYTES_THRESHOLD
-    if depth == 0:
-        return False
-    if kind is tuple or kind is list:
-        return len(obj) <= 8 and all(_plain(item, depth - 1) for item in obj)
+        return _PICKLER | _BULK if len(obj) >= OOB_BYTES_THRESHOLD else 0
+    if kind not in _CONTAINERS or depth == 0 or len(obj) > _SCAN_LIMIT:
+        return _PICKLER
+    need = 0
+    scalars = _SCALARS
     if kind is dict:
-        return len(obj) <= 8 and all(
-            type(k) is str and _plain(v, depth - 1) for k, v in obj.items()
-        )
-    return False
+        for key, value in obj.items():
+            if type(key) not in scalars:
+                need |= _PICKLER
+            if type(value) not in scalars:
+                need |= _scan(value, depth - 1)
+    else:
+        for item in obj:
+            if type(item) not in scalars:
+                need |= _scan(item, depth - 1)
+    return need
 
 
 #: ``None`` pickled once: most replies (and every no-op's) are ``None``.
@@ -245,25 +353,19 @@ _PICKLED_NONE = pickle.dumps(None, protocol=5)
 
 def encode(kind: int, ok: bool, rank: int, seq: int, body: Any) -> Frame:
     """Encode ``body`` behind a header. Bulk buffers are referenced, not copied."""
-    if body is None or type(body) in _SCALARS or _plain(body):
+    need = 0 if body is None or type(body) in _SCALARS else _scan(body)
+    if not need:
         data: Any = _PICKLED_NONE if body is None else pickle.dumps(body, protocol=5)
         head = _HEADER.pack(kind, ok, rank, seq, 0, len(data))
         return [head, data], len(head) + len(data)
-    stream = io.BytesIO()
-    pickler = _Pickler(stream)
-    pickler.dump(_wrap_bulk(body))
-    data = stream.getbuffer()
-    buffers = pickler.buffers
+    pieces, buffers = _Pickler.current().run(_wrap_bulk(body) if need & _BULK else body)
+    pickle_len = sum(len(piece) for piece in pieces)
     head_buf = bytearray(_HEADER.size + _LENGTH.size * len(buffers))
-    _HEADER.pack_into(head_buf, 0, kind, ok, rank, seq, len(buffers), len(data))
-    parts: list[Any] = [head_buf, data]
-    nbytes = len(head_buf) + len(data)
+    _HEADER.pack_into(head_buf, 0, kind, ok, rank, seq, len(buffers), pickle_len)
+    parts: list[Any] = [head_buf, *pieces]
+    nbytes = len(head_buf) + pickle_len
     offset = _HEADER.size
-    for buffer in buffers:
-        raw = buffer.raw()
-        flags = 0 if id(buffer) in pickler.mine else _FOREIGN
-        if id(buffer) in pickler.bulk:
-            flags |= _BYTES
+    for raw, flags in buffers:
         _LENGTH.pack_into(head_buf, offset, raw.nbytes | flags)
         offset += _LENGTH.size
         parts.append(raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import gc
 import os
 import pickle
@@ -75,15 +76,43 @@ def test_codec_sends_bulk_out_of_band() -> None:
         torch.zeros(0, 5, dtype=torch.int64),
         torch.tensor(3.5),
         torch.complex(torch.ones(3), torch.ones(3)).conj(),
+        torch.complex(torch.ones(3), torch.ones(3)).conj().imag,  # the negative bit
+        torch.arange(24, dtype=torch.int8).reshape(2, 3, 4).transpose(0, 2),  # numpy's, strided
+        torch.arange(10, dtype=torch.float64)[3:7],  # an offset into its storage
+        torch.arange(6, dtype=torch.float16).reshape(1, 2, 3),
+        torch.ones(2, 3).expand(4, 2, 3),  # a stride of 0
     ],
-    ids=["float32", "bfloat16-transposed", "bool", "empty", "scalar", "complex-conj"],
+    ids=[
+        "float32",
+        "bfloat16-transposed",
+        "bool",
+        "empty",
+        "scalar",
+        "complex-conj",
+        "neg-bit",
+        "int8-transposed",
+        "offset",
+        "float16-3d",
+        "expanded",
+    ],
 )
 def test_codec_tensors(value: torch.Tensor) -> None:
     back = _roundtrip({"t": value})["t"]
     assert back.dtype == value.dtype
     assert back.shape == value.shape
-    assert torch.equal(back, value.resolve_conj())
+    assert torch.equal(back, value.resolve_conj().resolve_neg())
     assert back.is_contiguous()
+
+
+def test_codec_tensors_torch_pickles_itself() -> None:
+    # Tensors the codec does not send out of band go through torch's own pickling.
+    grad = torch.ones(3, requires_grad=True)
+    back = _roundtrip([grad, torch.nn.Parameter(torch.zeros(2))])
+    assert back[0].requires_grad
+    assert torch.equal(back[0].detach(), torch.ones(3))
+    assert type(back[1]) is torch.nn.Parameter
+    sparse = torch.eye(3).to_sparse()
+    assert torch.equal(_roundtrip(sparse).to_dense(), torch.eye(3))
 
 
 @pytest.mark.parametrize(
@@ -93,8 +122,25 @@ def test_codec_tensors(value: torch.Tensor) -> None:
         np.asfortranarray(np.arange(20, dtype=np.int16).reshape(4, 5)),
         np.arange(20)[::2],
         np.array(["a", None], dtype=object),
+        np.arange(6, dtype=">f8"),  # not the machine's byte order
+        np.array(["2026-12-05"], dtype="datetime64[ns]"),
+        np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]),  # structured
+        np.array(7, dtype=np.uint32),  # 0-d
+        np.array([True, False]),
+        np.array(["ab", "c"]),
     ],
-    ids=["c-order", "f-order", "strided", "object"],
+    ids=[
+        "c-order",
+        "f-order",
+        "strided",
+        "object",
+        "big-endian",
+        "datetime",
+        "structured",
+        "0-d",
+        "bool",
+        "unicode",
+    ],
 )
 def test_codec_numpy(value: np.ndarray[Any, Any]) -> None:
     back = _roundtrip(value)
@@ -102,6 +148,40 @@ def test_codec_numpy(value: np.ndarray[Any, Any]) -> None:
     np.testing.assert_array_equal(back, value)
     if back.dtype != object:
         assert back.flags.writeable  # a private copy, not a view of the ring
+
+
+def test_codec_pickler_is_reused_per_thread_and_safely() -> None:
+    # One pickler per thread is reused: nothing of one call leaks into the next, a reducer
+    # that encodes gets a pickler of its own, other threads theirs, and a reducer copyreg
+    # learns after the first call is used.
+    class Nested:
+        def __reduce__(self) -> Any:
+            inner = _roundtrip(("inner", torch.arange(3)))
+            return (tuple, ((inner[0], inner[1].tolist()),))
+
+    class Late:
+        pass
+
+    first = _roundtrip(("m", (torch.ones(4), np.arange(3)), {"k": [b"x" * (200 << 10)]}))
+    assert torch.equal(first[1][0], torch.ones(4))
+    assert first[2]["k"][0] == b"x" * (200 << 10)
+    assert _roundtrip(["a", Nested(), torch.zeros(2)])[1] == ("inner", [0, 1, 2])
+    copyreg.pickle(Late, lambda obj: (str, ("late",)))
+    assert _roundtrip([Late(), torch.ones(1)])[0] == "late"
+    results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(_roundtrip(torch.full((5,), i))))
+        for i in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(int(t[0]) for t in results) == [0, 1, 2, 3]
+    many = [float(i) for i in range(50_000)]  # a pickle of several frames, written in pieces
+    parts, _ = encode(4, True, 0, 7, ("m", (many, torch.ones(2)), {}))
+    assert len(parts) > 4
+    assert _roundtrip(("m", (many, torch.ones(2)), {}))[1][0] == many
 
 
 def test_codec_received_objects_own_their_memory() -> None:
