@@ -12,7 +12,7 @@ from bench_helpers import make_fake_vllm
 
 from executor_bench._baseline_vllm import describe_vllm, import_vllm
 from executor_bench._options import DEFAULT_WORKLOADS, MIB, WORKLOADS, format_size, parse_size
-from executor_bench._workloads import Plan, Row, Summary, percentile
+from executor_bench._workloads import PAYLOAD_CALLS_MAX, Plan, Row, Summary, percentile
 
 
 @pytest.mark.parametrize(
@@ -74,6 +74,14 @@ def test_plan() -> None:
     assert Row("payload", "tensor", MIB).key == "payload/tensor/1048576"
     assert Row("cold").title(0.002) == "no-op after 2 ms idle"
     assert default.calls(Row("nodes")) == default.nodes_calls > quick.nodes_calls
+    # Payload rows: small payloads get more calls (a median of three 64 KiB calls is noise),
+    # as many as carry payload_bytes, between payload_calls and PAYLOAD_CALLS_MAX.
+    assert default.calls(Row("payload", "tensor", 4096)) == PAYLOAD_CALLS_MAX
+    assert default.calls(Row("payload", "bytes", 64 * 1024)) == PAYLOAD_CALLS_MAX
+    assert default.calls(Row("payload", "tensor", MIB)) == default.payload_bytes // MIB
+    assert default.calls(Row("payload", "bytes", 64 * MIB)) == default.payload_calls == 2
+    assert quick.calls(Row("payload", "bytes", 4096)) == quick.payload_calls == 1
+    assert default.calls(Row("nodes", "bytes", MIB)) == default.nodes_calls
 
 
 @pytest.mark.parametrize(

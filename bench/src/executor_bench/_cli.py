@@ -155,7 +155,7 @@ def add_bench_command(commands: argparse._SubParsersAction[Any]) -> None:
         "--repeats",
         type=_positive(int),
         metavar="N",
-        help="interleaved rounds: each measures every side on every row (default 5, "
+        help="interleaved rounds: each measures every side on every row (default 10, "
         "--quick 2); start-up is sampled min(N, 3) times (--quick: once)",
     )
     parser.add_argument(

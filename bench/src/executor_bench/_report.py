@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._intervals import CONFIDENCE, MIN_P99_CALLS, MIN_UNITS, Estimate, ratio_estimate
-from ._options import NODE_SIDES, NODES_ADDRESS, NODES_SIZE
+from ._options import NODE_SIDES, NODES_ADDRESS, NODES_SIZE, format_size
 from ._overhead import OVERHEAD_LIMITS
 from ._result import BenchResult
-from ._workloads import Row, Summary, format_time
+from ._workloads import PAYLOAD_CALLS_MAX, Row, Summary, format_time
 
 __all__ = ["TARGETS", "Target", "describe_machine", "to_json", "to_markdown"]
 
@@ -96,6 +96,13 @@ def describe_machine() -> dict[str, Any]:
         "versions": {name: v for name in _VERSIONED if (v := _version(name)) is not None},
         "load_average_start": list(os.getloadavg()),
     }
+
+
+def _payload_calls(plan: dict[str, Any]) -> str:
+    least, budget = plan["payload_calls"], plan.get("payload_bytes", 0)
+    if not budget or least >= PAYLOAD_CALLS_MAX:
+        return _count(least, "call")
+    return f"{least} to {PAYLOAD_CALLS_MAX} calls (as many as carry {format_size(budget)})"
 
 
 def _count(n: int, thing: str) -> str:
@@ -280,7 +287,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{_count(plan['rounds'], 'interleaved round')}, each with "
         f"{_count(plan['hot_calls'], 'back-to-back no-op')}, "
         f"{_count(plan['cold_calls'], 'no-op')} after {options['idle_s'] * 1e3:g} ms idle and "
-        f"{_count(plan['payload_calls'], 'call')} per payload size per side; "
+        f"{_payload_calls(plan)} per payload size per side; "
         f"{_count(plan['startup_samples'], 'start-up')} per side"
         + (" (--quick)" if options["quick"] else ""),
     ]

@@ -14,6 +14,7 @@ from ._options import MIB, format_size
 from ._worker import NOOP, SIZE_OF
 
 __all__ = [
+    "PAYLOAD_CALLS_MAX",
     "Plan",
     "Row",
     "Summary",
@@ -85,6 +86,10 @@ class Row:
         return NOOP if self.size is None else SIZE_OF
 
 
+#: The most timed calls a payload row gets in a round (see :attr:`Plan.payload_bytes`).
+PAYLOAD_CALLS_MAX = 10
+
+
 @dataclass(frozen=True)
 class Plan:
     """How many calls each row gets: per round, and before the rounds (warm-up)."""
@@ -104,22 +109,32 @@ class Plan:
     #: page faults; the other sides' rings and allocators warm up alike.
     warmup_bytes: int
     #: Timed calls per round of each ``nodes`` row (a no-op, a 1 MiB argument).
-    nodes_calls: int = 50
+    nodes_calls: int = 25
+    #: A payload row gets more than ``payload_calls`` calls a round, up to
+    #: :data:`PAYLOAD_CALLS_MAX`, while they carry at most this many bytes: a median of a few
+    #: calls of 64 KiB is decided by the machine's noise, and more of them cost little time.
+    payload_bytes: int = 0
 
     @classmethod
     def create(cls, *, quick: bool, repeats: int | None, idle_s: float) -> Plan:
         """The default plan, or ``quick``'s (fewer calls: for a first look, not a record)."""
-        rounds = repeats if repeats is not None else (2 if quick else 5)
+        rounds = repeats if repeats is not None else (2 if quick else 10)
         if quick:
             return cls(rounds, 40, 10, 1, 1, idle_s, 32 * MIB, 5)
         # 1000 back-to-back no-ops a round: the p99 of 1000 calls would be their 10th
         # slowest, which a handful of the machine's own pauses (a process taken off its core
-        # for tens of µs) decides; over 5000 it is a figure of the calls. They cost little
+        # for tens of µs) decides; over the ten rounds' 10000 it is a figure of the calls. They cost little
         # time, except on the slowest side (raw Ray actor calls).
-        return cls(rounds, 1000, 40, 3, min(rounds, 3), idle_s, 256 * MIB)
+        # Ten rounds: a target's interval is a bootstrap over rounds, and over five it spans
+        # the lowest round to the highest (a target is met only if every round meets it);
+        # the no-ops after idle and the payload calls are spread over them, not added.
+        return cls(rounds, 1000, 20, 2, min(rounds, 3), idle_s, 256 * MIB, payload_bytes=8 * MIB)
 
     def calls(self, row: Row) -> int:
         """Timed calls of ``row`` per round."""
+        if row.size is not None and row.workload == "payload":
+            fit = min(PAYLOAD_CALLS_MAX, self.payload_bytes // row.size)
+            return max(self.payload_calls, fit)
         return {"hot": self.hot_calls, "cold": self.cold_calls, "nodes": self.nodes_calls}.get(
             row.workload, self.payload_calls
         )
