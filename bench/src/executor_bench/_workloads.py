@@ -123,8 +123,8 @@ class Plan:
             return cls(rounds, 40, 10, 1, 1, idle_s, 32 * MIB, 5)
         # 1000 back-to-back no-ops a round: the p99 of 1000 calls would be their 10th
         # slowest, which a handful of the machine's own pauses (a process taken off its core
-        # for tens of µs) decides; over the ten rounds' 10000 it is a figure of the calls. They cost little
-        # time, except on the slowest side (raw Ray actor calls).
+        # for tens of µs) decides; over the ten rounds' 10000 it is a figure of the calls.
+        # They cost little time, except on the slowest side (raw Ray actor calls).
         # Ten rounds: a target's interval is a bootstrap over rounds, and over five it spans
         # the lowest round to the highest (a target is met only if every round meets it);
         # the no-ops after idle and the payload calls are spread over them, not added.
