@@ -99,7 +99,7 @@ def describe_machine() -> dict[str, Any]:
 
 
 def _payload_calls(plan: dict[str, Any]) -> str:
-    least, budget = plan["payload_calls"], plan.get("payload_bytes", 0)
+    least, budget = plan["payload_calls"], plan["payload_bytes"]
     if not budget or least >= PAYLOAD_CALLS_MAX:
         return _count(least, "call")
     return f"{least} to {PAYLOAD_CALLS_MAX} calls (as many as carry {format_size(budget)})"
