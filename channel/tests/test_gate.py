@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -13,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 from channel_helpers import WAIT, Server
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from executor_channel import Connection, DropReason, Limits, Listener, Message, Secret
 from executor_channel._frames import (
@@ -22,6 +25,7 @@ from executor_channel._frames import (
     parse_header,
     payload_parts,
     seal,
+    verify,
 )
 
 KEY = bytes(range(32))
@@ -37,14 +41,22 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def frame(parts: list[bytes], chunk_bytes: int | None) -> list[memoryview]:
+def frame(
+    parts: list[bytes],
+    chunk_bytes: int | None,
+    *,
+    key: bytes = KEY,
+    direction: Direction = Direction.TO_LISTENER,
+    epoch: bytes = SESSION,
+    sequence: int = 1,
+) -> list[memoryview]:
     frames = seal(
-        KEY,
-        Direction.TO_LISTENER,
+        key,
+        direction,
         Kind.DATA,
         session=SESSION,
-        epoch=SESSION,
-        sequence=1,
+        epoch=epoch,
+        sequence=sequence,
         parts=[memoryview(p) for p in parts],
         chunk_bytes=chunk_bytes,
     )
@@ -101,9 +113,40 @@ def test_a_message_larger_than_a_chunk_round_trips(secret: Secret) -> None:
     ):
         connection.send([big, b"", b"small"], timeout=WAIT)
         reply = connection.recv(timeout=WAIT)
+        # As it arrived: the large part in chunks, the others whole; joined on first use.
+        assert [len(pieces) for pieces in reply.chunks] == [17, 1, 1]
+        assert {piece.nbytes for piece in reply.chunks[0][:-1]} == {64 << 10}
+        assert b"".join(reply.chunks[0]) == big
         assert [bytes(p) for p in reply.parts] == [big, b"", b"small"]
+        assert reply.parts is reply.parts  # joined once
+        assert reply.parts[2].obj is reply.chunks[2][0].obj  # a whole part is not copied
     assert not server.errors
     assert listener.drops == {}
+
+
+@pytest.mark.parametrize("payload_bytes", [0, 40, 64 << 10, (64 << 10) + 1, 3 << 20])
+def test_the_mac_is_gmac_under_the_sessions_key(payload_bytes: int) -> None:
+    # What docs/security.md states: AES-256-GCM over an empty plaintext, the header and the
+    # parts as associated data, the sequence as the nonce, under HMAC-SHA256(secret, label,
+    # direction, session, epoch). Small frames and large ones (fed part by part, in
+    # chunks) must give that same tag.
+    key = os.urandom(32)
+    epoch = os.urandom(16)
+    parts = [os.urandom(payload_bytes), b"", b"b" * 10]
+    received = frame(
+        parts, 1 << 20, key=key, direction=Direction.TO_DIALER, epoch=epoch, sequence=7
+    )
+    label = b"executor-channel/3 frame key\x00" + Direction.TO_DIALER.value + SESSION + epoch
+    derived = hmac.new(key, label, hashlib.sha256).digest()
+    nonce = bytes(4) + (7).to_bytes(8, "big")
+    expected = AESGCM(derived).encrypt(nonce, b"", bytes(received[0]) + b"".join(parts))
+    assert bytes(received[-1]) == expected
+    assert verify(key, Direction.TO_DIALER, received)
+    assert not verify(key, Direction.TO_LISTENER, received)  # the direction is in the key
+    assert not verify(os.urandom(32), Direction.TO_DIALER, received)
+    flipped = bytearray(received[-2])
+    flipped[-1] ^= 1
+    assert not verify(key, Direction.TO_DIALER, [*received[:-2], memoryview(flipped), received[-1]])
 
 
 @pytest.fixture

@@ -258,6 +258,13 @@ def test_calls_whose_readers_copy_every_byte_may_be_streamed() -> None:
     assert copied(("m", (b"x" * big, b"y" * (OOB_BYTES_THRESHOLD + 1)), {}))
     assert copied(("m", ([0.5] * (big // 8),), {}))  # all in the pickle: rebuilt anew
     assert not copied(("m", (b"x" * (STREAM_CHUNK - 4096),), {}))  # one chunk, with its header
+    # A first piece too short for the header or its lengths (a call that came over the
+    # network in small chunks): not known to be copied, so not streamed.
+    parts, nbytes = encode(1, True, -1, 1, ("m", (b"x" * big,), {}))
+    head = bytes(parts[0])
+    assert copied_whole(head, nbytes)
+    assert not copied_whole(head[:10], nbytes)
+    assert not copied_whole(head[: len(head) - 1], nbytes)
     numpy = pytest.importorskip("numpy")
     assert not copied(("m", (numpy.zeros(big, dtype=numpy.uint8),), {}))  # built in place
     assert not copied(("m", (b"x" * big, numpy.zeros(8)), {}))  # one array is enough

@@ -29,6 +29,7 @@ from executor_channel import (
     PeerId,
     Secret,
 )
+from executor_channel._frames import MAC_BYTES
 from executor_channel.testing import gate_token
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,7 +305,7 @@ def test_dialer_drops_bad_frames_from_a_fake_listener(
                 forged = bytearray(frames[0])
                 forged[5] = 2  # a WELCOME to the dialer's nonce, unsigned
                 forged[24:40] = frames[1]
-                fake.send_multipart([routing_id, bytes(forged), frames[1], b"\0" * 32])
+                fake.send_multipart([routing_id, bytes(forged), frames[1], bytes(MAC_BYTES)])
 
     thread = threading.Thread(target=answer_with_junk)
     thread.start()

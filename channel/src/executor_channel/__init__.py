@@ -2,11 +2,11 @@
 
 A :class:`Listener` (zmq ROUTER, on loopback unless told otherwise) and the
 :class:`Connection` objects that dial it exchange messages made of bytes-like parts. Every
-frame is signed with HMAC-SHA256 under a shared :class:`Secret` and checked (structure,
-lengths, MAC, freshness) before the caller sees a byte of it; frames that fail are dropped,
-counted per :class:`DropReason` and logged once per peer. The link never unpickles: callers
-decode the parts they are handed. Frames are authenticated, not encrypted; see
-``docs/security.md`` for the threat model.
+frame carries a MAC (GMAC, under keys derived from a shared :class:`Secret`) and is checked
+(structure, lengths, MAC, freshness) before the caller sees a byte of it; frames that fail
+are dropped, counted per :class:`DropReason` and logged once per peer. The link never
+unpickles: callers decode the parts they are handed. Frames are authenticated, not
+encrypted; see ``docs/security.md`` for the threat model.
 
 Within a node, :mod:`executor_channel.shm` carries the same frames through shared-memory
 rings, and :mod:`executor_channel.codec` makes them (pickle 5, out-of-band buffers).

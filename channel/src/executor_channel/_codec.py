@@ -98,15 +98,18 @@ def encode_call(reply_rank: int, seq: int, method: str | bytes, args: Any, kwarg
 
 def copied_whole(first: Any, nbytes: int) -> bool:
     """Whether every worker copies all of a call's frame of ``nbytes`` out of the ring, given
-    its first part (which starts with the header and buffer lengths): true when none of its
+    its first part (which starts with the header and buffer lengths; false if it holds less
+    than those): true when none of its
     out-of-band buffers rebuilds a tensor or an array, which a worker builds in place (each
     rebuilds ``bytes``, which owns a copy of its data, or there are none). The ring may then
     stream it (:meth:`RingWriter.write <._ring_writer.RingWriter.write>`'s ``copied``); a
     frame of at most :data:`~._ring_writer.STREAM_CHUNK` is written whole either way, and is
     not looked at."""
-    if nbytes <= STREAM_CHUNK:
+    if nbytes <= STREAM_CHUNK or len(first) < _HEADER.size:
         return False
     count = _HEADER.unpack_from(first, 0)[4]
+    if len(first) < _HEADER.size + _LENGTH.size * count:  # the lengths go on past ``first``
+        return False
     return all(
         _LENGTH.unpack_from(first, _HEADER.size + _LENGTH.size * i)[0] & BYTES for i in range(count)
     )

@@ -22,7 +22,7 @@ from ._frames import (
     Limits,
     check_fresh,
     parse_header,
-    payload_parts,
+    payload_chunks,
     seal,
 )
 from ._gate import dialer_token
@@ -173,7 +173,7 @@ class Connection(LinkEnd):
         except FrameError as exc:
             self._drops.add("listener", exc.reason)
             return None
-        return Message(PeerId(header.session), (views[1],))
+        return Message(PeerId(header.session), ((views[1],),))
 
     def _handle(self, frames: list[zmq.Frame]) -> Message | None:
         try:
@@ -181,4 +181,4 @@ class Connection(LinkEnd):
         except FrameError as exc:
             self._drops.add("listener", exc.reason)
             return None
-        return Message(PeerId(header.session), payload_parts(views, header))
+        return Message(PeerId(header.session), payload_chunks(views, header))

@@ -22,9 +22,15 @@ count       4       ``n``, the number of payload parts
 lengths     8 * n   the length of each payload part
 ==========  ======  ==============================================================
 
-``mac`` is ``HMAC-SHA256(secret, label || header || part_1 || ... || part_n)`` where
-``label`` names the direction (:class:`Direction`), so a frame cannot be reflected back to
-its sender. The lengths are in the authenticated header because the parts are hashed back to
+``mac`` is a GMAC tag (16 bytes): AES-256-GCM over an empty plaintext, with ``header ||
+part_1 || ... || part_n`` as its associated data, under a key for the session and the
+direction, ``HMAC-SHA256(secret, key label || direction label || session || epoch)``, and
+with the sequence as its nonce. The direction is in the key, so a frame cannot be reflected
+back to its sender. A nonce never repeats under one key: the sender increments the sequence
+for every frame of a session and direction, and the epoch is new for every session. (GMAC is
+SP 800-38D's MAC; with unique nonces it is as strong as AES-GCM's tags. It reads a payload
+several times faster than HMAC-SHA256, which each side would otherwise pay on every byte.)
+The lengths are in the authenticated header because the parts are authenticated back to
 back: without them ``[b"ab", b"c"]`` and ``[b"a", b"bc"]`` would carry the same MAC.
 
 Guarantees of :func:`parse_header` followed by :func:`verify`: a frame is accepted only if its
@@ -38,12 +44,15 @@ read. Freshness (the sequence and the epoch) is the link's job: see :mod:`._link
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
 
 import attrs
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 __all__ = [
     "HEADER_FIXED",
@@ -57,23 +66,35 @@ __all__ = [
     "Header",
     "Kind",
     "Limits",
+    "Pieces",
     "check_fresh",
+    "joined",
     "parse_header",
+    "payload_chunks",
     "payload_parts",
     "seal",
     "verify",
 ]
 
 MAGIC = b"EXCH"
-# 2: payload parts longer than a chunk travel as several zmq parts.
-VERSION = 2
+# 2: payload parts longer than a chunk travel as several zmq parts. 3: GMAC tags.
+VERSION = 3
 NONCE_BYTES = 16
-MAC_BYTES = 32
+MAC_BYTES = 16
 ZERO_NONCE = bytes(NONCE_BYTES)
 #: magic, version, kind, padding, session, epoch, sequence, part count.
 HEADER_FIXED = struct.Struct("!4sBBxx16s16sQI")
 _LENGTH = struct.Struct("!Q")
 _MAX_SEQUENCE = (1 << 64) - 1
+_KEY_LABEL = b"executor-channel/3 frame key\x00"
+# The nonce: the sequence, big-endian, in GCM's 12 bytes.
+_NONCE = struct.Struct("!4xQ")
+# Up to this many bytes, a frame is joined and tagged in one call (the cheapest for small
+# frames); a larger one is fed to GCM part by part, without a copy. Both give the same tag.
+_JOIN_AT_MOST = 64 << 10
+
+#: A payload part as it arrived: one zmq part, or its chunks in order.
+Pieces = tuple[memoryview, ...]
 
 
 class Kind(enum.IntEnum):
@@ -192,17 +213,34 @@ class Header:
     spans: tuple[int, ...]
 
 
+@functools.lru_cache(maxsize=4096)
+def _session_key(
+    key: bytes, direction: Direction, session: bytes, epoch: bytes
+) -> tuple[bytes, AESGCM]:
+    """The AES-256 key of one session and direction, and its GCM: derived once per session
+    (a listener keeps at most ``Limits.max_peers`` sessions, so the cache covers them)."""
+    derived = hmac.new(key, _KEY_LABEL + direction.value + session + epoch, hashlib.sha256).digest()
+    return derived, AESGCM(derived)
+
+
 def _mac(
     key: bytes, direction: Direction, header: memoryview | bytes, parts: Sequence[memoryview]
 ) -> bytes:
-    # HMAC-SHA256 reads every payload byte once more, on each side: a large message costs an
-    # extra pass over its memory. That is the price of authenticating before anything is
-    # unpickled; hashlib releases the GIL while it hashes large buffers, so other threads run.
-    mac = hmac.new(key, direction.value, hashlib.sha256)
-    mac.update(header)
+    # Authenticating reads every payload byte once more, on each side; GMAC does it several
+    # times faster than an HMAC (see the module docstring).
+    _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
+    derived, gcm = _session_key(key, direction, session, epoch)
+    nonce = _NONCE.pack(sequence)
+    if len(header) + sum(part.nbytes for part in parts) <= _JOIN_AT_MOST:
+        tag: bytes = gcm.encrypt(nonce, b"", b"".join((header, *parts)))
+        return tag
+    encryptor = Cipher(algorithms.AES(derived), modes.GCM(nonce)).encryptor()
+    encryptor.authenticate_additional_data(header)
     for part in parts:
-        mac.update(part)
-    return mac.digest()
+        if part.nbytes:
+            encryptor.authenticate_additional_data(part)
+    encryptor.finalize()
+    return encryptor.tag
 
 
 def seal(
@@ -287,23 +325,29 @@ def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
     return Header(Kind(kind), session, epoch, sequence, lengths, tuple(spans))
 
 
+def payload_chunks(frames: Sequence[memoryview], header: Header) -> tuple[Pieces, ...]:
+    """Each payload part of a checked frame as the zmq parts it came in: zero-copy views,
+    one for a part that came whole, several for one that came in chunks."""
+    chunks = []
+    index = 1
+    for span in header.spans:
+        chunks.append(tuple(frames[index : index + span]))
+        index += span
+    return tuple(chunks)
+
+
+def joined(pieces: Pieces) -> memoryview:
+    """A payload part from its pieces: the one view itself, or several joined into a new
+    buffer (one copy)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return memoryview(b"".join(pieces))
+
+
 def payload_parts(frames: Sequence[memoryview], header: Header) -> tuple[memoryview, ...]:
     """The payload parts of a checked frame: a part that came whole is a zero-copy view of
     its zmq part; one that came in chunks is joined into a new buffer (one copy)."""
-    parts = []
-    index = 1
-    for length, span in zip(header.lengths, header.spans, strict=True):
-        if span == 1:
-            parts.append(frames[index])
-        else:
-            joined = bytearray(length)
-            offset = 0
-            for chunk in frames[index : index + span]:
-                joined[offset : offset + chunk.nbytes] = chunk
-                offset += chunk.nbytes
-            parts.append(memoryview(joined))
-        index += span
-    return tuple(parts)
+    return tuple(joined(pieces) for pieces in payload_chunks(frames, header))
 
 
 def verify(key: bytes, direction: Direction, frames: Sequence[memoryview]) -> bool:

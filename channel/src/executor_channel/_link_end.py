@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 
@@ -23,6 +23,12 @@ __all__ = ["LinkEnd", "as_views", "deadline_after"]
 _CLOSE_LINGER_MS = 100
 
 _LinkT = TypeVar("_LinkT", bound="LinkEnd")
+
+# Plain ints: pyzmq's enum flags cost an enum operation on every use, on every frame.
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def deadline_after(timeout: float) -> float:
@@ -85,6 +91,7 @@ class LinkEnd:
                 self._context.term()
             raise
         self._gate: Gate | None = None
+        self._send_timeout_ms = -2  # SNDTIMEO as last set (zmq's -1 means no timeout)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._wait_pollers: dict[tuple[int, ...], zmq.Poller] = {}
@@ -137,12 +144,19 @@ class LinkEnd:
     def _send(self, frames: Sequence[bytes | memoryview], timeout: float) -> None:
         """Queue one multipart message, waiting up to ``timeout`` for room below the HWM."""
         deadline_after(timeout)
-        self._socket.setsockopt(zmq.SNDTIMEO, math.ceil(timeout * 1000))
+        timeout_ms = math.ceil(timeout * 1000)
+        socket = self._socket
+        if timeout_ms != self._send_timeout_ms:
+            socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            self._send_timeout_ms = timeout_ms
+        last = len(frames) - 1
         try:
-            # copy=False: pyzmq hands large parts to zmq without copying them (it still copies
-            # small ones, which is cheaper than tracking them); track=False: no completion
-            # tracking, so a caller must not modify a part after sending it.
-            self._socket.send_multipart(frames, copy=False, track=False)
+            # Part by part, as pyzmq's send_multipart does, but with plain-int flags (it
+            # combines enum flags for every part). copy=False: pyzmq hands large parts to zmq
+            # without copying them (it still copies small ones, which is cheaper than
+            # tracking them), so a caller must not modify a part after sending it.
+            for index, frame in enumerate(frames):
+                socket.send(frame, _SNDMORE if index < last else 0, copy=False)
         except zmq.Again:
             raise ChannelTimeoutError(
                 f"could not send within {timeout}s: {self.limits.hwm} messages are already "
@@ -162,22 +176,27 @@ class LinkEnd:
     ) -> Message:
         """The first message ``handle`` accepts, blocking in zmq poll up to ``timeout``."""
         deadline = deadline_after(timeout)
+        socket = self._socket
         while True:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ChannelTimeoutError(f"no message within {timeout}s") from None
-                events = self._poller.poll(max(1, math.ceil(remaining * 1000)))
-                if self._gate is not None and any(sock is not self._socket for sock, _ in events):
-                    self._gate.service()
+            # Look before reading: an empty queue costs no zmq exception.
+            if cast(int, socket.getsockopt(_EVENTS)) & _POLLIN:
+                frame = socket.recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:  # read off the frame: getsockopt costs an enum per call
+                    frame = socket.recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
+                message = handle(frames)
+                if message is not None:
+                    return message
+                if time.monotonic() >= deadline:
+                    raise ChannelTimeoutError(f"no message within {timeout}s")
                 continue
-            message = handle(frames)
-            if message is not None:
-                return message
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise ChannelTimeoutError(f"no message within {timeout}s")
+            events = self._poller.poll(max(1, math.ceil(remaining * 1000)))
+            if self._gate is not None and any(sock is not self._socket for sock, _ in events):
+                self._gate.service()
 
     @property
     def limits(self) -> Limits:

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 from typing import NewType
 
 import attrs
+
+from ._frames import Pieces, joined
 
 __all__ = [
     "BytesLike",
@@ -37,8 +40,16 @@ class Message:
     """An authenticated message: who sent it and its parts.
 
     The parts are zero-copy views of the received zmq frames; they stay valid as long as
-    they are referenced.
+    they are referenced. A part longer than the sender's chunk size arrives in several zmq
+    parts (:attr:`chunks`); :attr:`parts` joins those on first use (one copy), so a receiver
+    that only forwards a part (into shared memory, say) can take its chunks instead.
     """
 
     peer: PeerId
-    parts: tuple[memoryview, ...]
+    #: Each part as the zmq parts it arrived in, in order (one view if it came whole).
+    chunks: tuple[Pieces, ...]
+
+    @functools.cached_property
+    def parts(self) -> tuple[memoryview, ...]:
+        """Each part as one buffer."""
+        return tuple(joined(pieces) for pieces in self.chunks)

@@ -22,7 +22,7 @@ from ._frames import (
     Limits,
     check_fresh,
     parse_header,
-    payload_parts,
+    payload_chunks,
     seal,
     verify,
 )
@@ -184,7 +184,7 @@ class Listener(LinkEnd):
         if header.kind is Kind.BYE:
             del self._sessions[header.session]
             return None
-        return Message(PeerId(header.session), payload_parts(views, header))
+        return Message(PeerId(header.session), payload_chunks(views, header))
 
     def _hello(self, routing_id: bytes, header: Header, views: list[memoryview]) -> None:
         if header.epoch != ZERO_NONCE:

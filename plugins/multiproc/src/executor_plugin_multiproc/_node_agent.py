@@ -67,7 +67,7 @@ class NodeAgent:
         self._lost_worker = False
         #: Call frames received and not yet written into the ring (it was full), and the
         #: driver's rank replacements, in their order.
-        self._pending: collections.deque[memoryview | Replace] = collections.deque()
+        self._pending: collections.deque[tuple[memoryview, ...] | Replace] = collections.deque()
         self._workers: NodeWorkers | None = None
 
     def run(self) -> int:
@@ -259,11 +259,14 @@ class NodeAgent:
             except ChannelTimeoutError:
                 return None
             self._last_seen = time.monotonic()
+            chunks = message.chunks
+            op = b"".join(chunks[0]) if chunks else b""
+            if op == wire.CALL and len(chunks) == 2:
+                # As it arrived (a large call in chunks): the ring takes the pieces, unjoined.
+                self._pending.append(chunks[1])
+                continue
             parts = message.parts
-            op = bytes(parts[0]) if parts else b""
-            if op == wire.CALL and len(parts) == 2:
-                self._pending.append(parts[1])
-            elif op == wire.READY:
+            if op == wire.READY:
                 self._all_ready = True
                 if self._group is not None:
                     self._group.start_spares()
@@ -302,12 +305,13 @@ class NodeAgent:
                 self._report_deaths()
                 continue
             self._nodes_workers().skip_dead()
+            nbytes = sum(piece.nbytes for piece in frame)
             try:
-                copied = copied_whole(frame, frame.nbytes)
-                calls.write([frame], frame.nbytes, None, self._while_writing, copied=copied)
+                copied = copied_whole(frame[0], nbytes)
+                calls.write(frame, nbytes, None, self._while_writing, copied=copied)
             except _Killed as killed:
                 return killed.status
-            if frame.nbytes and frame[0] == KIND_STOP:
+            if nbytes and frame[0][0] == KIND_STOP:
                 return self._stop()
         return None
 
