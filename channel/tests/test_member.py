@@ -188,6 +188,25 @@ def test_calls_are_answered_in_order() -> None:
         assert d.failures == []
 
 
+def test_what_the_caller_can_change_is_copied_at_send() -> None:
+    # The hub sends from its own thread, later: an array the caller changes right after
+    # the call is sent must arrive as it was then; immutable bytes need no copy, and they
+    # and the array arrive whole, in order, from a call frame sent in several parts.
+    numpy = pytest.importorskip("numpy")
+    with driver() as d:
+        array = numpy.arange(300_000, dtype=numpy.float32)
+        blob = os.urandom(300_000)
+        seq = d.call("echo", array, blob, b"small")
+        array[:] = -1
+        (reply,) = d.replies(1)
+        assert reply[1] == seq
+        assert reply[3]
+        _, (got, got_blob, small), _ = reply[4]
+        numpy.testing.assert_array_equal(got, numpy.arange(300_000, dtype=numpy.float32))
+        assert (got_blob, small) == (blob, b"small")
+        assert d.failures == []
+
+
 def test_failures_and_reply_rank() -> None:
     with driver() as d:
         reply = d.round_trip("fail")

@@ -203,9 +203,10 @@ class Hub:
     # --- any thread -------------------------------------------------------------------------
 
     def broadcast(self, parts: Sequence[Any]) -> None:
-        """Queue a call frame for every node. Its bytes are copied now: the caller may
-        change its arguments as soon as the call is sent."""
-        self._outbox.append([wire.CALL, b"".join(parts)])
+        """Queue a call frame (the codec's parts) for every node. What the caller could
+        change once the call is sent is copied now; a large buffer of immutable ``bytes``
+        is kept as it is (no copy), between the joined runs of the other parts."""
+        self._outbox.append(wire.call(parts))
         self._wake.ring()
 
     def probe(self, ranks: Sequence[int], timeout: float) -> Callable[[], set[int]]:

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Sequence
 from typing import Any
+
+from ._pickling import OOB_BYTES_THRESHOLD
 
 __all__ = [
     "BYE",
@@ -35,6 +38,7 @@ __all__ = [
     "REPLACE",
     "SPEC",
     "Refusal",
+    "call",
     "control",
     "read_control",
 ]
@@ -51,7 +55,8 @@ SPEC = b"S"
 REFUSED = b"R"
 #: Hub to member: every member is ready; calls follow.
 READY = b"A"
-#: Hub to member: a call frame of the codec, forwarded as it is.
+#: Hub to member: a call frame of the codec, forwarded as it is, in one part or several (to
+#: be joined back to back: the hub sends large immutable buffers without copying them).
 CALL = b"C"
 #: Member to hub: a worker's ready or reply frame of the codec, forwarded as it is.
 FRAME = b"F"
@@ -113,3 +118,23 @@ def read_control(parts: tuple[memoryview, ...]) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def call(parts: Sequence[Any]) -> list[Any]:
+    """The ``CALL`` message of a call frame (the codec's parts), safe to send later: what a
+    caller could change once the call is sent is copied, a large buffer of immutable
+    ``bytes`` is kept as it is (no copy), between the joined runs of the other parts."""
+    message: list[Any] = [CALL]
+    run: list[memoryview] = []
+    for part in parts:
+        view = memoryview(part)
+        if view.nbytes >= OOB_BYTES_THRESHOLD and type(view.obj) is bytes:
+            if run:
+                message.append(b"".join(run))
+                run = []
+            message.append(view)
+        else:
+            run.append(view)
+    if run:
+        message.append(b"".join(run))
+    return message

@@ -256,8 +256,8 @@ class MemberServer:
             self._last_seen = time.monotonic()
             parts = message.parts
             op = bytes(parts[0]) if parts else b""
-            if op == wire.CALL and len(parts) == 2:
-                frame = parts[1]
+            if op == wire.CALL and len(parts) >= 2:
+                frame = parts[1] if len(parts) == 2 else memoryview(b"".join(parts[1:]))
                 if self._stop_frame_seen:
                     continue  # after the stop frame: nothing more runs
                 if frame.nbytes and frame[0] == KIND_STOP:

@@ -1,13 +1,19 @@
-"""How an ``executor node`` agent ends: its exit statuses, and what a refused agent should
-do (the remedy for each of the driver's refusals)."""
+"""How an ``executor node`` agent ends: its exit statuses, the driver's answer to its join
+(its spec, or why not), and what a refused agent should do (the remedy for each refusal)."""
 
 from __future__ import annotations
 
+import pickle
+import sys
 from typing import Any
 
+from executor_channel import ChannelTimeoutError, Connection
 from executor_channel import hub as wire
+from executor_core import ExecutorError
 
-__all__ = ["DRIVER_LOST_EXIT", "REFUSED_EXIT", "REJOIN", "remedy"]
+from ._node_protocol import NodeSpec
+
+__all__ = ["DRIVER_LOST_EXIT", "REFUSED_EXIT", "REJOIN", "receive_spec", "remedy"]
 
 #: Exit status of an agent that found no driver, or whose driver went silent or failed.
 DRIVER_LOST_EXIT = 3
@@ -48,3 +54,49 @@ def remedy(info: dict[str, Any]) -> str:
             )
         return "each node rank takes one agent, and every one has its agent: stop this one"
     return _REMEDIES.get(refusal, "")
+
+
+def receive_spec(link: Connection, node_rank: int, join_timeout: float) -> NodeSpec | int:
+    """The answer to an agent's join: its node's spec, or the exit status (said why on
+    stderr) if the driver refused the agent, gave up before it started, or did not answer
+    within ``join_timeout``."""
+    try:
+        message = link.recv(join_timeout)
+    except ChannelTimeoutError:
+        print(
+            f"executor node: the driver at {link.address} took this agent's connection but "
+            f"did not answer its join within --join-timeout={join_timeout:g} s. A "
+            "starting driver sends the agents their work once every node has joined: start "
+            "the other nodes' agents, or give a longer --join-timeout. A driver that failed "
+            "or is shutting down no longer answers: start this agent again for the next "
+            "executor.",
+            file=sys.stderr,
+        )
+        return DRIVER_LOST_EXIT
+    op = bytes(message.parts[0]) if message.parts else b""
+    if op == wire.REFUSED:
+        info = wire.read_control(message.parts)
+        reason = str(info.get("reason", "no reason given"))
+        what_to_do = remedy(info)
+        print(
+            f"executor node: the driver at {link.address} refused node rank "
+            f"{node_rank}: {reason}" + (f"; {what_to_do}" if what_to_do else ""),
+            file=sys.stderr,
+        )
+        return REFUSED_EXIT
+    if op == wire.KILL and wire.read_control(message.parts).get("rejoin") is True:
+        return REJOIN
+    if op == wire.KILL:
+        print(
+            f"executor node: the driver at {link.address} gave up before this node started "
+            "(its start failed: see its error); start this agent again for the next executor",
+            file=sys.stderr,
+        )
+        return REFUSED_EXIT
+    if op != wire.SPEC or len(message.parts) != 2:
+        raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
+    # The link has authenticated the driver: only a holder of the secret sent this.
+    spec = pickle.loads(message.parts[1])
+    if not isinstance(spec, NodeSpec):
+        raise ExecutorError(f"the driver sent a {type(spec).__name__} as this node's spec")
+    return spec

@@ -12,7 +12,6 @@ import collections
 import contextlib
 import logging
 import os
-import pickle
 import socket
 import sys
 import time
@@ -26,7 +25,7 @@ from executor_channel.shm import Doorbell, NodeRings, Received, Ring
 from executor_core import ConfigError, ExecutorError
 from executor_core.backend import reserve_port
 
-from ._agent_status import DRIVER_LOST_EXIT, REFUSED_EXIT, REJOIN, remedy
+from ._agent_status import DRIVER_LOST_EXIT, REJOIN, receive_spec
 from ._group import WorkerGroup
 from ._local import check_devices, start_workers
 from ._node_protocol import NodeSpec
@@ -92,7 +91,7 @@ class NodeAgent:
                 ),
                 timeout=self._join_timeout,
             )
-            spec = self._receive_spec()
+            spec = receive_spec(link, self._node_rank, self._join_timeout)
             if isinstance(spec, int):
                 return spec
             self._spec = spec
@@ -132,51 +131,6 @@ class NodeAgent:
             for cleanup in reversed(self._cleanups):
                 with contextlib.suppress(Exception):
                     cleanup()
-
-    def _receive_spec(self) -> NodeSpec | int:
-        """This node's spec, or the exit status (said why on stderr) if the driver refused
-        this agent, gave up before it started, or did not answer within the join timeout."""
-        link = self._link
-        try:
-            message = link.recv(self._join_timeout)
-        except ChannelTimeoutError:
-            print(
-                f"executor node: the driver at {link.address} took this agent's connection but "
-                f"did not answer its join within --join-timeout={self._join_timeout:g} s. A "
-                "starting driver sends the agents their work once every node has joined: start "
-                "the other nodes' agents, or give a longer --join-timeout. A driver that failed "
-                "or is shutting down no longer answers: start this agent again for the next "
-                "executor.",
-                file=sys.stderr,
-            )
-            return DRIVER_LOST_EXIT
-        op = bytes(message.parts[0]) if message.parts else b""
-        if op == wire.REFUSED:
-            info = wire.read_control(message.parts)
-            reason = str(info.get("reason", "no reason given"))
-            what_to_do = remedy(info)
-            print(
-                f"executor node: the driver at {link.address} refused node rank "
-                f"{self._node_rank}: {reason}" + (f"; {what_to_do}" if what_to_do else ""),
-                file=sys.stderr,
-            )
-            return REFUSED_EXIT
-        if op == wire.KILL and wire.read_control(message.parts).get("rejoin") is True:
-            return REJOIN
-        if op == wire.KILL:
-            print(
-                f"executor node: the driver at {link.address} gave up before this node started "
-                "(its start failed: see its error); start this agent again for the next executor",
-                file=sys.stderr,
-            )
-            return REFUSED_EXIT
-        if op != wire.SPEC or len(message.parts) != 2:
-            raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
-        # The link has authenticated the driver: only a holder of the secret sent this.
-        spec = pickle.loads(message.parts[1])
-        if not isinstance(spec, NodeSpec):
-            raise ExecutorError(f"the driver sent a {type(spec).__name__} as this node's spec")
-        return spec
 
     def _start(self, spec: NodeSpec) -> None:
         check_devices(spec.options, spec.device, len(spec.launches), spec.worker_env)
@@ -261,9 +215,10 @@ class NodeAgent:
             self._last_seen = time.monotonic()
             chunks = message.chunks
             op = b"".join(chunks[0]) if chunks else b""
-            if op == wire.CALL and len(chunks) == 2:
-                # As it arrived (a large call in chunks): the ring takes the pieces, unjoined.
-                self._pending.append(chunks[1])
+            if op == wire.CALL and len(chunks) >= 2:
+                # As it arrived (in parts, a large one in chunks): the ring takes the pieces
+                # back to back, unjoined.
+                self._pending.append(tuple(piece for part in chunks[1:] for piece in part))
                 continue
             parts = message.parts
             if op == wire.READY:
