@@ -54,7 +54,7 @@ def forge(
     if key is None:
         mac = rng.randbytes(MAC_BYTES)
     else:
-        mac = _mac(key, Direction.TO_LISTENER, header, [memoryview(p) for p in parts])
+        mac = _mac(key, Direction.TO_LISTENER, header, [memoryview(p) for p in parts], b"")
     return [header, *parts, mac]
 
 

@@ -49,6 +49,7 @@ def frame(
     direction: Direction = Direction.TO_LISTENER,
     epoch: bytes = SESSION,
     sequence: int = 1,
+    salt: bytes = b"",
 ) -> list[memoryview]:
     frames = seal(
         key,
@@ -59,6 +60,7 @@ def frame(
         sequence=sequence,
         parts=[memoryview(p) for p in parts],
         chunk_bytes=chunk_bytes,
+        salt=salt,
     )
     return [memoryview(bytes(f)) for f in frames]
 
@@ -128,25 +130,28 @@ def test_a_message_larger_than_a_chunk_round_trips(secret: Secret) -> None:
 def test_the_mac_is_gmac_under_the_sessions_key(payload_bytes: int) -> None:
     # What docs/security.md states: AES-256-GCM over an empty plaintext, the header and the
     # parts as associated data, the sequence as the nonce, under HMAC-SHA256(secret, label,
-    # direction, session, epoch). Small frames and large ones (fed part by part, in
+    # direction, session, epoch, salt). Small frames and large ones (fed part by part, in
     # chunks) must give that same tag.
     key = os.urandom(32)
     epoch = os.urandom(16)
+    salt = os.urandom(16)  # the listener's nonce for the session, toward the dialer
     parts = [os.urandom(payload_bytes), b"", b"b" * 10]
     received = frame(
-        parts, 1 << 20, key=key, direction=Direction.TO_DIALER, epoch=epoch, sequence=7
+        parts, 1 << 20, key=key, direction=Direction.TO_DIALER, epoch=epoch, sequence=7, salt=salt
     )
     label = b"executor-channel/3 frame key\x00" + Direction.TO_DIALER.value + SESSION + epoch
-    derived = hmac.new(key, label, hashlib.sha256).digest()
+    derived = hmac.new(key, label + salt, hashlib.sha256).digest()
     nonce = bytes(4) + (7).to_bytes(8, "big")
     expected = AESGCM(derived).encrypt(nonce, b"", bytes(received[0]) + b"".join(parts))
     assert bytes(received[-1]) == expected
-    assert verify(key, Direction.TO_DIALER, received)
-    assert not verify(key, Direction.TO_LISTENER, received)  # the direction is in the key
-    assert not verify(os.urandom(32), Direction.TO_DIALER, received)
+    assert verify(key, Direction.TO_DIALER, received, salt)
+    assert not verify(key, Direction.TO_DIALER, received)  # another session's key
+    assert not verify(key, Direction.TO_LISTENER, received, salt)  # the direction is in the key
+    assert not verify(os.urandom(32), Direction.TO_DIALER, received, salt)
     flipped = bytearray(received[-2])
     flipped[-1] ^= 1
-    assert not verify(key, Direction.TO_DIALER, [*received[:-2], memoryview(flipped), received[-1]])
+    tampered = [*received[:-2], memoryview(flipped), received[-1]]
+    assert not verify(key, Direction.TO_DIALER, tampered, salt)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from executor_channel import (
     PeerId,
     Secret,
 )
-from executor_channel._frames import MAC_BYTES
+from executor_channel._frames import MAC_BYTES, Direction, verify
 from executor_channel.testing import gate_token
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +227,34 @@ def test_replayed_frames_are_dropped(secret: Secret, listener: Listener) -> None
             attacker.send_multipart(frames)
         wait_for(lambda: listener.drops.get("unknown_session", 0) == 6)
     assert delivered == [b"call %d" % i for i in range(5)]
+    assert not server.errors
+
+
+def test_a_replayed_hello_gets_a_session_with_keys_of_its_own(secret: Secret) -> None:
+    # A HELLO replayed once its session has ended opens a new session with the same ids in
+    # the header, each time. Its frames toward the dialer (the WELCOME first, sequence 1
+    # each time) must be under another key: a GMAC key must never tag two messages with one
+    # nonce. (One session at most, so that a new dialer evicts the replayer's.)
+    with (
+        Listener(secret, limits=Limits(max_peers=1)) as listener,
+        Server(listener, lambda message: None) as server,
+        raw_dealers(listener.address, 1, gate_token(secret)) as (attacker,),
+        wire_tap(Connection) as sent,
+    ):
+        Connection(listener.address, secret, timeout=WAIT).close()
+        hello = sent[0]
+        welcomes = []
+        for _ in range(2):
+            wait_for(lambda: not listener.peers)
+            attacker.send_multipart(hello)
+            welcomes.append([memoryview(part) for part in attacker.recv_multipart()])
+            Connection(listener.address, secret, timeout=WAIT).close()  # evicts it
+    first, second = welcomes
+    assert bytes(first[0]) == bytes(second[0])  # the same header, sequence 1
+    assert bytes(first[1]) != bytes(second[1])  # a new nonce for each session
+    for frames in welcomes:  # each under the key of its own session
+        assert verify(secret.key, Direction.TO_DIALER, frames, bytes(frames[1]))
+    assert not verify(secret.key, Direction.TO_DIALER, second, bytes(first[1]))
     assert not server.errors
 
 

@@ -159,8 +159,22 @@ class Connection(LinkEnd):
             raise FrameError(DropReason.UNEXPECTED)
         if self._listener is not None and header.session != self._listener:
             raise FrameError(DropReason.UNKNOWN_SESSION)
+        if kind is Kind.WELCOME:
+            if header.lengths != (NONCE_BYTES,):
+                raise FrameError(DropReason.BAD_LENGTHS)
+            # The key binds the listener's nonce for this session: the WELCOME carries it,
+            # and its tag is checked under it.
+            salt = bytes(views[1])
+        else:
+            salt = self._nonce
         check_fresh(
-            self._key, Direction.TO_DIALER, views, header, self._client_nonce, self._last_sequence
+            self._key,
+            Direction.TO_DIALER,
+            views,
+            header,
+            self._client_nonce,
+            self._last_sequence,
+            salt,
         )
         self._last_sequence = header.sequence
         return header, views
@@ -168,8 +182,6 @@ class Connection(LinkEnd):
     def _handle_welcome(self, frames: list[zmq.Frame]) -> Message | None:
         try:
             header, views = self._check(frames, Kind.WELCOME)
-            if header.lengths != (NONCE_BYTES,):
-                raise FrameError(DropReason.BAD_LENGTHS)
         except FrameError as exc:
             self._drops.add("listener", exc.reason)
             return None

@@ -24,10 +24,16 @@ lengths     8 * n   the length of each payload part
 
 ``mac`` is a GMAC tag (16 bytes): AES-256-GCM over an empty plaintext, with ``header ||
 part_1 || ... || part_n`` as its associated data, under a key for the session and the
-direction, ``HMAC-SHA256(secret, key label || direction label || session || epoch)``, and
-with the sequence as its nonce. The direction is in the key, so a frame cannot be reflected
-back to its sender. A nonce never repeats under one key: the sender increments the sequence
-for every frame of a session and direction, and the epoch is new for every session. (GMAC is
+direction, ``HMAC-SHA256(secret, key label || direction label || session || epoch ||
+salt)``, and with the sequence as its nonce. The direction is in the key, so a frame cannot
+be reflected back to its sender. A nonce never repeats under one key: the sender increments
+the sequence for every frame of a session and direction, and every session has keys of its
+own. To the listener, the epoch is the listener's nonce for the session (zero in HELLO, one
+per dialer's session), and the salt is empty. To the dialer, the header's session and epoch
+are the listener's lifetime id and the dialer's nonce, which a replayed HELLO would bring
+back for a new session of the listener's: so the salt is the listener's nonce for the
+session, new for each (the dialer reads it from the WELCOME's one part, then checks the
+WELCOME's tag under it). (GMAC is
 SP 800-38D's MAC; with unique nonces it is as strong as AES-GCM's tags. It reads a payload
 several times faster than HMAC-SHA256, which each side would otherwise pay on every byte.)
 The lengths are in the authenticated header because the parts are authenticated back to
@@ -215,21 +221,26 @@ class Header:
 
 @functools.lru_cache(maxsize=4096)
 def _session_key(
-    key: bytes, direction: Direction, session: bytes, epoch: bytes
+    key: bytes, direction: Direction, session: bytes, epoch: bytes, salt: bytes
 ) -> tuple[bytes, AESGCM]:
     """The AES-256 key of one session and direction, and its GCM: derived once per session
     (a listener keeps at most ``Limits.max_peers`` sessions, so the cache covers them)."""
-    derived = hmac.new(key, _KEY_LABEL + direction.value + session + epoch, hashlib.sha256).digest()
+    material = _KEY_LABEL + direction.value + session + epoch + salt
+    derived = hmac.new(key, material, hashlib.sha256).digest()
     return derived, AESGCM(derived)
 
 
 def _mac(
-    key: bytes, direction: Direction, header: memoryview | bytes, parts: Sequence[memoryview]
+    key: bytes,
+    direction: Direction,
+    header: memoryview | bytes,
+    parts: Sequence[memoryview],
+    salt: bytes,
 ) -> bytes:
     # Authenticating reads every payload byte once more, on each side; GMAC does it several
     # times faster than an HMAC (see the module docstring).
     _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
-    derived, gcm = _session_key(key, direction, session, epoch)
+    derived, gcm = _session_key(key, direction, session, epoch, salt)
     nonce = _NONCE.pack(sequence)
     if len(header) + sum(part.nbytes for part in parts) <= _JOIN_AT_MOST:
         tag: bytes = gcm.encrypt(nonce, b"", b"".join((header, *parts)))
@@ -253,16 +264,18 @@ def seal(
     sequence: int,
     parts: Sequence[memoryview],
     chunk_bytes: int | None = None,
+    salt: bytes = b"",
 ) -> list[bytes | memoryview]:
     """The frame ``[header, *chunks, mac]`` carrying ``parts`` (byte-format memoryviews),
-    each part cut into zero-copy slices of at most ``chunk_bytes`` (whole if ``None``)."""
+    each part cut into zero-copy slices of at most ``chunk_bytes`` (whole if ``None``).
+    ``salt`` goes into the MAC's key (see the module docstring)."""
     if len(session) != NONCE_BYTES or len(epoch) != NONCE_BYTES:
         raise ValueError(f"session and epoch must be {NONCE_BYTES} bytes each")
     if not 1 <= sequence <= _MAX_SEQUENCE:
         raise ValueError(f"sequence out of range: {sequence}")
     header = HEADER_FIXED.pack(MAGIC, VERSION, kind, session, epoch, sequence, len(parts))
     header += b"".join(_LENGTH.pack(part.nbytes) for part in parts)
-    mac = _mac(key, direction, header, parts)
+    mac = _mac(key, direction, header, parts, salt)
     if chunk_bytes is None or all(part.nbytes <= chunk_bytes for part in parts):
         return [header, *parts, mac]
     frames: list[bytes | memoryview] = [header]
@@ -350,9 +363,12 @@ def payload_parts(frames: Sequence[memoryview], header: Header) -> tuple[memoryv
     return tuple(joined(pieces) for pieces in payload_chunks(frames, header))
 
 
-def verify(key: bytes, direction: Direction, frames: Sequence[memoryview]) -> bool:
-    """Whether the MAC of a frame that passed :func:`parse_header` is right (constant time)."""
-    expected = _mac(key, direction, frames[0], frames[1:-1])
+def verify(
+    key: bytes, direction: Direction, frames: Sequence[memoryview], salt: bytes = b""
+) -> bool:
+    """Whether the MAC of a frame that passed :func:`parse_header` is right (constant time),
+    under the key ``salt`` was sealed with."""
+    expected = _mac(key, direction, frames[0], frames[1:-1], salt)
     return hmac.compare_digest(expected, frames[-1])
 
 
@@ -363,14 +379,15 @@ def check_fresh(
     header: Header,
     epoch: bytes,
     last_sequence: int,
+    salt: bytes = b"",
 ) -> None:
     """Raise :class:`FrameError` unless a frame that passed :func:`parse_header` binds
     ``epoch`` (the nonce this side issued), comes after ``last_sequence``, and carries a
-    right MAC. The MAC is checked last: a stale frame is dropped whatever its MAC, so a
-    replay flood costs no hashing."""
+    right MAC (under ``salt``'s key). The MAC is checked last: a stale frame is dropped
+    whatever its MAC, so a replay flood costs no hashing."""
     if header.epoch != epoch:
         raise FrameError(DropReason.WRONG_EPOCH)
     if header.sequence <= last_sequence:
         raise FrameError(DropReason.REPLAYED)
-    if not verify(key, direction, frames):
+    if not verify(key, direction, frames, salt):
         raise FrameError(DropReason.BAD_MAC)

@@ -148,6 +148,7 @@ class Listener(LinkEnd):
             sequence=session.sent,
             parts=views,
             chunk_bytes=self._limits.chunk_bytes,
+            salt=session.nonce,
         )
         self._send([session.routing_id, *frames], timeout)
 
@@ -208,6 +209,7 @@ class Listener(LinkEnd):
             epoch=session.client_nonce,
             sequence=session.sent,
             parts=[memoryview(session.nonce)],
+            salt=session.nonce,
         )
         try:
             self._socket.send_multipart([routing_id, *welcome], zmq.NOBLOCK)
