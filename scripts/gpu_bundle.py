@@ -9,8 +9,9 @@ script fills that folder with:
 * the wheels of the project's distributions the checks use (:data:`DISTRIBUTIONS`: pure
   Python, built here with ``pip wheel``);
 * the binary wheels, for the lent machine's Python and platform (CPython 3.12, manylinux
-  x86_64 by default), of every requirement of those that the image lacks (pyzmq, for the mp
-  backend's channel), pinned to the versions in constraints.txt. Ray is left out: it is too
+  x86_64 by default), of every requirement of those that the image lacks (pyzmq and
+  cryptography, with its cffi and pycparser, for the mp backend's channel), pinned to the
+  versions in constraints.txt. Ray is left out: it is too
   large to carry, and the Ray check says SKIP without it.
 
 It checks the folder's size, writes ``bundle.json`` (what is in it and for which Python), and
