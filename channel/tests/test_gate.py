@@ -21,14 +21,23 @@ from executor_channel import Connection, DropReason, Limits, Listener, Message, 
 from executor_channel._frames import (
     Direction,
     FrameError,
+    Header,
     Kind,
+    joined,
     parse_header,
-    payload_parts,
+    payload_chunks,
     seal,
     verify,
 )
 
 KEY = bytes(range(32))
+
+
+def payload_parts(frames: list[memoryview], header: Header) -> tuple[memoryview, ...]:
+    """Each payload part whole, as ``Message.parts`` gives it."""
+    return tuple(joined(pieces) for pieces in payload_chunks(frames, header))
+
+
 SESSION = bytes(16)
 
 

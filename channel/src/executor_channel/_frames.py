@@ -77,7 +77,6 @@ __all__ = [
     "joined",
     "parse_header",
     "payload_chunks",
-    "payload_parts",
     "seal",
     "verify",
 ]
@@ -355,12 +354,6 @@ def joined(pieces: Pieces) -> memoryview:
     if len(pieces) == 1:
         return pieces[0]
     return memoryview(b"".join(pieces))
-
-
-def payload_parts(frames: Sequence[memoryview], header: Header) -> tuple[memoryview, ...]:
-    """The payload parts of a checked frame: a part that came whole is a zero-copy view of
-    its zmq part; one that came in chunks is joined into a new buffer (one copy)."""
-    return tuple(joined(pieces) for pieces in payload_chunks(frames, header))
 
 
 def verify(

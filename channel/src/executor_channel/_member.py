@@ -254,10 +254,12 @@ class MemberServer:
             except ChannelTimeoutError:
                 return ""
             self._last_seen = time.monotonic()
-            parts = message.parts
-            op = bytes(parts[0]) if parts else b""
-            if op == wire.CALL and len(parts) >= 2:
-                frame = parts[1] if len(parts) == 2 else memoryview(b"".join(parts[1:]))
+            chunks = message.chunks
+            op = b"".join(chunks[0]) if chunks else b""
+            if op == wire.CALL and len(chunks) >= 2:
+                # A frame sent in several parts (or chunks) is joined here, once.
+                pieces = [piece for part in chunks[1:] for piece in part]
+                frame = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
                 if self._stop_frame_seen:
                     continue  # after the stop frame: nothing more runs
                 if frame.nbytes and frame[0] == KIND_STOP:
