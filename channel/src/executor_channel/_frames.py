@@ -55,6 +55,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import attrs
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -115,7 +116,7 @@ class Kind(enum.IntEnum):
     BYE = 4
 
 
-_KINDS = frozenset(int(kind) for kind in Kind)
+_KIND_OF = {int(kind): kind for kind in Kind}
 
 
 class Direction(enum.Enum):
@@ -204,9 +205,9 @@ class Limits:
     max_pending: int = attrs.field(default=32, validator=_positive)
 
 
-@attrs.frozen
-class Header:
-    """A parsed header; its fields mean what the module docstring says."""
+class Header(NamedTuple):
+    """A parsed header; its fields mean what the module docstring says. (A named tuple:
+    one is made for every frame received.)"""
 
     kind: Kind
     session: bytes
@@ -216,6 +217,12 @@ class Header:
     lengths: tuple[int, ...]
     #: How many zmq parts (chunks) each payload part arrived in.
     spans: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(count: int) -> struct.Struct:
+    """The header's ``count`` part lengths."""
+    return struct.Struct(f"!{count}Q")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -236,12 +243,30 @@ def _mac(
     parts: Sequence[memoryview],
     salt: bytes,
 ) -> bytes:
+    """The tag of the frame ``header`` and ``parts``, its fields read from the header."""
+    _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
+    total = len(header) + sum(part.nbytes for part in parts)
+    return _tag(key, direction, session, epoch, sequence, salt, header, parts, total)
+
+
+def _tag(
+    key: bytes,
+    direction: Direction,
+    session: bytes,
+    epoch: bytes,
+    sequence: int,
+    salt: bytes,
+    header: memoryview | bytes,
+    parts: Sequence[memoryview],
+    total: int,
+) -> bytes:
+    """:func:`_mac` given the header's fields and the frame's ``total`` bytes, as the sender
+    and a receiver that parsed the header know them."""
     # Authenticating reads every payload byte once more, on each side; GMAC does it several
     # times faster than an HMAC (see the module docstring).
-    _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
     derived, gcm = _session_key(key, direction, session, epoch, salt)
     nonce = _NONCE.pack(sequence)
-    if len(header) + sum(part.nbytes for part in parts) <= _JOIN_AT_MOST:
+    if total <= _JOIN_AT_MOST:
         tag: bytes = gcm.encrypt(nonce, b"", b"".join((header, *parts)))
         return tag
     encryptor = Cipher(algorithms.AES(derived), modes.GCM(nonce)).encryptor()
@@ -272,10 +297,14 @@ def seal(
         raise ValueError(f"session and epoch must be {NONCE_BYTES} bytes each")
     if not 1 <= sequence <= _MAX_SEQUENCE:
         raise ValueError(f"sequence out of range: {sequence}")
-    header = HEADER_FIXED.pack(MAGIC, VERSION, kind, session, epoch, sequence, len(parts))
-    header += b"".join(_LENGTH.pack(part.nbytes) for part in parts)
-    mac = _mac(key, direction, header, parts, salt)
-    if chunk_bytes is None or all(part.nbytes <= chunk_bytes for part in parts):
+    count = len(parts)
+    sizes = [part.nbytes for part in parts]
+    header = HEADER_FIXED.pack(MAGIC, VERSION, kind, session, epoch, sequence, count)
+    if count:
+        header += _lengths(count).pack(*sizes)
+    total = len(header) + sum(sizes)
+    mac = _tag(key, direction, session, epoch, sequence, salt, header, parts, total)
+    if chunk_bytes is None or not count or max(sizes) <= chunk_bytes:
         return [header, *parts, mac]
     frames: list[bytes | memoryview] = [header]
     for part in parts:
@@ -303,7 +332,8 @@ def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
         raise FrameError(DropReason.MALFORMED)
     if version != VERSION:
         raise FrameError(DropReason.UNKNOWN_VERSION)
-    if kind not in _KINDS:
+    known = _KIND_OF.get(kind)
+    if known is None:
         raise FrameError(DropReason.UNKNOWN_KIND)
     if count > limits.max_parts:
         raise FrameError(DropReason.TOO_LARGE)
@@ -311,7 +341,17 @@ def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
         raise FrameError(DropReason.BAD_LENGTHS)
     if frames[-1].nbytes != MAC_BYTES:
         raise FrameError(DropReason.MALFORMED)
-    lengths = struct.unpack_from(f"!{count}Q", header, HEADER_FIXED.size)
+    lengths: tuple[int, ...] = _lengths(count).unpack_from(header, HEADER_FIXED.size)
+    if len(frames) == count + 2:
+        # The common case: each part came whole, one zmq part each (as it must, then).
+        index = 1
+        for declared in lengths:
+            if declared > limits.max_part_bytes:
+                raise FrameError(DropReason.TOO_LARGE)
+            if frames[index].nbytes != declared:
+                raise FrameError(DropReason.BAD_LENGTHS)
+            index += 1
+        return Header(known, session, epoch, sequence, lengths, (1,) * count)
     spans = []
     chunks = len(frames) - 1
     index = 1
@@ -334,7 +374,7 @@ def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
         spans.append(index - first)
     if index != chunks:
         raise FrameError(DropReason.BAD_LENGTHS)
-    return Header(Kind(kind), session, epoch, sequence, lengths, tuple(spans))
+    return Header(known, session, epoch, sequence, lengths, tuple(spans))
 
 
 def payload_chunks(frames: Sequence[memoryview], header: Header) -> tuple[Pieces, ...]:
@@ -382,5 +422,11 @@ def check_fresh(
         raise FrameError(DropReason.WRONG_EPOCH)
     if header.sequence <= last_sequence:
         raise FrameError(DropReason.REPLAYED)
-    if not verify(key, direction, frames, salt):
+    header_view = frames[0]
+    total = header_view.nbytes + sum(header.lengths)
+    parts = frames[1:-1]
+    expected = _tag(
+        key, direction, header.session, epoch, header.sequence, salt, header_view, parts, total
+    )
+    if not hmac.compare_digest(expected, frames[-1]):
         raise FrameError(DropReason.BAD_MAC)
