@@ -51,15 +51,14 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import attrs
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ._frame_tag import Direction, tag
 
 __all__ = [
     "HEADER_FIXED",
@@ -92,12 +91,6 @@ ZERO_NONCE = bytes(NONCE_BYTES)
 HEADER_FIXED = struct.Struct("!4sBBxx16s16sQI")
 _LENGTH = struct.Struct("!Q")
 _MAX_SEQUENCE = (1 << 64) - 1
-_KEY_LABEL = b"executor-channel/3 frame key\x00"
-# The nonce: the sequence, big-endian, in GCM's 12 bytes.
-_NONCE = struct.Struct("!4xQ")
-# Up to this many bytes, a frame is joined and tagged in one call (the cheapest for small
-# frames); a larger one is fed to GCM part by part, without a copy. Both give the same tag.
-_JOIN_AT_MOST = 64 << 10
 
 #: A payload part as it arrived: one zmq part, or its chunks in order.
 Pieces = tuple[memoryview, ...]
@@ -117,13 +110,6 @@ class Kind(enum.IntEnum):
 
 
 _KIND_OF = {int(kind): kind for kind in Kind}
-
-
-class Direction(enum.Enum):
-    """Which way a frame travels; its label separates the MAC domains of the two ways."""
-
-    TO_LISTENER = b"executor-channel/1 dialer->listener\x00"
-    TO_DIALER = b"executor-channel/1 listener->dialer\x00"
 
 
 class DropReason(enum.StrEnum):
@@ -225,17 +211,6 @@ def _lengths(count: int) -> struct.Struct:
     return struct.Struct(f"!{count}Q")
 
 
-@functools.lru_cache(maxsize=4096)
-def _session_key(
-    key: bytes, direction: Direction, session: bytes, epoch: bytes, salt: bytes
-) -> tuple[bytes, AESGCM]:
-    """The AES-256 key of one session and direction, and its GCM: derived once per session
-    (a listener keeps at most ``Limits.max_peers`` sessions, so the cache covers them)."""
-    material = _KEY_LABEL + direction.value + session + epoch + salt
-    derived = hmac.new(key, material, hashlib.sha256).digest()
-    return derived, AESGCM(derived)
-
-
 def _mac(
     key: bytes,
     direction: Direction,
@@ -246,36 +221,7 @@ def _mac(
     """The tag of the frame ``header`` and ``parts``, its fields read from the header."""
     _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
     total = len(header) + sum(part.nbytes for part in parts)
-    return _tag(key, direction, session, epoch, sequence, salt, header, parts, total)
-
-
-def _tag(
-    key: bytes,
-    direction: Direction,
-    session: bytes,
-    epoch: bytes,
-    sequence: int,
-    salt: bytes,
-    header: memoryview | bytes,
-    parts: Sequence[memoryview],
-    total: int,
-) -> bytes:
-    """:func:`_mac` given the header's fields and the frame's ``total`` bytes, as the sender
-    and a receiver that parsed the header know them."""
-    # Authenticating reads every payload byte once more, on each side; GMAC does it several
-    # times faster than an HMAC (see the module docstring).
-    derived, gcm = _session_key(key, direction, session, epoch, salt)
-    nonce = _NONCE.pack(sequence)
-    if total <= _JOIN_AT_MOST:
-        tag: bytes = gcm.encrypt(nonce, b"", b"".join((header, *parts)))
-        return tag
-    encryptor = Cipher(algorithms.AES(derived), modes.GCM(nonce)).encryptor()
-    encryptor.authenticate_additional_data(header)
-    for part in parts:
-        if part.nbytes:
-            encryptor.authenticate_additional_data(part)
-    encryptor.finalize()
-    return encryptor.tag
+    return tag(key, direction, session, epoch, sequence, salt, header, parts, total)
 
 
 def seal(
@@ -303,7 +249,7 @@ def seal(
     if count:
         header += _lengths(count).pack(*sizes)
     total = len(header) + sum(sizes)
-    mac = _tag(key, direction, session, epoch, sequence, salt, header, parts, total)
+    mac = tag(key, direction, session, epoch, sequence, salt, header, parts, total)
     if chunk_bytes is None or not count or max(sizes) <= chunk_bytes:
         return [header, *parts, mac]
     frames: list[bytes | memoryview] = [header]
@@ -425,7 +371,7 @@ def check_fresh(
     header_view = frames[0]
     total = header_view.nbytes + sum(header.lengths)
     parts = frames[1:-1]
-    expected = _tag(
+    expected = tag(
         key, direction, header.session, epoch, header.sequence, salt, header_view, parts, total
     )
     if not hmac.compare_digest(expected, frames[-1]):
