@@ -1,8 +1,8 @@
 """The driver's end of the channel, for any backend whose workers run out of process.
 
 :class:`ChannelDriver` carries a backend's calls and replies: each call is encoded once,
-written into the driver node's rings (its ranks there read it) and queued on the hub for the
-members on other machines; replies come from the reply rings and the hub's inbox. A backend's
+written into the driver node's rings (its ranks there read it) and sent through the hub to the
+members on other machines; replies come from the reply rings and the hub. A backend's
 ``Transport`` makes the rings and the hub, starts its workers however it does (processes,
 Ray actors), and hands ``send``, ``poll`` and ``interrupt`` to this object.
 """
@@ -10,6 +10,7 @@ Ray actors), and hands ``send``, ``poll`` and ``interrupt`` to this object.
 from __future__ import annotations
 
 import contextlib
+import select
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -66,6 +67,7 @@ class ChannelDriver:
             self._spinner = Spinner(0.0)
         #: Set by :meth:`interrupt`: blocked sends and polls return.
         self.aborted = False
+        self._poll_both: select.poll | None = None
         self._ready = False
         #: The first failure reported before every rank was ready: the start raises it.
         self._start_error: ExecutorFailedError | None = None
@@ -149,7 +151,7 @@ class ChannelDriver:
 
     def send(self, call: Call) -> bool:
         """Encode ``call`` once; write it into the rings (waiting, up to the call's deadline,
-        for a free slot), then queue it for the other machines."""
+        for a free slot), then send it to the other machines."""
         method = call.method
         reply_rank = call.reply_rank
         parts, nbytes = encode_call(
@@ -232,6 +234,7 @@ class ChannelDriver:
         spinner = self._spinner
         bell = self._reply_bell
         remote = self.hub is not None
+        sleeper = self._sleeper() if remote else None
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         spin_until = spinner.start()
@@ -242,6 +245,12 @@ class ChannelDriver:
                     spin_until = 0.0  # lost the CPU: look once more, then sleep
                     if self._reply_waiting():
                         spinner.contended()  # it came meanwhile: the spin delayed it
+            elif sleeper is not None:
+                # Replies from other machines wake this thread itself (it reads them), the
+                # rest ring the doorbell (see _hub_link).
+                ms = 1000 if deadline is None else max(0, int((deadline - now) * 1000) + 1)
+                if sleeper.poll(ms):
+                    bell.clear()
             else:
                 # Replies, the hub and interrupt() ring this doorbell; a stale ring costs one
                 # look.
@@ -260,9 +269,20 @@ class ChannelDriver:
             if deadline is not None and now >= deadline:
                 return
 
+    def _sleeper(self) -> select.poll:
+        """A poll of the reply doorbell and the hub's link (made once)."""
+        if self._poll_both is None:
+            assert self.hub is not None
+            self._poll_both = select.poll()
+            self._poll_both.register(self._reply_bell.fd, select.POLLIN)
+            self._poll_both.register(self.hub.reply_fd, select.POLLIN)
+        return self._poll_both
+
     def _deliver_remote(self) -> bool:
-        """Hand the replies that came from other machines to the core; True if any came."""
+        """Hand the replies that came from other machines to the core (reading those that
+        wait, see :meth:`Hub.read_replies <._hub.Hub.read_replies>`); True if any came."""
         assert self.hub is not None
+        self.hub.read_replies()
         inbox = self.hub.inbox
         deliver = self.host.deliver
         got = False

@@ -3,11 +3,13 @@
 Members (an ``executor node`` agent for a node's ranks, say) dial the hub's listener, join
 under an index, and get a spec of what to run; one the hub cannot admit (its index taken,
 out of range or not awaited, another version) is refused at once with the reason, during
-start-up and while the pump runs. Then one thread (the hub's pump) owns the
-listener, since a zmq socket is not thread-safe: it forwards each call to every member, hands
-the replies it receives to the backend's poll (through :attr:`Hub.inbox` and a doorbell),
-exchanges heartbeats, and reports a member that stops answering or a worker that died
-there. Callers only queue calls (:meth:`Hub.broadcast`): a deque and an eventfd, no socket.
+start-up and while the pump runs. Then a caller sends its call to every member itself
+(:meth:`Hub.broadcast`) and reads the replies itself while it waits (:meth:`Hub.read_replies`,
+from the backend's poll), and one thread (the hub's pump) does the rest: it exchanges
+heartbeats, reports a member that stops answering or a worker that died there, sends what
+could not go at once, and hands the replies it reads to the backend's poll (through
+:attr:`Hub.inbox` and a doorbell). How the two share the listener is
+:mod:`._hub_link`'s to say.
 
 Whom the hub admits is :mod:`._hub_admission`'s to say; what it records of a member, in
 :mod:`._hub_member`.
@@ -24,28 +26,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
+from executor_core import ExecutorError
 
 from . import _hub_admission as admission
 from . import _hub_protocol as wire
 from ._doorbell import Doorbell
-from ._hub_member import Member, died_on
+from ._hub_link import SharedListener
+from ._hub_member import Member
 from ._hub_probes import Probes
+from ._hub_pump import STARTUP_SILENCE_S, FailureCallback, Pump, is_reply
 from ._link import ChannelError, ChannelTimeoutError, Listener, Message, PeerId
-from ._node_rings import Reply, decode_reply
+from ._node_rings import Reply
 
 __all__ = ["STARTUP_SILENCE_S", "Hub", "Member"]
 
 logger = logging.getLogger("executor_channel")
 
-#: Seconds of silence that lose a node (or, for a member, the driver) while workers start.
-STARTUP_SILENCE_S = 10.0
 
-#: Called from the pump thread with the error that fails the executor.
-FailureCallback = Callable[[ExecutorFailedError], None]
-
-
-class Hub:
+class Hub(Pump):
     """The listener, the joined members and the pump thread."""
 
     def __init__(
@@ -69,11 +67,9 @@ class Hub:
         self._terms: dict[str, Any] = {}
         #: Replies (and ready frames) from the members, for the transport's poll.
         self.inbox: collections.deque[Reply] = collections.deque()
-        self._outbox: collections.deque[list[bytes]] = collections.deque()
-        #: Messages for one member each (probes, ends), sent by the pump.
-        self._directed: collections.deque[tuple[Member, list[bytes]]] = collections.deque()
         self._probes = Probes()
         self._wake = Doorbell()
+        self._link = SharedListener(listener, node_timeout_s, self._wake, reply_bell)
         self._wake_closed = False
         self._stopped = False
         self._stop = threading.Event()
@@ -171,7 +167,7 @@ class Hub:
             # Best effort: a member gone since it asked must not stop the executor.
             answer = admission.refused(refusal, reason, self._awaited)
             with contextlib.suppress(ChannelError):
-                self._listener.send(message.peer, answer, timeout=0)
+                self._link.send_to(message.peer, answer, timeout=0)
             return None
         node = Member.joined(info, message.peer)
         self._awaited.discard(node.node_rank)
@@ -188,52 +184,76 @@ class Hub:
 
     def _send_now(self, peer: PeerId, parts: Sequence[bytes]) -> None:
         try:
-            self._listener.send(peer, parts, timeout=self._timeout)
+            self._link.send_to(peer, parts, timeout=self._timeout)
         except ChannelError as exc:
             raise ExecutorError(f"could not reach a member: {exc}") from exc
 
     def start(self) -> None:
-        """Hand the listener to the pump thread."""
+        """Start the pump thread; from now on callers send and read themselves too."""
         now = time.monotonic()
         for node in self.nodes:
             node.last_seen = now
         self._thread = threading.Thread(target=self._run, name="executor-hub", daemon=True)
+        self._link.started = True
         self._thread.start()
 
     # --- any thread -------------------------------------------------------------------------
 
     def broadcast(self, parts: Sequence[Any]) -> None:
-        """Queue a call frame (the codec's parts) for every node. What the caller could
-        change once the call is sent is copied now; a large buffer of immutable ``bytes``
-        is kept as it is (no copy), between the joined runs of the other parts."""
-        self._outbox.append(wire.call(parts))
-        self._wake.ring()
+        """Send a call frame (the codec's parts) to every node, from this thread, without
+        waiting (what cannot go at once, the pump sends; see
+        :meth:`SharedListener.send_call`). What the caller could change once the call is
+        sent is copied now; a large buffer of immutable ``bytes`` is kept as it is (no
+        copy), between the joined runs of the other parts."""
+        self._link.send_call(self._live(), wire.call(parts))
+
+    @property
+    def reply_fd(self) -> int:
+        """What a caller waiting for replies polls besides :attr:`reply_bell` (then calls
+        :meth:`read_replies`)."""
+        return self._link.signal_fd
+
+    def read_replies(self) -> None:
+        """Read what waits from the members (see :meth:`SharedListener.read_for_caller`): the
+        replies go to :attr:`inbox`, the rest to the pump. The backend's poll calls it (any
+        thread)."""
+        messages = self._link.read_for_caller()
+        if not messages:
+            return
+        others = []
+        for message in messages:
+            node = self._by_peer.get(message.peer)
+            if node is not None and is_reply(message):
+                self._take_reply(node, message)
+            else:
+                others.append(message)
+        if others:
+            self._link.hand_over(others)
 
     def probe(self, ranks: Sequence[int], timeout: float) -> Callable[[], set[int]]:
         """Start the liveness probe of remote ``ranks`` (``PROBE``); the function returned
         waits for it: the ranks whose member said they did not answer within ``timeout``, or
         whose member did not answer in time."""
         token, messages = self._probes.ask(self._live(), ranks, timeout)
-        self._directed.extend(messages)
-        self._wake.ring()
+        self._link.send_later(messages)
         asked = [node for node, _ in messages]
         return functools.partial(self._probes.wait, token, asked, ranks, timeout)
 
     def end(self, ranks: Sequence[int]) -> None:
         """Have the members holding ``ranks`` kill those workers now (``END``)."""
+        messages = []
         for node in self._live():
             held = [rank for rank in ranks if rank in node.ranks]
             if held:
-                self._directed.append((node, wire.control(wire.END, {"ranks": held})))
-        self._wake.ring()
+                messages.append((node, wire.control(wire.END, {"ranks": held})))
+        self._link.send_later(messages)
 
     def replace(self, ranks: Sequence[int], launches: bytes) -> None:
         """Have the members holding ``ranks`` start new processes for them (``REPLACE``,
         queued in order with the calls: it follows every call sent before, and precedes
         every call sent after). ``launches`` is the backend's bytes for those ranks."""
         payload = wire.control(wire.REPLACE, {"ranks": list(ranks)})
-        self._outbox.append([*payload, launches])
-        self._wake.ring()
+        self._link.queue([*payload, launches])
 
     def wake(self) -> None:
         """Make the pump look at its state now (``ready`` was set)."""
@@ -245,6 +265,7 @@ class Hub:
         ``rejoin``, the KILL asks each member to stop its workers and join again (the
         executor restarts its workers: a recovery)."""
         thread, self._thread = self._thread, None
+        self._link.stop()
         if thread is None:  # not started (start-up failed: release who joined), or stopped
             if not self._stopped:
                 self._kill_all(rejoin)
@@ -269,131 +290,3 @@ class Hub:
         if not self._wake_closed:
             self._wake_closed = True
             self._wake.close()
-
-    # --- the pump thread --------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self._pump()
-        except Exception as exc:
-            logger.exception("the hub's links to its members failed")
-            self._on_failure(ExecutorFailedError(f"the links to the other nodes failed: {exc}"))
-
-    def _pump(self) -> None:
-        listener = self._listener
-        fds = [self._wake.fd]
-        next_ping = 0.0
-        announced = False
-        while not self._stop.is_set():
-            now = time.monotonic()
-            frames_waiting, woken = listener.wait(
-                max(0.0, min(next_ping - now, self._interval)), fds
-            )
-            if woken:
-                self._wake.clear()
-            self._flush()
-            if frames_waiting:
-                self._receive()
-            now = time.monotonic()
-            if self.ready and not announced:
-                for node in self._live():
-                    self._send(node, [wire.READY])
-                announced = True
-            if now >= next_ping:
-                for node in self._live():
-                    self._send(node, [wire.PING])
-                next_ping = now + self._interval
-            # Until every rank is ready, machines are busy starting workers (imports, model
-            # loads): a silence is waited out longer, but not for ever.
-            limit = self._timeout if self.ready else max(self._timeout, STARTUP_SILENCE_S)
-            for node in self._live():
-                if now - node.last_seen > limit:
-                    self.lose(
-                        node,
-                        f"node {node.describe()} sent nothing for {now - node.last_seen:.1f} s: "
-                        "its member process or its machine is gone",
-                    )
-
-    def _live(self) -> list[Member]:
-        return [node for node in self.nodes if not node.lost]
-
-    def _flush(self) -> None:
-        outbox = self._outbox
-        while outbox:
-            message = outbox.popleft()
-            for node in self._live():
-                self._send(node, message)
-        directed = self._directed
-        while directed:
-            node, message = directed.popleft()
-            if not node.lost:
-                self._send(node, message)
-
-    def _send(self, node: Member, parts: Sequence[bytes]) -> None:
-        try:
-            self._listener.send(node.peer, parts, timeout=self._timeout)
-        except ChannelError as exc:
-            self.lose(node, f"sending to node {node.describe()} failed: {exc}")
-
-    def _receive(self) -> None:
-        listener = self._listener
-        got_reply = False
-        while True:
-            try:
-                message = listener.recv(0)
-            except ChannelTimeoutError:
-                break
-            if not message.parts:
-                continue
-            op = bytes(message.parts[0])
-            node = self._by_peer.get(message.peer)
-            if node is None:
-                if op == wire.JOIN:  # a late or duplicate member: it is told why at once
-                    self._on_join(message)
-                continue
-            if node.lost:
-                continue
-            node.last_seen = time.monotonic()
-            if op == wire.FRAME and len(message.parts) == 2:
-                reply = decode_reply(message.parts[1])
-                if reply[2] not in node.ranks:
-                    logger.warning(
-                        "%s sent a reply of rank %d, not its own", node.describe(), reply[2]
-                    )
-                    continue
-                self.inbox.append(reply)
-                got_reply = True
-            elif op == wire.DIED:
-                info = wire.read_control(message.parts)
-                self._on_failure(died_on(node, info))
-            elif op == wire.FAILED:
-                info = wire.read_control(message.parts)
-                reason = str(info.get("reason", "?"))
-                if info.get("started"):  # its workers were running: they are gone
-                    self.lose(node, f"node {node.describe()}: {reason}")
-                else:
-                    node.lost = True
-                    self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
-            elif op == wire.PROBED:
-                self._probes.answer(node, wire.read_control(message.parts))
-            elif op == wire.BYE:
-                node.done = True
-        if got_reply:
-            self._reply_bell.ring()
-
-    def lose(self, node: Member, why: str) -> None:
-        """``node`` is gone (``why``): its ranks' calls fail, once. Any thread."""
-        if node.lost or node.done:
-            return
-        node.lost = True
-        first = min(node.ranks, default=-1)
-        self._on_failure(WorkerDiedError(first, detail=why, ranks=node.ranks, node=node.node_id))
-
-    def _kill_all(self, rejoin: bool = False) -> None:
-        """Tell every member not done yet to stop its workers now (best effort); with
-        ``rejoin``, to join again afterwards."""
-        message = wire.control(wire.KILL, {"rejoin": True}) if rejoin else [wire.KILL]
-        for node in self.nodes:
-            if not node.lost and not node.done:
-                with contextlib.suppress(ChannelError):
-                    self._listener.send(node.peer, message, timeout=0.1)

@@ -85,6 +85,8 @@ class LinkEnd:
             # than the header (with its lengths).
             header_max = HEADER_FIXED.size + 8 * limits.max_parts
             self._socket.setsockopt(zmq.MAXMSGSIZE, max(limits.chunk_bytes, header_max))
+            # Read now, while one thread has the socket (see wait_shared).
+            self._signal_fd = cast(int, self._socket.getsockopt(zmq.FD))
         except BaseException:
             self._socket.close(linger=0)
             if self._own_context:
@@ -197,6 +199,50 @@ class LinkEnd:
             events = self._poller.poll(max(1, math.ceil(remaining * 1000)))
             if self._gate is not None and any(sock is not self._socket for sock, _ in events):
                 self._gate.service()
+
+    @property
+    def signal_fd(self) -> int:
+        """zmq's signal descriptor of this link's socket (``ZMQ_FD``): readable when the
+        socket's state may have changed (see :meth:`wait_shared`)."""
+        return self._signal_fd
+
+    def has_input(self) -> bool:
+        """Whether a frame waits on the socket now (it may still be dropped when read)."""
+        return bool(cast(int, self._socket.getsockopt(_EVENTS)) & _POLLIN)
+
+    def wait_shared(
+        self, timeout: float, fds: Sequence[int] = (), signal: bool = True
+    ) -> list[int]:
+        """Block until zmq signals this link (unless not ``signal``), one of ``fds`` is
+        readable, or ``timeout`` passes; return the readable ones of ``fds``.
+
+        Unlike :meth:`wait` it never touches the socket (it sleeps on zmq's signal
+        descriptor, :attr:`signal_fd`), so other threads may use the link meanwhile, one at
+        a time under the owner's lock. The signal fires on a change, not while frames wait:
+        after every wake the waiter reads with ``recv(0)`` until it raises, and whoever else
+        uses the link checks :meth:`has_input` afterwards and wakes the waiter if it is true.
+        """
+        self._check_open()
+        deadline = deadline_after(timeout)
+        poller_key = (-1 if signal else -2, *fds)
+        poller = self._wait_pollers.get(poller_key)
+        if poller is None:
+            poller = zmq.Poller()
+            if signal:
+                poller.register(self._signal_fd, zmq.POLLIN)
+            for fd in fds:
+                poller.register(fd, zmq.POLLIN)
+            for sock in self._gate.sockets if self._gate is not None else ():
+                poller.register(sock, zmq.POLLIN)
+            self._wait_pollers[poller_key] = poller
+        while True:
+            events = dict(poller.poll(math.ceil(max(0.0, deadline - time.monotonic()) * 1000)))
+            signalled = [key for key in events if isinstance(key, int)]
+            if self._gate is not None and len(signalled) < len(events):
+                self._gate.service()
+            # Woken only by the gate: the caller's wait is not over.
+            if signalled or not events or time.monotonic() >= deadline:
+                return [fd for fd in fds if events.get(fd)]
 
     @property
     def limits(self) -> Limits:
