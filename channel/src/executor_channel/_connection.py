@@ -24,6 +24,7 @@ from ._frames import (
     parse_header,
     payload_chunks,
     seal,
+    split_compact,
 )
 from ._gate import dialer_token
 from ._link_end import LinkEnd, as_views, deadline_after
@@ -139,7 +140,7 @@ class Connection(LinkEnd):
                 self._send(self._seal(Kind.BYE, []), 0)
         super().close()
 
-    def _seal(self, kind: Kind, views: list[memoryview]) -> list[bytes | memoryview]:
+    def _seal(self, kind: Kind, views: list[memoryview]) -> list[bytes | bytearray | memoryview]:
         self._sent += 1
         return seal(
             self._key,
@@ -153,7 +154,7 @@ class Connection(LinkEnd):
         )
 
     def _check(self, frames: list[zmq.Frame], kind: Kind) -> tuple[Header, list[memoryview]]:
-        views = [frame.buffer for frame in frames]
+        views = split_compact([frame.buffer for frame in frames], self._limits)
         header = parse_header(views, self._limits)
         if header.kind is not kind:
             raise FrameError(DropReason.UNEXPECTED)

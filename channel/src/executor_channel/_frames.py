@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import attrs
 
-from ._frame_tag import Direction, tag
+from ._frame_tag import COMPACT_AT_MOST, Direction, tag, tag_joined
 
 __all__ = [
     "HEADER_FIXED",
@@ -83,7 +83,7 @@ __all__ = [
 
 MAGIC = b"EXCH"
 # 2: payload parts longer than a chunk travel as several zmq parts. 3: GMAC tags.
-VERSION = 3
+VERSION = 4
 NONCE_BYTES = 16
 MAC_BYTES = 16
 ZERO_NONCE = bytes(NONCE_BYTES)
@@ -235,9 +235,11 @@ def seal(
     parts: Sequence[memoryview],
     chunk_bytes: int | None = None,
     salt: bytes = b"",
-) -> list[bytes | memoryview]:
+) -> list[bytes | bytearray | memoryview]:
     """The frame ``[header, *chunks, mac]`` carrying ``parts`` (byte-format memoryviews),
-    each part cut into zero-copy slices of at most ``chunk_bytes`` (whole if ``None``).
+    each part cut into zero-copy slices of at most ``chunk_bytes`` (whole if ``None``); or,
+    if the whole frame is at most :data:`COMPACT_AT_MOST` (and ``chunk_bytes``), the one
+    part ``header || parts || mac`` (:func:`split_compact` cuts it again).
     ``salt`` goes into the MAC's key (see the module docstring)."""
     if len(session) != NONCE_BYTES or len(epoch) != NONCE_BYTES:
         raise ValueError(f"session and epoch must be {NONCE_BYTES} bytes each")
@@ -249,10 +251,15 @@ def seal(
     if count:
         header += _lengths(count).pack(*sizes)
     total = len(header) + sum(sizes)
+    if total + MAC_BYTES <= min(COMPACT_AT_MOST, chunk_bytes or COMPACT_AT_MOST):
+        # Small: one zmq part, the header, the parts and the tag back to back.
+        data = bytearray().join((header, *parts))
+        data += tag_joined(key, direction, session, epoch, sequence, salt, data)
+        return [data]
     mac = tag(key, direction, session, epoch, sequence, salt, header, parts, total)
     if chunk_bytes is None or not count or max(sizes) <= chunk_bytes:
         return [header, *parts, mac]
-    frames: list[bytes | memoryview] = [header]
+    frames: list[bytes | bytearray | memoryview] = [header]
     for part in parts:
         if part.nbytes <= chunk_bytes:
             frames.append(part)
@@ -260,6 +267,34 @@ def seal(
             frames.extend(part[i : i + chunk_bytes] for i in range(0, part.nbytes, chunk_bytes))
     frames.append(mac)
     return frames
+
+
+def split_compact(frames: list[memoryview], limits: Limits) -> list[memoryview]:
+    """A received frame as :func:`parse_header` takes it: one that came as one zmq part
+    (a compact frame, see :func:`seal`) cut into zero-copy views of its header, parts and
+    tag; any other as it is. Raises :class:`FrameError` if the part cannot be cut so."""
+    if len(frames) != 1:
+        return frames
+    data = frames[0]
+    size = data.nbytes
+    if size < HEADER_FIXED.size + MAC_BYTES or size > COMPACT_AT_MOST:
+        raise FrameError(DropReason.MALFORMED)
+    count = HEADER_FIXED.unpack_from(data)[-1]
+    if count > limits.max_parts:
+        raise FrameError(DropReason.TOO_LARGE)
+    front = HEADER_FIXED.size + _LENGTH.size * count
+    if size < front + MAC_BYTES:
+        raise FrameError(DropReason.BAD_LENGTHS)
+    lengths = _lengths(count).unpack_from(data, HEADER_FIXED.size)
+    if front + sum(lengths) + MAC_BYTES != size:
+        raise FrameError(DropReason.BAD_LENGTHS)
+    views = [data[:front]]
+    at = front
+    for length in lengths:
+        views.append(data[at : at + length])
+        at += length
+    views.append(data[at:])
+    return views
 
 
 def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:

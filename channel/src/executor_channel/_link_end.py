@@ -143,7 +143,7 @@ class LinkEnd:
         if self._closed:
             raise ChannelError(f"{type(self).__name__} is closed")
 
-    def _send(self, frames: Sequence[bytes | memoryview], timeout: float) -> None:
+    def _send(self, frames: Sequence[bytes | bytearray | memoryview], timeout: float) -> None:
         """Queue one multipart message, waiting up to ``timeout`` for room below the HWM."""
         deadline_after(timeout)
         timeout_ms = math.ceil(timeout * 1000)

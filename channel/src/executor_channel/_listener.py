@@ -24,6 +24,7 @@ from ._frames import (
     parse_header,
     payload_chunks,
     seal,
+    split_compact,
     verify,
 )
 from ._link_end import LinkEnd, as_views
@@ -154,8 +155,8 @@ class Listener(LinkEnd):
 
     def _handle(self, frames: list[zmq.Frame]) -> Message | None:
         routing_id = frames[0].bytes
-        views = [frame.buffer for frame in frames[1:]]
         try:
+            views = split_compact([frame.buffer for frame in frames[1:]], self._limits)
             header = parse_header(views, self._limits)
             if header.kind is Kind.HELLO:
                 self._hello(routing_id, header, views)
