@@ -5,6 +5,11 @@ each payload part travels as one zmq part, or, when it is longer than the sender
 :attr:`Limits.chunk_bytes`, as several consecutive zmq parts of at most that size (zero-copy
 slices of it). No zmq part a holder of the secret sends is larger than that or than the header,
 so a receiver refuses larger ones in zmq itself (``MAXMSGSIZE``), before they are buffered.
+A *compact* frame, one of at most :data:`COMPACT_AT_MOST` bytes in all (and at most
+``chunk_bytes``), travels instead as the one zmq part ``header || part_1 || ... || part_n ||
+mac``: every zmq part costs a message through zmq's pipes and a frame object on both ends, and
+most frames are small. The receiver cuts it into the same views (:func:`split_compact`, which
+checks its sizes against the header first), and the MAC is the same either way.
 
 ``header`` is :data:`HEADER_FIXED` (big-endian) followed by ``n`` lengths (u64 each):
 
