@@ -299,3 +299,38 @@ def test_the_gate_leaves_no_thread_behind(secret: Secret) -> None:
         connection.send([b"x"], timeout=WAIT)
         connection.recv(timeout=WAIT)
     assert threading.active_count() == before
+
+
+def test_a_compact_frame_is_cut_by_its_header_before_its_mac() -> None:
+    # A frame of at most 64 KiB travels as one zmq part: header, parts and MAC back to back.
+    # The receiver cuts it by the sizes its header declares, and refuses one whose sizes do
+    # not add up before any MAC work; the MAC is the one the same frame in parts carries.
+    parts = [b"a" * 10, b"", b"b" * 30]
+    (compact,) = seal(
+        KEY,
+        Direction.TO_LISTENER,
+        Kind.DATA,
+        session=SESSION,
+        epoch=SESSION,
+        sequence=1,
+        parts=[memoryview(p) for p in parts],
+        chunk_bytes=1 << 20,
+    )
+    whole = bytes(compact)
+    views = split_compact([memoryview(whole)], Limits())
+    assert [bytes(view) for view in views[1:-1]] == parts
+    assert verify(KEY, Direction.TO_LISTENER, views)
+    assert bytes(views[-1]) == bytes(frame(parts, None)[-1])  # as in parts
+    for bad, reason in [
+        (whole[:-1], DropReason.BAD_LENGTHS),
+        (whole + b"x", DropReason.BAD_LENGTHS),
+        (whole[:20], DropReason.MALFORMED),
+    ]:
+        with pytest.raises(FrameError) as raised:
+            split_compact([memoryview(bad)], Limits())
+        assert raised.value.reason is reason
+    with pytest.raises(FrameError) as raised:
+        split_compact([memoryview(whole)], Limits(max_parts=2))
+    assert raised.value.reason is DropReason.TOO_LARGE
+    several = [memoryview(b"x"), memoryview(b"y")]
+    assert split_compact(several, Limits()) is several  # a frame in parts stays as it is
