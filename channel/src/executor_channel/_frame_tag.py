@@ -53,15 +53,15 @@ def tag(
     parts: Sequence[memoryview],
     total: int,
 ) -> bytes:
-    """the tag of a frame given the header's fields and the frame's ``total`` bytes, as the sender
-    and a receiver that parsed the header know them."""
+    """The tag of a frame given the header's fields and the frame's ``total`` bytes, as the
+    sender and a receiver that parsed the header know them."""
     # Authenticating reads every payload byte once more, on each side; GMAC does it several
-    # times faster than an HMAC (see the module docstring).
-    derived, gcm = _session_key(key, direction, session, epoch, salt)
-    nonce = _NONCE.pack(sequence)
+    # times faster than an HMAC (see :mod:`._frames`' docstring).
     if total <= COMPACT_AT_MOST:
-        tag: bytes = gcm.encrypt(nonce, b"", b"".join((header, *parts)))
-        return tag
+        data = b"".join((header, *parts))
+        return tag_joined(key, direction, session, epoch, sequence, salt, data)
+    derived, _ = _session_key(key, direction, session, epoch, salt)
+    nonce = _NONCE.pack(sequence)
     encryptor = Cipher(algorithms.AES(derived), modes.GCM(nonce)).encryptor()
     encryptor.authenticate_additional_data(header)
     for part in parts:
