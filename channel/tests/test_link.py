@@ -176,6 +176,50 @@ def test_recv_timeouts_are_clear(secret: Secret, listener: Listener) -> None:
         connection.recv(timeout=0.05)
 
 
+def test_recv_now_reads_what_waits_and_never_waits(secret: Secret, listener: Listener) -> None:
+    start = time.monotonic()
+    assert listener.recv_now() is None
+    assert time.monotonic() - start < 0.5  # no wait, and no ChannelTimeoutError
+    box: dict[str, Connection] = {}
+    dialer = threading.Thread(
+        target=lambda: box.setdefault("c", Connection(listener.address, secret, timeout=WAIT))
+    )
+    dialer.start()
+    deadline = time.monotonic() + WAIT
+    while dialer.is_alive():  # recv_now answers the handshake, and returns nothing for it
+        assert time.monotonic() < deadline, "the handshake did not complete"
+        listener.wait(0.05)
+        assert listener.recv_now() is None
+    with (
+        box["c"] as connection,
+        raw_dealers(listener.address, 1, gate_token(secret)) as (stranger,),
+    ):
+        for i in range(3):
+            connection.send([b"call %d" % i], timeout=WAIT)
+        got: list[Message] = []
+        while len(got) < 3:
+            assert listener.wait(WAIT)[0], "the calls did not arrive"
+            while (message := listener.recv_now()) is not None:
+                got.append(message)
+        assert [bytes(m.parts[0]) for m in got] == [b"call %d" % i for i in range(3)]
+        # A frame that fails the checks is dropped: recv_now reads past it to None.
+        stranger.send_multipart([b"not a frame"])
+        wait_for(lambda: listener.wait(0.05)[0] or sum(listener.drops.values()))
+        wait_for(lambda: listener.recv_now() is None and sum(listener.drops.values()) == 1)
+        # And the dialer's end.
+        assert connection.recv_now() is None
+        for i in range(2):
+            listener.send(got[0].peer, [b"reply %d" % i], timeout=WAIT)
+        replies: list[Message] = []
+        while len(replies) < 2:
+            assert connection.wait(WAIT)[0], "the replies did not arrive"
+            while (message := connection.recv_now()) is not None:
+                replies.append(message)
+        assert [bytes(m.parts[0]) for m in replies] == [b"reply 0", b"reply 1"]
+    with pytest.raises(ChannelError, match="closed"):
+        connection.recv_now()
+
+
 def test_handshake_timeout_when_nobody_listens(secret: Secret) -> None:
     with Listener(secret) as gone:
         address = gone.address

@@ -132,6 +132,16 @@ class Connection(LinkEnd):
         self._check_open()
         return self._receive(timeout, self._handle)
 
+    def recv_now(self) -> Message | None:
+        """The next authenticated message from the listener if one waits now, else None.
+
+        It never waits: what ``recv(0)`` returns, without the
+        :class:`ChannelTimeoutError` when nothing waits, for a loop that reads everything
+        after each :meth:`wait`.
+        """
+        self._check_open()
+        return self._receive_now(self._handle)
+
     def close(self) -> None:
         """Tell the listener the session ends (best effort), then close; idempotent."""
         if not self._closed and self._listener is not None:

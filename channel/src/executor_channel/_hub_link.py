@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ._doorbell import Doorbell
 from ._hub_member import Member
-from ._link import ChannelError, ChannelTimeoutError, Listener, Message, PeerId
+from ._link import ChannelError, Listener, Message, PeerId
 
 __all__ = ["CALLER_HOLD_S", "SharedListener"]
 
@@ -187,12 +187,10 @@ class SharedListener:
 
     def _drain(self) -> list[Message]:
         messages: list[Message] = []
-        listener = self.listener
-        while True:
-            try:
-                messages.append(listener.recv(0))
-            except ChannelTimeoutError:
-                return messages
+        recv_now = self.listener.recv_now
+        while (message := recv_now()) is not None:
+            messages.append(message)
+        return messages
 
     def _after_send(self) -> None:
         # zmq may have consumed the signal of a frame that came meanwhile: wake whoever waits.

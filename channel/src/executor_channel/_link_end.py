@@ -178,27 +178,33 @@ class LinkEnd:
     ) -> Message:
         """The first message ``handle`` accepts, blocking in zmq poll up to ``timeout``."""
         deadline = deadline_after(timeout)
-        socket = self._socket
         while True:
-            # Look before reading: an empty queue costs no zmq exception.
-            if cast(int, socket.getsockopt(_EVENTS)) & _POLLIN:
-                frame = socket.recv(_NOBLOCK, copy=False)
-                frames = [frame]
-                while frame.more:  # read off the frame: getsockopt costs an enum per call
-                    frame = socket.recv(_NOBLOCK, copy=False)
-                    frames.append(frame)
-                message = handle(frames)
-                if message is not None:
-                    return message
-                if time.monotonic() >= deadline:
-                    raise ChannelTimeoutError(f"no message within {timeout}s")
-                continue
+            message = self._receive_now(handle)
+            if message is not None:
+                return message
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ChannelTimeoutError(f"no message within {timeout}s")
             events = self._poller.poll(max(1, math.ceil(remaining * 1000)))
             if self._gate is not None and any(sock is not self._socket for sock, _ in events):
                 self._gate.service()
+
+    def _receive_now(self, handle: Callable[[list[zmq.Frame]], Message | None]) -> Message | None:
+        """The first message ``handle`` accepts among those waiting now, or None: no wait,
+        no deadline and no exception, for the drains that run after every wake."""
+        socket = self._socket
+        # Look before reading: an empty queue costs no zmq exception. Frames waiting are
+        # finite (the HWM bounds them), so a run of dropped ones ends.
+        while cast(int, socket.getsockopt(_EVENTS)) & _POLLIN:
+            frame = socket.recv(_NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:  # read off the frame: getsockopt costs an enum per call
+                frame = socket.recv(_NOBLOCK, copy=False)
+                frames.append(frame)
+            message = handle(frames)
+            if message is not None:
+                return message
+        return None
 
     @property
     def signal_fd(self) -> int:
@@ -219,8 +225,9 @@ class LinkEnd:
         Unlike :meth:`wait` it never touches the socket (it sleeps on zmq's signal
         descriptor, :attr:`signal_fd`), so other threads may use the link meanwhile, one at
         a time under the owner's lock. The signal fires on a change, not while frames wait:
-        after every wake the waiter reads with ``recv(0)`` until it raises, and whoever else
-        uses the link checks :meth:`has_input` afterwards and wakes the waiter if it is true.
+        after every wake the waiter reads with ``recv_now()`` until it returns None, and
+        whoever else uses the link checks :meth:`has_input` afterwards and wakes the waiter
+        if it is true.
         """
         self._check_open()
         deadline = deadline_after(timeout)
@@ -254,7 +261,7 @@ class LinkEnd:
         (plain file descriptors: an eventfd, a pipe) is readable, or ``timeout`` passes.
 
         Returns ``(frames_waiting, readable_fds)``. A waiting frame may still be dropped: read
-        with ``recv(0)`` until it raises :class:`ChannelTimeoutError`. This lets one thread
+        with ``recv_now()`` until it returns None. This lets one thread
         own a link and also wake for work of its own, since a link is not thread-safe.
         """
         self._check_open()

@@ -125,6 +125,16 @@ class Listener(LinkEnd):
         self._check_open()
         return self._receive(timeout, self._handle)
 
+    def recv_now(self) -> Message | None:
+        """The next authenticated message from any peer if one waits now, else None.
+
+        It never waits: what ``recv(0)`` returns, without the
+        :class:`ChannelTimeoutError` when nothing waits, for a loop that reads everything
+        after each :meth:`wait`. Answers handshakes and drops bad frames it finds.
+        """
+        self._check_open()
+        return self._receive_now(self._handle)
+
     def send(self, peer: PeerId, parts: Sequence[BytesLike], timeout: float) -> None:
         """Send one message to ``peer``, waiting up to ``timeout`` for queue room.
 

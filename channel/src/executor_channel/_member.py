@@ -39,7 +39,7 @@ from . import _hub_protocol as wire
 from ._codec import KIND_STOP
 from ._doorbell import Doorbell
 from ._hub import STARTUP_SILENCE_S
-from ._link import ChannelError, ChannelTimeoutError, Connection
+from ._link import ChannelError, Connection
 from ._member_join import join_hub
 from ._secret import Secret
 from ._serve import Handler, decode_call, reply_frame
@@ -248,11 +248,8 @@ class MemberServer:
 
     def _receive(self) -> str:
         """Handle what the hub sent; why serving ends, if it does."""
-        while True:
-            try:
-                message = self._link.recv(0)
-            except ChannelTimeoutError:
-                return ""
+        recv_now = self._link.recv_now
+        while (message := recv_now()) is not None:
             self._last_seen = time.monotonic()
             chunks = message.chunks
             op = b"".join(chunks[0]) if chunks else b""
@@ -273,6 +270,7 @@ class MemberServer:
                 logger.info("rank %d: the driver killed this rank", self._rank)
                 return "killed by the driver"
             # PING: its arrival was the point.
+        return ""
 
     def _tell_stopped(self, why: str) -> None:
         """Best effort: the hub need not wait for this member's silence."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from executor_channel import ChannelError, ChannelTimeoutError, Connection
+from executor_channel import ChannelError, Connection
 from executor_channel import hub as wire
 from executor_channel.codec import KIND_STOP, copied_whole
 from executor_channel.shm import Doorbell, NodeRings, Received, Ring
@@ -165,7 +165,8 @@ class NodeAgent:
         calls = channel.calls
         timeout = spec.options.node_timeout_s
         interval = timeout / 4
-        fds = [channel.reply_bell.fd, self._death_bell.fd]
+        bells = (channel.reply_bell, self._death_bell)
+        fds = [bell.fd for bell in bells]
         looked = time.monotonic()
         while True:
             now = time.monotonic()
@@ -175,9 +176,9 @@ class NodeAgent:
                 self._last_seen = max(self._last_seen, now - interval)
             frames_waiting, woken = link.wait(max(0.0, min(interval, self._next_ping() - now)), fds)
             looked = time.monotonic()
-            if woken:
-                channel.reply_bell.clear()
-                self._death_bell.clear()
+            for bell in bells:
+                if bell.fd in woken:
+                    bell.clear()
             self._forward_replies()
             # A worker died: the driver decides (KILL to stop, or to rejoin for a recovery);
             # meanwhile this node keeps its link and heartbeats.
@@ -207,11 +208,8 @@ class NodeAgent:
     def _drain(self) -> int | None:
         """Read everything the driver sent: calls are queued for the ring; an exit status if
         the driver stopped this node."""
-        while True:
-            try:
-                message = self._link.recv(0)
-            except ChannelTimeoutError:
-                return None
+        recv_now = self._link.recv_now
+        while (message := recv_now()) is not None:
             self._last_seen = time.monotonic()
             chunks = message.chunks
             op = b"".join(chunks[0]) if chunks else b""
@@ -241,6 +239,7 @@ class NodeAgent:
                     return REJOIN
                 logger.info("node %d: the driver stopped this node", self._node_rank)
                 return 1 if self._lost_worker else 0
+        return None
 
     def _receive(self, calls: Ring) -> int | None:
         """Handle what the driver sent, writing its calls into the ring in order; an exit
