@@ -19,6 +19,7 @@ import multiprocessing
 import statistics
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import zmq
 
@@ -28,12 +29,19 @@ HOST = "127.0.0.2"
 FOUR = [b"h" * 72, b"\x01", b"x" * 40, b"m" * 16]
 
 
-def _echo(port: int, ready: Connection) -> None:
-    ctx = zmq.Context()
+def dealer_peer(port: int, ready: Connection) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
+    """A DEALER connected to the ROUTER on ``port`` of :data:`HOST`, announced to it (a first
+    message) and to the parent (``ready``)."""
+    ctx: zmq.Context[Any] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://{HOST}:{port}")
     sock.send(b"hello")
     ready.send(True)
+    return ctx, sock
+
+
+def _echo(port: int, ready: Connection) -> None:
+    ctx, sock = dealer_peer(port, ready)
     while True:
         parts = sock.recv_multipart(copy=False)
         if parts[0].bytes == b"stop":

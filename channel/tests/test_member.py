@@ -199,6 +199,39 @@ def test_calls_are_answered_in_order() -> None:
         assert d.failures == []
 
 
+def test_the_call_thread_reads_its_calls_and_sends_its_replies_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A call crosses no thread of the member's: the call thread, waiting on the link, reads
+    # it and sends its reply. (The link thread still looks now and then, and reads what comes
+    # then; most calls must not go through it.)
+    read_by: list[int] = []
+    queued: list[object] = []
+    real_read, real_queue = MemberServer._read_locked, MemberServer._queue
+
+    def read_locked(self: MemberServer, others: Any) -> Any:
+        before = len(self._calls)
+        rest = real_read(self, others)
+        read_by.extend([threading.get_ident()] * (len(self._calls) - before))
+        return rest
+
+    def queue(self: MemberServer, message: Any) -> None:
+        queued.append(message)
+        real_queue(self, message)
+
+    monkeypatch.setattr(MemberServer, "_read_locked", read_locked)
+    monkeypatch.setattr(MemberServer, "_queue", queue)
+    with driver() as d:
+        read_by.clear()
+        for i in range(100):
+            assert d.round_trip("double", i)[4] == 2 * i
+        call_thread = d.member._call_thread.ident
+        assert len(read_by) == 100
+        assert read_by.count(call_thread) >= 50, f"{read_by.count(call_thread)} of 100"
+        assert len(queued) <= 50, f"{len(queued)} of 100 replies went through the link thread"
+        assert d.failures == []
+
+
 class _Appends(collections.deque[Reply]):
     """An inbox that records which thread put each reply in it."""
 

@@ -84,7 +84,9 @@ _BARE_CALLS_MAX = 256
 
 
 def encode_call(reply_rank: int, seq: int, method: str | bytes, args: Any, kwargs: Any) -> Frame:
-    """Encode a call (``encode`` with a fast path for calls without arguments)."""
+    """A call's frame: ``encode(KIND_CALL, True, reply_rank, seq, (method, args, kwargs))``,
+    with a fast path for a call by name without arguments. ``reply_rank`` is the one rank that
+    answers, or -1 for every rank; ``seq`` is the call's number."""
     if args or kwargs or type(method) is not str:
         return encode(KIND_CALL, True, reply_rank, seq, (method, args, kwargs or {}))
     data = _BARE_CALLS.get(method)

@@ -1,23 +1,25 @@
 """A member that serves one rank itself: it dials the driver's :class:`~._hub.Hub` and runs
 the calls in its own process (a Ray actor on another machine, say), with no workers of its own.
 
-It speaks the hub's protocol (:mod:`._hub_protocol`) as a node agent does: ``JOIN``, then
-the ``SPEC`` (whose content it ignores), then a ready frame for its rank (its start-up,
-:mod:`._member_join`), then replies. Two daemon threads serve:
+It speaks the hub's protocol (:mod:`._hub_protocol`) as a node agent does: ``JOIN``, the
+``SPEC`` (its content ignored), a ready frame for its rank (:mod:`._member_join`), replies.
 
-- the *link thread* owns the :class:`~._link.Connection` (not thread-safe). It sleeps in one
-  poll on the link and the outbox doorbell, sends the reply frames the call thread queued,
-  hands each ``CALL`` frame on (undecoded) and keeps the heartbeats both ways: a ``PING``
-  when it sent nothing for a quarter of ``node_timeout_s``, and the end of serving when the
-  hub sent nothing for ``node_timeout_s`` (:data:`~._hub.STARTUP_SILENCE_S` at least until
-  the hub's ``READY``);
-- the *call thread* decodes each call (:func:`~._serve.decode_call`: the only unpickling,
-  of frames the link has authenticated) and runs it through the handler, one at a time, in
-  order. A long call does not hold up the heartbeats.
+- The *call thread* runs the calls through the handler, one at a time, in order
+  (:func:`~._serve.answer_call`: the only unpickling, of frames the link has authenticated).
+  With no call queued it waits on the link and reads it itself, and it sends each reply
+  itself: a call crosses no other thread. What else it reads goes to the link thread.
+- The *link thread* keeps the rest: heartbeats both ways (a ``PING`` after a quarter of
+  ``node_timeout_s`` unsent; serving ends after ``node_timeout_s`` of the hub's silence,
+  :data:`~._hub.STARTUP_SILENCE_S` at least until its ``READY``), ``KILL``, and replies that
+  could not go at once. While the call thread read the link within
+  :data:`~._hub_link.CALLER_HOLD_S` it only looks that often; a longer call leaves the link
+  to it, so the heartbeats go on.
 
-The stop frame (a call frame of kind ``KIND_STOP``) is queued behind the calls before it:
-once they are answered, the link thread sends ``BYE`` and serving ends. ``KILL`` ends it at
-once (calls still queued are dropped).
+A zmq socket is not thread-safe: every use of the link holds one lock, and each thread sleeps
+on the link's signal descriptor, not in a zmq poll (as :mod:`._hub_link` does). The stop frame
+(a call frame of kind ``KIND_STOP``) waits behind the calls before it; once they are answered
+the link thread sends ``BYE`` and serving ends. ``KILL`` ends it at once (queued calls are
+dropped).
 """
 
 from __future__ import annotations
@@ -25,30 +27,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
-
-from executor_core.backend import RemoteFailure, method_name
-
 from . import _hub_protocol as wire
 from ._codec import KIND_STOP
 from ._doorbell import Doorbell
 from ._hub import STARTUP_SILENCE_S
-from ._link import ChannelError, Connection
+from ._hub_link import CALLER_HOLD_S
+from ._link import ChannelError, Connection, Message
 from ._member_join import join_hub
 from ._secret import Secret
-from ._serve import Handler, decode_call, reply_frame
+from ._serve import Handler, answer_call
 
 __all__ = ["Handler", "MemberServer"]
 
 logger = logging.getLogger("executor_channel")
 
-#: In the call queue: stop taking calls.
+#: What the call thread gets once serving ends: stop taking calls.
 _QUIT = None
 
 
@@ -105,15 +103,20 @@ class MemberServer:
         self._abandoned = False
         #: Why the owner (or a failed call thread) ends serving; empty if no one does.
         self._stop_requested = ""
-        #: The link thread saw the stop frame: it forwards no more calls.
+        #: A reader saw the stop frame: no call after it is taken.
         self._stop_frame_seen = False
-        #: Calls for the call thread: ``(kind, frame)``.
-        self._calls: queue.SimpleQueue[tuple[int, memoryview] | None] = queue.SimpleQueue()
-        #: Reply messages for the link thread; None: the stop frame's turn came, say BYE.
+        #: Calls for the call thread, in order: ``(kind, frame)``.
+        self._calls: collections.deque[tuple[int, memoryview]] = collections.deque()
+        #: Messages the call thread read that are the link thread's to handle.
+        self._handed: collections.deque[Message] = collections.deque()
+        #: Replies for the link thread to send; None: the stop frame's turn came, say BYE.
         self._outbox: collections.deque[list[bytes] | None] = collections.deque()
-        self._bell = Doorbell()
-        # The bell is rung by the call thread and closed by whichever thread ends last: a
-        # ring after the close would write to a closed (or reused) descriptor.
+        self._link_lock = threading.Lock()  # held by every use of the link
+        self._reader_at = 0.0  # when the call thread last read the link
+        self._bell = Doorbell()  # wakes the link thread
+        self._call_bell = Doorbell()  # wakes the call thread
+        # The bells are rung by either thread and closed by whichever ends last: a ring after
+        # the close would write to a closed (or reused) descriptor.
         self._bell_lock = threading.Lock()
         self._bell_closed = False
         self._threads_left = 2
@@ -121,16 +124,14 @@ class MemberServer:
         self._last_seen = self._last_sent = 0.0
         self._stop_lock = threading.Lock()
         self._stopped = False
+        link: Connection | None = None
         try:
-            self._link = Connection(address, secret, timeout=join_timeout)
+            self._link = link = Connection(address, secret, timeout=join_timeout)
+            join_hub(link, rank, version, join_timeout, prepare)
         except BaseException:
-            self._bell.close()
-            raise
-        try:
-            join_hub(self._link, rank, version, join_timeout, prepare)
-        except BaseException:
-            self._link.close()
-            self._bell.close()
+            if link is not None:
+                link.close()
+            self._close_bells()
             raise
         self._last_seen = self._last_sent = time.monotonic()
         self._link_thread = threading.Thread(
@@ -190,8 +191,9 @@ class MemberServer:
         finally:
             self._reason = reason
             self._abandoned = True
-            self._calls.put(_QUIT)
-            self._link.close()
+            self._ring(self._call_bell)
+            with self._link_lock:
+                self._link.close()
             self._done.set()
             self._thread_ended()
 
@@ -205,8 +207,10 @@ class MemberServer:
                 # This thread was not scheduled (or was busy) for a while: what the hub sent
                 # meanwhile is read below, so its silence only counts from here.
                 self._last_seen = max(self._last_seen, now - self._interval)
-            next_ping = self._last_sent + self._interval
-            frames_waiting, woken = link.wait(max(0.0, min(self._interval, next_ping - now)), fds)
+            wait = max(0.0, min(self._interval, self._last_sent + self._interval - now))
+            # The call thread reads the link while calls come: look only now and then.
+            held = now - self._reader_at < CALLER_HOLD_S
+            woken = link.wait_shared(min(wait, CALLER_HOLD_S) if held else wait, fds, not held)
             looked = time.monotonic()
             if woken:
                 self._bell.clear()
@@ -214,16 +218,20 @@ class MemberServer:
             if why:
                 self._tell_stopped(why)
                 return why
-            if self._flush():
-                logger.info("rank %d: the driver stopped this rank", self._rank)
-                return "the driver's stop frame"
-            if frames_waiting:
-                reason = self._receive()
+            with self._link_lock:
+                if self._flush():
+                    logger.info("rank %d: the driver stopped this rank", self._rank)
+                    return "the driver's stop frame"
+                reason = self._receive(self._read_locked(self._handed))
+                if self._calls:  # read here: the call thread may be asleep
+                    self._ring(self._call_bell)
                 if reason:
                     return reason
-            now = time.monotonic()
-            if now >= self._last_sent + self._interval:
-                self._send([wire.PING])
+                now = time.monotonic()
+                if now >= self._last_sent + self._interval:
+                    self._send([wire.PING])
+                if link.has_input():  # the sends may have taken the signal of a call
+                    self._ring(self._call_bell)
             # As the hub does: until every rank is ready, silence is waited out longer.
             limit = self._timeout if self._hub_ready else max(self._timeout, STARTUP_SILENCE_S)
             silent = now - self._last_seen
@@ -246,25 +254,11 @@ class MemberServer:
             self._send(message)
         return False
 
-    def _receive(self) -> str:
-        """Handle what the hub sent; why serving ends, if it does."""
-        recv_now = self._link.recv_now
-        while (message := recv_now()) is not None:
-            self._last_seen = time.monotonic()
-            chunks = message.chunks
-            op = b"".join(chunks[0]) if chunks else b""
-            if op == wire.CALL and len(chunks) >= 2:
-                # A frame sent in several parts (or chunks) is joined here, once.
-                pieces = [piece for part in chunks[1:] for piece in part]
-                frame = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
-                if self._stop_frame_seen:
-                    continue  # after the stop frame: nothing more runs
-                if frame.nbytes and frame[0] == KIND_STOP:
-                    self._stop_frame_seen = True
-                    self._calls.put((KIND_STOP, frame))
-                else:
-                    self._calls.put((0, frame))  # decoded by the call thread
-            elif op == wire.READY:
+    def _receive(self, messages: list[Message]) -> str:
+        """Handle what the hub sent, other than calls; why serving ends, if it does."""
+        for message in messages:
+            op = b"".join(message.chunks[0]) if message.chunks else b""
+            if op == wire.READY:
                 self._hub_ready = True
             elif op == wire.KILL:
                 logger.info("rank %d: the driver killed this rank", self._rank)
@@ -275,7 +269,7 @@ class MemberServer:
     def _tell_stopped(self, why: str) -> None:
         """Best effort: the hub need not wait for this member's silence."""
         reason = f"its member stopped serving ({why})"
-        with contextlib.suppress(ChannelError):
+        with self._link_lock, contextlib.suppress(ChannelError):
             self._link.send(
                 wire.control(wire.FAILED, {"reason": reason, "started": True}),
                 timeout=min(self._timeout, 1.0),
@@ -284,6 +278,29 @@ class MemberServer:
     def _send(self, parts: Sequence[Any]) -> None:
         self._link.send(parts, timeout=self._timeout)
         self._last_sent = time.monotonic()
+
+    # --- both readers, under the link's lock ---------------------------------------------------
+
+    def _read_locked(self, others: collections.deque[Message]) -> list[Message]:
+        """Read what waits on the link: calls go to the call thread's queue, in order; the
+        rest is returned, after what ``others`` held before."""
+        rest = list(others)
+        others.clear()
+        recv_now = self._link.recv_now
+        while (message := recv_now()) is not None:
+            self._last_seen = time.monotonic()
+            chunks = message.chunks
+            op = b"".join(chunks[0]) if chunks else b""
+            if op != wire.CALL or len(chunks) < 2:
+                rest.append(message)
+            elif not self._stop_frame_seen:  # after the stop frame nothing more runs
+                # A frame sent in several parts (or chunks) is joined here, once.
+                pieces = [piece for part in chunks[1:] for piece in part]
+                frame = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
+                kind = KIND_STOP if frame.nbytes and frame[0] == KIND_STOP else 0
+                self._stop_frame_seen = kind == KIND_STOP
+                self._calls.append((kind, frame))  # decoded by the call thread
+        return rest
 
     # --- the call thread --------------------------------------------------------------------
 
@@ -298,43 +315,64 @@ class MemberServer:
 
     def _serve_calls(self) -> None:
         rank = self._rank
-        get = self._calls.get
         while True:
-            item = get()
+            item = self._next_call()
             if item is _QUIT:
                 return
             kind, frame = item
             if kind == KIND_STOP:  # every call before it is answered
                 self._queue(None)
                 return
-            if self._abandoned:
-                return  # killed, silent or stopped: the calls still queued are dropped
-            reply = self._answer(rank, frame)
+            reply = answer_call(self._handle, rank, frame)
             if reply is not None:
-                self._queue(reply)
+                self._reply([wire.FRAME, b"".join(reply[0])])
 
-    def _answer(self, rank: int, frame: memoryview) -> list[bytes] | None:
-        """The reply message to a call frame (None if this rank does not answer)."""
-        _kind, seq, reply_rank, body = decode_call(frame)
-        if isinstance(body, RemoteFailure):  # the call could not be unpickled here
-            failure = attrs.evolve(body, rank=rank)
-            reply = reply_frame(rank, seq, "<decode>", False, failure)
-            return [wire.FRAME, b"".join(reply[0])]
-        method: Any = "<call>"
-        try:
-            method, args, kwargs = body
-            answer = self._handle(method, args, kwargs, reply_rank)
-        except Exception as exc:  # noqa: BLE001 - the call's failure, shipped to the driver
-            answer = False, RemoteFailure.capture(rank, method_name(method), exc)
-        if answer is None:
-            return None
-        ok, value = answer
-        reply = reply_frame(rank, seq, method, ok, value)
-        return [wire.FRAME, b"".join(reply[0])]
+    def _next_call(self) -> tuple[int, memoryview] | None:
+        """The next call: queued already, or read off the link here (sleeping on its signal
+        and this thread's bell meanwhile); :data:`_QUIT` once serving was abandoned
+        (killed, silent or stopped: the calls still queued are dropped)."""
+        calls = self._calls
+        link = self._link
+        fds = [self._call_bell.fd]
+        while True:
+            if self._abandoned:
+                return _QUIT
+            if calls:
+                return calls.popleft()
+            with self._link_lock:
+                if link.closed:
+                    return _QUIT
+                self._reader_at = time.monotonic()
+                others = self._read_locked(self._handed)
+                if others:  # not calls: the link thread's
+                    self._handed.extend(others)
+                    self._ring(self._bell)
+            if calls:
+                continue
+            try:
+                woken = link.wait_shared(self._interval, fds)
+            except ChannelError:  # closed meanwhile: serving has ended
+                return _QUIT
+            if woken:
+                self._call_bell.clear()
+
+    def _reply(self, message: list[bytes]) -> None:
+        """Send a reply now if it can go at once and nothing is queued before it, else queue
+        it for the link thread (which waits for room, or finds the link failed)."""
+        with self._link_lock:
+            if not self._outbox and not self._link.closed:
+                try:
+                    self._link.send(message, timeout=0)
+                except ChannelError:  # its queue is full, or the link failed
+                    pass
+                else:
+                    self._last_sent = time.monotonic()
+                    return
+        self._queue(message)
 
     def _queue(self, message: list[bytes] | None) -> None:
         self._outbox.append(message)
-        self._ring()
+        self._ring(self._bell)
 
     # --- any thread ---------------------------------------------------------------------
 
@@ -342,17 +380,21 @@ class MemberServer:
         """Make the link thread end serving (telling the hub this member failed)."""
         self._abandoned = True
         self._stop_requested = why
-        self._ring()
-        self._calls.put(_QUIT)
+        self._ring(self._bell)
+        self._ring(self._call_bell)
 
-    def _ring(self) -> None:
+    def _ring(self, bell: Doorbell) -> None:
         with self._bell_lock:
             if not self._bell_closed:
-                self._bell.ring()
+                bell.ring()
 
     def _thread_ended(self) -> None:
         with self._bell_lock:
             self._threads_left -= 1
             if self._threads_left == 0 and not self._bell_closed:
                 self._bell_closed = True
-                self._bell.close()
+                self._close_bells()
+
+    def _close_bells(self) -> None:
+        self._bell.close()
+        self._call_bell.close()

@@ -1,7 +1,8 @@
 """A worker's side of a call: read it, run it through the core's wrapper, answer.
 
 :func:`serve_rings` is the loop of a worker fed by a node's rings (:mod:`._node_rings`);
-:func:`decode_call` and :func:`reply_frame` are its steps, for a worker fed otherwise.
+:func:`decode_call` and :func:`reply_frame` are its steps, for a worker fed otherwise, and
+:func:`answer_call` both of them around the handler, for a worker fed one call frame at a time.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from typing import Any
 
 import attrs
 
-from executor_core.backend import RemoteFailure
+from executor_core.backend import RemoteFailure, method_name
 
 from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode, plan_assembly
 from ._ring import Ring
 from ._ring_reader import Received
 
-__all__ = ["Handler", "decode_call", "reply_frame", "serve_rings"]
+__all__ = ["Handler", "answer_call", "decode_call", "reply_frame", "serve_rings"]
 
 #: ``handle(method, args, kwargs, reply_rank)``: None if this rank does not answer, else
 #: ``(ok, value)``, as :meth:`WorkerWrapper.handle <executor_core.backend.WorkerWrapper.handle>`.
@@ -43,6 +44,21 @@ def reply_frame(rank: int, seq: int, method: Any, ok: bool, value: Any) -> Frame
         name = method if isinstance(method, str) else "<callable>"
         failure = RemoteFailure.capture(rank, name, exc)
         return encode(KIND_REPLY, False, rank, seq, failure)
+
+
+def answer_call(handle: Handler, rank: int, frame: Received) -> Frame | None:
+    """The reply to one call frame (None if this rank does not answer): a call that cannot be
+    unpickled, or whose handler raises, is answered with its failure."""
+    _kind, seq, reply_rank, body = decode_call(frame)
+    if isinstance(body, RemoteFailure):  # the call could not be unpickled here
+        return reply_frame(rank, seq, "<decode>", False, attrs.evolve(body, rank=rank))
+    method: Any = "<call>"
+    try:
+        method, args, kwargs = body
+        answer = handle(method, args, kwargs, reply_rank)
+    except Exception as exc:  # noqa: BLE001 - the call's failure, shipped to the driver
+        answer = False, RemoteFailure.capture(rank, method_name(method), exc)
+    return None if answer is None else reply_frame(rank, seq, method, *answer)
 
 
 def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:

@@ -2,7 +2,9 @@
 
 CPU tensors, numpy arrays and large ``bytes`` travel beside the pickle stream, never through
 torch's pickle reducer; a frame is a list of bytes-like parts that a :mod:`~executor_channel.shm`
-ring or a network link carries as they are. See :func:`encode` and :func:`decode`.
+ring or a network link carries as they are. See :func:`encode` and :func:`decode`;
+:func:`encode_call` makes a call's frame (what :meth:`Hub.broadcast
+<executor_channel.hub.Hub.broadcast>` sends).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from ._codec import (
     copied_whole,
     decode,
     encode,
+    encode_call,
 )
 
 __all__ = [
@@ -25,4 +28,5 @@ __all__ = [
     "copied_whole",
     "decode",
     "encode",
+    "encode_call",
 ]

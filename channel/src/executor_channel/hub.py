@@ -1,7 +1,8 @@
 """The channel between machines, for a driver and its members on other nodes.
 
-:class:`Hub` is the driver's side: a listener that members join, a pump thread that carries
-calls out and replies in, heartbeats both ways. A member (a node agent, say) speaks the
+:class:`Hub` is the driver's side: a listener that members join; the calling thread sends
+each call and reads its replies, and a pump thread keeps the heartbeats both ways and the
+members' reports. A member (a node agent, say) speaks the
 operations below over a :class:`~executor_channel.Connection`. Importing this module imports
 zmq.
 """

@@ -1,0 +1,192 @@
+"""A call's round trip to a rank served by a ``MemberServer`` on another "node", beside the raw
+pyzmq wire in the same run.
+
+    .venv/bin/python benchmarks/member_round_trip.py [--calls 3000] [--rounds 4]
+
+A member serves one rank in its own process and joins the driver's hub over an authenticated
+link (``ray`` runs every worker on another node this way). Here the hub runs in this process
+and the member in a spawned process that dials it from 127.0.0.2; each call is a no-op (and
+then a 1 MiB ``bytes`` argument), sent and read back as the driver's poll does (the caller
+reads its replies itself). The baseline is the wire alone: a ROUTER in this process and a
+DEALER in a spawned process on 127.0.0.2 that unpickles each call and sends back a pickled
+answer, pickle protocol 5, no authentication. The two take turns in rounds, so the machine's
+noise hits both alike. Figures: docs/benchmarks.md, "A member reads its own calls".
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import pickle
+import select
+import statistics
+import time
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import zmq
+from zmq_parts_cost import HOST, dealer_peer  # this folder: the script's own
+
+from executor_channel import Listener, Secret
+from executor_channel.codec import KIND_STOP, encode, encode_call
+from executor_channel.hub import Hub
+from executor_channel.member import MemberServer
+from executor_channel.shm import Doorbell
+
+VERSION = "bench"
+RANK = 1
+WAIT = 30.0
+
+
+def _answer(method: Any, args: Any, kwargs: Any, reply_rank: int | None) -> tuple[bool, Any]:
+    return True, len(args[0]) if args else None
+
+
+def _member(address: str, key: str) -> None:
+    member = MemberServer(
+        address,
+        Secret.from_hex(key),
+        RANK,
+        _answer,
+        version=VERSION,
+        node_timeout_s=WAIT,
+        join_timeout=WAIT,
+    )
+    member.done.wait()
+    member.stop()
+
+
+def _wire(port: int, ready: Pipe) -> None:
+    context, sock = dealer_peer(port, ready)
+    while True:
+        frame = sock.recv(copy=False)
+        if frame.bytes == b"stop":
+            break
+        _method, args = pickle.loads(frame.buffer)
+        sock.send(pickle.dumps(len(args[0]) if args else None, protocol=5))
+    sock.close(linger=0)
+    context.term()
+
+
+class HubSide:
+    """A hub with one member, joined and ready."""
+
+    def __init__(self, context: Any) -> None:
+        secret = Secret.generate()
+        self.listener = Listener(secret, host=HOST)
+        self.bell = Doorbell()
+        self.hub = Hub(self.listener, WAIT, self.bell, lambda failure: None)
+        self.process = context.Process(target=_member, args=(self.listener.address, secret.hex()))
+        self.process.start()
+        self.hub.join([RANK], VERSION, WAIT, "the member did not start")
+        self.hub.send_spec(self.hub.nodes[0], "node-1", [RANK], b"")
+        self.hub.start()
+        self.hub.ready = True
+        self.hub.wake()
+        self.poll = select.poll()
+        self.poll.register(self.bell.fd, select.POLLIN)
+        self.poll.register(self.hub.reply_fd, select.POLLIN)
+        self.seq = 0
+        self._wait_reply()  # the member's ready frame
+
+    def _wait_reply(self) -> None:
+        hub = self.hub
+        while True:
+            hub.read_replies()
+            if hub.inbox:
+                hub.inbox.popleft()
+                return
+            if not self.poll.poll(WAIT * 1000):
+                raise TimeoutError("no reply from the member")
+            self.bell.clear()
+
+    def call(self, args: tuple[Any, ...]) -> None:
+        self.seq += 1
+        self.hub.broadcast(encode_call(-1, self.seq, "size", args, None)[0])
+        self._wait_reply()
+
+    def close(self) -> None:
+        self.hub.broadcast(encode(KIND_STOP, True, -1, 0, None)[0])
+        self.hub.stop(True, WAIT)
+        self.process.join(WAIT)
+        self.listener.close()
+        self.bell.close()
+
+
+class WireSide:
+    """The raw wire: a ROUTER here, a DEALER in a spawned process."""
+
+    def __init__(self, context: Any) -> None:
+        self.context: zmq.Context[Any] = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        port = self.router.bind_to_random_port(f"tcp://{HOST}")
+        ours, theirs = context.Pipe()
+        self.process = context.Process(target=_wire, args=(port, theirs))
+        self.process.start()
+        ours.recv()
+        self.peer, _hello = self.router.recv_multipart()
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+
+    def call(self, args: tuple[Any, ...]) -> None:
+        self.router.send_multipart([self.peer, pickle.dumps(("size", args), protocol=5)])
+        if not self.poller.poll(int(WAIT * 1000)):
+            raise TimeoutError("no reply on the wire")
+        _peer, reply = self.router.recv_multipart()
+        pickle.loads(reply)
+
+    def close(self) -> None:
+        self.router.send_multipart([self.peer, b"stop"])
+        self.process.join(WAIT)
+        self.router.close(linger=0)
+        self.context.term()
+
+
+def _times(side: Any, args: tuple[Any, ...], calls: int) -> list[float]:
+    for _ in range(min(100, calls)):  # warm
+        side.call(args)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        side.call(args)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000, help="no-op calls a round and side")
+    parser.add_argument("--rounds", type=int, default=4)
+    options = parser.parse_args()
+    context = multiprocessing.get_context("spawn")
+    sides: dict[str, HubSide | WireSide] = {"member": HubSide(context)}
+    sides["pyzmq wire"] = WireSide(context)
+    payloads = {"no-op": ((), options.calls), "1 MiB": ((b"x" * (1 << 20),), options.calls // 10)}
+    results: dict[tuple[str, str], list[float]] = {}
+    try:
+        for round_ in range(options.rounds):
+            order = list(sides.items())
+            if round_ % 2:
+                order.reverse()
+            for payload, (args, calls) in payloads.items():
+                for name, side in order:
+                    results.setdefault((payload, name), []).extend(_times(side, args, calls))
+    finally:
+        for side in sides.values():
+            side.close()
+    print("| payload | side | median µs | p99 µs | ratio to the wire |")
+    print("|---|---|---|---|---|")
+    for payload in payloads:
+        wire = statistics.median(results[(payload, "pyzmq wire")])
+        for name in sides:
+            times = sorted(results[(payload, name)])
+            median = statistics.median(times)
+            p99 = times[int(len(times) * 0.99)]
+            print(
+                f"| {payload} | {name} | {median * 1e6:,.0f} | {p99 * 1e6:,.0f} | "
+                f"{median / wire:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
