@@ -16,11 +16,13 @@ noise hits both alike. Figures: docs/benchmarks.md, "A member reads its own call
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import pickle
 import select
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
@@ -42,11 +44,11 @@ def _answer(method: Any, args: Any, kwargs: Any, reply_rank: int | None) -> tupl
     return True, len(args[0]) if args else None
 
 
-def _member(address: str, key: str) -> None:
+def _member(address: str, key: str, rank: int) -> None:
     member = MemberServer(
         address,
         Secret.from_hex(key),
-        RANK,
+        rank,
         _answer,
         version=VERSION,
         node_timeout_s=WAIT,
@@ -69,46 +71,58 @@ def _wire(port: int, ready: Pipe) -> None:
 
 
 class HubSide:
-    """A hub with one member, joined and ready."""
+    """A hub with ``members`` members (ranks 1, 2, ...), each a spawned process, joined and
+    ready; a call waits for every member's reply."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, members: int = 1) -> None:
         secret = Secret.generate()
         self.listener = Listener(secret, host=HOST)
         self.bell = Doorbell()
         self.hub = Hub(self.listener, WAIT, self.bell, lambda failure: None)
-        self.process = context.Process(target=_member, args=(self.listener.address, secret.hex()))
-        self.process.start()
-        self.hub.join([RANK], VERSION, WAIT, "the member did not start")
-        self.hub.send_spec(self.hub.nodes[0], "node-1", [RANK], b"")
+        ranks = list(range(RANK, RANK + members))
+        self.processes = [
+            context.Process(target=_member, args=(self.listener.address, secret.hex(), rank))
+            for rank in ranks
+        ]
+        for process in self.processes:
+            process.start()
+        self.hub.join(ranks, VERSION, WAIT, "the members did not start")
+        for node in self.hub.nodes:
+            self.hub.send_spec(node, f"node-{node.node_rank}", [node.node_rank], b"")
         self.hub.start()
         self.hub.ready = True
         self.hub.wake()
         self.poll = select.poll()
         self.poll.register(self.bell.fd, select.POLLIN)
         self.poll.register(self.hub.reply_fd, select.POLLIN)
+        self.members = members
         self.seq = 0
-        self._wait_reply()  # the member's ready frame
+        self._wait_replies()  # the members' ready frames
 
-    def _wait_reply(self) -> None:
+    def _wait_replies(self) -> None:
         hub = self.hub
+        got = 0
         while True:
             hub.read_replies()
-            if hub.inbox:
+            while hub.inbox:
                 hub.inbox.popleft()
+                got += 1
+            if got == self.members:
                 return
             if not self.poll.poll(WAIT * 1000):
-                raise TimeoutError("no reply from the member")
+                raise TimeoutError("no reply from the members")
             self.bell.clear()
 
     def call(self, args: tuple[Any, ...]) -> None:
         self.seq += 1
         self.hub.broadcast(encode_call(-1, self.seq, "size", args, None)[0])
-        self._wait_reply()
+        self._wait_replies()
 
     def close(self) -> None:
         self.hub.broadcast(encode(KIND_STOP, True, -1, 0, None)[0])
         self.hub.stop(True, WAIT)
-        self.process.join(WAIT)
+        for process in self.processes:
+            process.join(WAIT)
         self.listener.close()
         self.bell.close()
 
@@ -142,13 +156,14 @@ class WireSide:
         self.context.term()
 
 
-def _times(side: Any, args: tuple[Any, ...], calls: int) -> list[float]:
-    for _ in range(min(100, calls)):  # warm
-        side.call(args)
+def time_calls(call: Callable[[], object], calls: int) -> list[float]:
+    """Seconds each of ``calls`` calls took, after a few to warm up."""
+    for _ in range(min(100, calls)):
+        call()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        side.call(args)
+        call()
         times.append(time.perf_counter() - start)
     return times
 
@@ -170,7 +185,8 @@ def main() -> None:
                 order.reverse()
             for payload, (args, calls) in payloads.items():
                 for name, side in order:
-                    results.setdefault((payload, name), []).extend(_times(side, args, calls))
+                    timed = time_calls(functools.partial(side.call, args), calls)
+                    results.setdefault((payload, name), []).extend(timed)
     finally:
         for side in sides.values():
             side.close()
