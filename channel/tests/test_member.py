@@ -209,9 +209,9 @@ def test_the_call_thread_reads_its_calls_and_sends_its_replies_itself(
     queued: list[object] = []
     real_read, real_queue = MemberServer._read_locked, MemberServer._queue
 
-    def read_locked(self: MemberServer, others: Any) -> Any:
+    def read_locked(self: MemberServer) -> Any:
         before = len(self._calls)
-        rest = real_read(self, others)
+        rest = real_read(self)
         read_by.extend([threading.get_ident()] * (len(self._calls) - before))
         return rest
 

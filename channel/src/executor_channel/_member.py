@@ -222,15 +222,16 @@ class MemberServer:
                 if self._flush():
                     logger.info("rank %d: the driver stopped this rank", self._rank)
                     return "the driver's stop frame"
-                reason = self._receive(self._read_locked(self._handed))
-                if self._calls:  # read here: the call thread may be asleep
-                    self._ring(self._call_bell)
+                handed = self._handed
+                messages = [handed.popleft() for _ in range(len(handed))]
+                reason = self._receive(messages + self._read_locked())
                 if reason:
                     return reason
                 now = time.monotonic()
                 if now >= self._last_sent + self._interval:
                     self._send([wire.PING])
-                if link.has_input():  # the sends may have taken the signal of a call
+                # The call thread may sleep through calls read here, or a signal sends took.
+                if self._calls or link.has_input():
                     self._ring(self._call_bell)
             # As the hub does: until every rank is ready, silence is waited out longer.
             limit = self._timeout if self._hub_ready else max(self._timeout, STARTUP_SILENCE_S)
@@ -281,11 +282,10 @@ class MemberServer:
 
     # --- both readers, under the link's lock ---------------------------------------------------
 
-    def _read_locked(self, others: collections.deque[Message]) -> list[Message]:
+    def _read_locked(self) -> list[Message]:
         """Read what waits on the link: calls go to the call thread's queue, in order; the
-        rest is returned, after what ``others`` held before."""
-        rest = list(others)
-        others.clear()
+        rest is returned."""
+        rest: list[Message] = []
         recv_now = self._link.recv_now
         while (message := recv_now()) is not None:
             self._last_seen = time.monotonic()
@@ -343,7 +343,7 @@ class MemberServer:
                 if link.closed:
                     return _QUIT
                 self._reader_at = time.monotonic()
-                others = self._read_locked(self._handed)
+                others = self._read_locked()
                 if others:  # not calls: the link thread's
                     self._handed.extend(others)
                     self._ring(self._bell)
