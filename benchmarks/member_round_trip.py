@@ -9,24 +9,33 @@ and the member in a spawned process that dials it from 127.0.0.2; each call is a
 then a 1 MiB ``bytes`` argument), sent and read back as the driver's poll does (the caller
 reads its replies itself). The baseline is the wire alone: a ROUTER in this process and a
 DEALER in a spawned process on 127.0.0.2 that unpickles each call and sends back a pickled
-answer, pickle protocol 5, no authentication. The two take turns in rounds, so the machine's
-noise hits both alike. Figures: docs/benchmarks.md, "A member reads its own calls".
+answer, pickle protocol 5, no authentication. Between the two, the wire with the least a
+link must add to be safe to unpickle from: each message carries a sequence number, which must
+grow, and a GMAC tag (AES-GCM over an empty plaintext, as the link's frames) under a key of
+its direction, checked before the message is unpickled. The sides take turns in rounds, so
+the machine's noise hits them alike. Figures: docs/benchmarks.md, "A member reads its own
+calls" and "What a link adds to the wire".
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import hmac
 import multiprocessing
 import pickle
+import secrets
 import select
 import statistics
+import struct
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
 import zmq
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from zmq_parts_cost import HOST, dealer_peer  # this folder: the script's own
 
 from executor_channel import Listener, Secret
@@ -38,6 +47,12 @@ from executor_channel.shm import Doorbell
 VERSION = "bench"
 RANK = 1
 WAIT = 30.0
+_SEQUENCE = struct.Struct("!Q")
+_NONCE = struct.Struct("!4xQ")  # the sequence in GCM's 12-byte nonce
+#: The authenticated wire's side; it makes no-op calls only: its messages are one part, joined
+#: and copied, fair for a small one but not for 1 MiB (the link sends a large part as it is,
+#: which is what the member's row measures).
+AUTHENTICATED = "pyzmq wire, authenticated"
 
 
 def _answer(method: Any, args: Any, kwargs: Any, reply_rank: int | None) -> tuple[bool, Any]:
@@ -58,16 +73,43 @@ def _member(address: str, key: str, rank: int) -> None:
     member.stop()
 
 
-def _wire(port: int, ready: Pipe) -> None:
+def _wire(port: int, ready: Pipe, key: bytes | None) -> None:
     context, sock = dealer_peer(port, ready)
+    seal = Sealer(key, b"reply") if key else None
+    check = Sealer(key, b"call") if key else None
     while True:
         frame = sock.recv(copy=False)
         if frame.bytes == b"stop":
             break
-        _method, args = pickle.loads(frame.buffer)
-        sock.send(pickle.dumps(len(args[0]) if args else None, protocol=5))
+        _method, args = pickle.loads(check.open(frame.buffer) if check else frame.buffer)
+        answer = pickle.dumps(len(args[0]) if args else None, protocol=5)
+        sock.send(seal.seal(answer) if seal else answer)
     sock.close(linger=0)
     context.term()
+
+
+class Sealer:
+    """One direction of the authenticated wire: ``sequence (8 bytes) || message || tag``."""
+
+    def __init__(self, key: bytes, label: bytes) -> None:
+        self._gcm = AESGCM(hashlib.sha256(key + label).digest())
+        self._sent = 0
+        self._last = 0
+
+    def seal(self, message: bytes) -> bytes:
+        self._sent += 1
+        signed = _SEQUENCE.pack(self._sent) + message
+        return signed + self._gcm.encrypt(_NONCE.pack(self._sent), b"", signed)
+
+    def open(self, data: memoryview) -> memoryview:
+        """The message in ``data``, after its sequence and tag are checked (else ValueError)."""
+        (sequence,) = _SEQUENCE.unpack_from(data)
+        signed = data[: len(data) - 16]
+        tag = self._gcm.encrypt(_NONCE.pack(sequence), b"", signed)
+        if sequence <= self._last or not hmac.compare_digest(tag, data[len(data) - 16 :]):
+            raise ValueError("a message that is not fresh or not authentic")
+        self._last = sequence
+        return signed[_SEQUENCE.size :]
 
 
 class HubSide:
@@ -128,14 +170,18 @@ class HubSide:
 
 
 class WireSide:
-    """The raw wire: a ROUTER here, a DEALER in a spawned process."""
+    """The raw wire: a ROUTER here, a DEALER in a spawned process; with ``authenticated``,
+    every message sealed and checked (:class:`Sealer`)."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, authenticated: bool = False) -> None:
         self.context: zmq.Context[Any] = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         port = self.router.bind_to_random_port(f"tcp://{HOST}")
         ours, theirs = context.Pipe()
-        self.process = context.Process(target=_wire, args=(port, theirs))
+        key = secrets.token_bytes(32) if authenticated else None
+        self.seal = Sealer(key, b"call") if key else None
+        self.check = Sealer(key, b"reply") if key else None
+        self.process = context.Process(target=_wire, args=(port, theirs, key))
         self.process.start()
         ours.recv()
         self.peer, _hello = self.router.recv_multipart()
@@ -143,11 +189,12 @@ class WireSide:
         self.poller.register(self.router, zmq.POLLIN)
 
     def call(self, args: tuple[Any, ...]) -> None:
-        self.router.send_multipart([self.peer, pickle.dumps(("size", args), protocol=5)])
+        call = pickle.dumps(("size", args), protocol=5)
+        self.router.send_multipart([self.peer, self.seal.seal(call) if self.seal else call])
         if not self.poller.poll(int(WAIT * 1000)):
             raise TimeoutError("no reply on the wire")
-        _peer, reply = self.router.recv_multipart()
-        pickle.loads(reply)
+        _peer, reply = self.router.recv_multipart(copy=False)
+        pickle.loads(self.check.open(reply.buffer) if self.check else reply.buffer)
 
     def close(self) -> None:
         self.router.send_multipart([self.peer, b"stop"])
@@ -175,6 +222,7 @@ def main() -> None:
     options = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     sides: dict[str, HubSide | WireSide] = {"member": HubSide(context)}
+    sides[AUTHENTICATED] = WireSide(context, authenticated=True)
     sides["pyzmq wire"] = WireSide(context)
     payloads = {"no-op": ((), options.calls), "1 MiB": ((b"x" * (1 << 20),), options.calls // 10)}
     results: dict[tuple[str, str], list[float]] = {}
@@ -185,6 +233,8 @@ def main() -> None:
                 order.reverse()
             for payload, (args, calls) in payloads.items():
                 for name, side in order:
+                    if name == AUTHENTICATED and args:
+                        continue  # see AUTHENTICATED
                     timed = time_calls(functools.partial(side.call, args), calls)
                     results.setdefault((payload, name), []).extend(timed)
     finally:
@@ -195,6 +245,8 @@ def main() -> None:
     for payload in payloads:
         wire = statistics.median(results[(payload, "pyzmq wire")])
         for name in sides:
+            if (payload, name) not in results:
+                continue
             times = sorted(results[(payload, name)])
             median = statistics.median(times)
             p99 = times[int(len(times) * 0.99)]

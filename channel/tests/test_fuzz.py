@@ -17,7 +17,8 @@ import pytest
 from channel_helpers import WAIT, Server, raw_dealers, wire_tap
 
 from executor_channel import Connection, Listener, Message, Secret
-from executor_channel._frames import MAC_BYTES, VERSION, Direction, _mac
+from executor_channel._frame_tag import tag
+from executor_channel._frames import MAC_BYTES, VERSION, Direction
 from executor_channel.testing import gate_token
 
 FRAMES = 10_000
@@ -42,19 +43,18 @@ def forge(
     """A well-formed-looking frame: right magic, chosen fields, signed with ``key`` or junk."""
     parts = parts if parts is not None else [rng.randbytes(rng.randrange(0, 64))]
     lengths = lengths if lengths is not None else [len(p) for p in parts]
+    session = session or rng.randbytes(16)
+    epoch = epoch or rng.randbytes(16)
+    sequence = rng.randrange(1, 1 << 64)
     header = FIXED.pack(
-        b"EXCH",
-        version,
-        kind,
-        session or rng.randbytes(16),
-        epoch or rng.randbytes(16),
-        rng.randrange(1, 1 << 64),
-        len(lengths) if count is None else count,
+        b"EXCH", version, kind, session, epoch, sequence, len(lengths) if count is None else count
     ) + b"".join(struct.pack("!Q", n) for n in lengths)
     if key is None:
         mac = rng.randbytes(MAC_BYTES)
     else:
-        mac = _mac(key, Direction.TO_LISTENER, header, [memoryview(p) for p in parts], b"")
+        views = [memoryview(p) for p in parts]
+        total = len(header) + sum(len(p) for p in parts)
+        mac = tag(key, Direction.TO_LISTENER, session, epoch, sequence, b"", header, views, total)
     return [header, *parts, mac]
 
 

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from executor_channel import Connection, DropReason, Limits, Listener, Message, Secret
 from executor_channel._frames import (
+    VERSION,
     Direction,
     FrameError,
     Header,
@@ -26,8 +27,8 @@ from executor_channel._frames import (
     joined,
     parse_header,
     payload_chunks,
+    read_frame,
     seal,
-    split_compact,
     verify,
 )
 
@@ -73,7 +74,7 @@ def frame(
         salt=salt,
     )
     # As a receiver cuts it: a small frame travels as one zmq part.
-    return split_compact([memoryview(bytes(f)) for f in frames], Limits())
+    return read_frame([memoryview(bytes(f)) for f in frames], Limits())[1]
 
 
 def test_large_parts_travel_in_chunks_and_come_back_whole() -> None:
@@ -317,7 +318,7 @@ def test_a_compact_frame_is_cut_by_its_header_before_its_mac() -> None:
         chunk_bytes=1 << 20,
     )
     whole = bytes(compact)
-    views = split_compact([memoryview(whole)], Limits())
+    views = read_frame([memoryview(whole)], Limits())[1]
     assert [bytes(view) for view in views[1:-1]] == parts
     assert verify(KEY, Direction.TO_LISTENER, views)
     assert bytes(views[-1]) == bytes(frame(parts, None)[-1])  # as in parts
@@ -327,10 +328,24 @@ def test_a_compact_frame_is_cut_by_its_header_before_its_mac() -> None:
         (whole[:20], DropReason.MALFORMED),
     ]:
         with pytest.raises(FrameError) as raised:
-            split_compact([memoryview(bad)], Limits())
+            read_frame([memoryview(bad)], Limits())[1]
         assert raised.value.reason is reason
-    with pytest.raises(FrameError) as raised:
-        split_compact([memoryview(whole)], Limits(max_parts=2))
-    assert raised.value.reason is DropReason.TOO_LARGE
-    several = [memoryview(b"x"), memoryview(b"y")]
-    assert split_compact(several, Limits()) is several  # a frame in parts stays as it is
+    # The checks of a frame in parts hold for the compact frame too, in the same pass.
+    header, _ = read_frame([memoryview(whole)], Limits())
+    assert header == parse_header(frame(parts, 10), Limits())._replace(spans=(1, 1, 1))
+    for limits in [Limits(max_parts=2), Limits(max_part_bytes=29)]:
+        with pytest.raises(FrameError) as raised:
+            read_frame([memoryview(whole)], limits)
+        assert raised.value.reason is DropReason.TOO_LARGE
+    for at, value, reason in [
+        (0, ord("X"), DropReason.MALFORMED),  # not our magic
+        (4, VERSION + 1, DropReason.UNKNOWN_VERSION),
+        (5, 99, DropReason.UNKNOWN_KIND),
+    ]:
+        altered = bytearray(whole)
+        altered[at] = value
+        with pytest.raises(FrameError) as raised:
+            read_frame([memoryview(altered)], Limits())
+        assert raised.value.reason is reason
+    several = frame([b"a" * 2500], 1000)  # larger than a chunk: in parts
+    assert read_frame(several, Limits())[1] is several  # checked, and kept as it came

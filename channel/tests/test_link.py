@@ -29,7 +29,7 @@ from executor_channel import (
     PeerId,
     Secret,
 )
-from executor_channel._frames import MAC_BYTES, Direction, split_compact, verify
+from executor_channel._frames import MAC_BYTES, Direction, read_frame, verify
 from executor_channel.testing import gate_token
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -292,7 +292,7 @@ def test_a_replayed_hello_gets_a_session_with_keys_of_its_own(secret: Secret) ->
             wait_for(lambda: not listener.peers)
             attacker.send_multipart(hello)
             received = [memoryview(part) for part in attacker.recv_multipart()]
-            welcomes.append(split_compact(received, Limits()))  # a small frame: one part
+            welcomes.append(read_frame(received, Limits())[1])  # a small frame: one part
             Connection(listener.address, secret, timeout=WAIT).close()  # evicts it
     first, second = welcomes
     assert bytes(first[0]) == bytes(second[0])  # the same header, sequence 1
@@ -375,7 +375,7 @@ def test_dialer_drops_bad_frames_from_a_fake_listener(
                 routing_id, *received = fake.recv_multipart()
                 fake.send_multipart([routing_id, b"junk"])
                 fake.send_multipart([routing_id, *received])  # its own HELLO, reflected
-                views = split_compact([memoryview(part) for part in received], Limits())
+                views = read_frame([memoryview(part) for part in received], Limits())[1]
                 frames = [bytes(view) for view in views]
                 forged = bytearray(frames[0])
                 forged[5] = 2  # a WELCOME to the dialer's nonce, unsigned

@@ -21,10 +21,9 @@ from ._frames import (
     Kind,
     Limits,
     check_fresh,
-    parse_header,
     payload_chunks,
+    read_frame,
     seal,
-    split_compact,
 )
 from ._gate import dialer_token
 from ._link_end import LinkEnd, as_views, deadline_after
@@ -164,8 +163,8 @@ class Connection(LinkEnd):
         )
 
     def _check(self, frames: list[zmq.Frame], kind: Kind) -> tuple[Header, list[memoryview]]:
-        views = split_compact([frame.buffer for frame in frames], self._limits)
-        header = parse_header(views, self._limits)
+        buffers = [frame.buffer for frame in frames]
+        header, views = read_frame(buffers, self._limits)
         if header.kind is not kind:
             raise FrameError(DropReason.UNEXPECTED)
         if self._listener is not None and header.session != self._listener:
@@ -186,6 +185,7 @@ class Connection(LinkEnd):
             self._client_nonce,
             self._last_sequence,
             salt,
+            whole=buffers[0] if len(buffers) == 1 else None,
         )
         self._last_sequence = header.sequence
         return header, views

@@ -8,7 +8,7 @@ so a receiver refuses larger ones in zmq itself (``MAXMSGSIZE``), before they ar
 A *compact* frame, one of at most :data:`COMPACT_AT_MOST` bytes in all (and at most
 ``chunk_bytes``), travels instead as the one zmq part ``header || part_1 || ... || part_n ||
 mac``: every zmq part costs a message through zmq's pipes and a frame object on both ends, and
-most frames are small. The receiver cuts it into the same views (:func:`split_compact`, which
+most frames are small. The receiver cuts it into the same views (:func:`read_frame`, which
 checks its sizes against the header first), and the MAC is the same either way.
 
 ``header`` is :data:`HEADER_FIXED` (big-endian) followed by ``n`` lengths (u64 each):
@@ -81,6 +81,7 @@ __all__ = [
     "joined",
     "parse_header",
     "payload_chunks",
+    "read_frame",
     "seal",
     "verify",
 ]
@@ -173,19 +174,6 @@ def _lengths(count: int) -> struct.Struct:
     return struct.Struct(f"!{count}Q")
 
 
-def _mac(
-    key: bytes,
-    direction: Direction,
-    header: memoryview | bytes,
-    parts: Sequence[memoryview],
-    salt: bytes,
-) -> bytes:
-    """The tag of the frame ``header`` and ``parts``, its fields read from the header."""
-    _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
-    total = len(header) + sum(part.nbytes for part in parts)
-    return tag(key, direction, session, epoch, sequence, salt, header, parts, total)
-
-
 def seal(
     key: bytes,
     direction: Direction,
@@ -201,7 +189,7 @@ def seal(
     """The frame ``[header, *chunks, mac]`` carrying ``parts`` (byte-format memoryviews),
     each part cut into zero-copy slices of at most ``chunk_bytes`` (whole if ``None``); or,
     if the whole frame is at most :data:`COMPACT_AT_MOST` (and ``chunk_bytes``), the one
-    part ``header || parts || mac`` (:func:`split_compact` cuts it again).
+    part ``header || parts || mac`` (:func:`read_frame` cuts it again).
     ``salt`` goes into the MAC's key (see the module docstring)."""
     if len(session) != NONCE_BYTES or len(epoch) != NONCE_BYTES:
         raise ValueError(f"session and epoch must be {NONCE_BYTES} bytes each")
@@ -231,32 +219,51 @@ def seal(
     return frames
 
 
-def split_compact(frames: list[memoryview], limits: Limits) -> list[memoryview]:
-    """A received frame as :func:`parse_header` takes it: one that came as one zmq part
-    (a compact frame, see :func:`seal`) cut into zero-copy views of its header, parts and
-    tag; any other as it is. Raises :class:`FrameError` if the part cannot be cut so."""
+def _fixed_fields(header: memoryview, limits: Limits) -> tuple[Kind, bytes, bytes, int, int]:
+    """The kind, session, epoch, sequence and part count of a header at least
+    :data:`HEADER_FIXED` long, checked: our magic, our version, a known kind, and at most
+    ``limits.max_parts`` parts."""
+    magic, version, kind, session, epoch, sequence, count = HEADER_FIXED.unpack_from(header)
+    if magic != MAGIC:
+        raise FrameError(DropReason.MALFORMED)
+    if version != VERSION:
+        raise FrameError(DropReason.UNKNOWN_VERSION)
+    known = _KIND_OF.get(kind)
+    if known is None:
+        raise FrameError(DropReason.UNKNOWN_KIND)
+    if count > limits.max_parts:
+        raise FrameError(DropReason.TOO_LARGE)
+    return known, session, epoch, sequence, count
+
+
+def read_frame(frames: list[memoryview], limits: Limits) -> tuple[Header, list[memoryview]]:
+    """A received frame checked as :func:`parse_header` checks it, and its views
+    ``[header, *parts, mac]``: a frame that came as one zmq part (a compact frame, see
+    :func:`seal`) is cut into zero-copy views of those, by the sizes its header declares, in
+    the same pass as the checks; any other is checked by :func:`parse_header` and returned
+    as it came. Raises :class:`FrameError` with the reason of the first check that fails."""
     if len(frames) != 1:
-        return frames
+        return parse_header(frames, limits), frames
     data = frames[0]
     size = data.nbytes
     if size < HEADER_FIXED.size + MAC_BYTES or size > COMPACT_AT_MOST:
         raise FrameError(DropReason.MALFORMED)
-    count = HEADER_FIXED.unpack_from(data)[-1]
-    if count > limits.max_parts:
-        raise FrameError(DropReason.TOO_LARGE)
+    known, session, epoch, sequence, count = _fixed_fields(data, limits)
     front = HEADER_FIXED.size + _LENGTH.size * count
     if size < front + MAC_BYTES:
         raise FrameError(DropReason.BAD_LENGTHS)
-    lengths = _lengths(count).unpack_from(data, HEADER_FIXED.size)
+    lengths: tuple[int, ...] = _lengths(count).unpack_from(data, HEADER_FIXED.size)
     if front + sum(lengths) + MAC_BYTES != size:
         raise FrameError(DropReason.BAD_LENGTHS)
+    if count and max(lengths) > limits.max_part_bytes:
+        raise FrameError(DropReason.TOO_LARGE)
     views = [data[:front]]
     at = front
     for length in lengths:
         views.append(data[at : at + length])
         at += length
     views.append(data[at:])
-    return views
+    return Header(known, session, epoch, sequence, lengths, (1,) * count), views
 
 
 def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
@@ -270,16 +277,7 @@ def parse_header(frames: Sequence[memoryview], limits: Limits) -> Header:
     header = frames[0]
     if header.nbytes < HEADER_FIXED.size:
         raise FrameError(DropReason.MALFORMED)
-    magic, version, kind, session, epoch, sequence, count = HEADER_FIXED.unpack_from(header)
-    if magic != MAGIC:
-        raise FrameError(DropReason.MALFORMED)
-    if version != VERSION:
-        raise FrameError(DropReason.UNKNOWN_VERSION)
-    known = _KIND_OF.get(kind)
-    if known is None:
-        raise FrameError(DropReason.UNKNOWN_KIND)
-    if count > limits.max_parts:
-        raise FrameError(DropReason.TOO_LARGE)
+    known, session, epoch, sequence, count = _fixed_fields(header, limits)
     if header.nbytes != HEADER_FIXED.size + _LENGTH.size * count or len(frames) < count + 2:
         raise FrameError(DropReason.BAD_LENGTHS)
     if frames[-1].nbytes != MAC_BYTES:
@@ -344,7 +342,10 @@ def verify(
 ) -> bool:
     """Whether the MAC of a frame that passed :func:`parse_header` is right (constant time),
     under the key ``salt`` was sealed with."""
-    expected = _mac(key, direction, frames[0], frames[1:-1], salt)
+    header, parts = frames[0], frames[1:-1]
+    _, _, _, session, epoch, sequence, _ = HEADER_FIXED.unpack_from(header)
+    total = header.nbytes + sum(part.nbytes for part in parts)
+    expected = tag(key, direction, session, epoch, sequence, salt, header, parts, total)
     return hmac.compare_digest(expected, frames[-1])
 
 
@@ -356,20 +357,36 @@ def check_fresh(
     epoch: bytes,
     last_sequence: int,
     salt: bytes = b"",
+    whole: memoryview | None = None,
 ) -> None:
     """Raise :class:`FrameError` unless a frame that passed :func:`parse_header` binds
     ``epoch`` (the nonce this side issued), comes after ``last_sequence``, and carries a
     right MAC (under ``salt``'s key). The MAC is checked last: a stale frame is dropped
-    whatever its MAC, so a replay flood costs no hashing."""
+    whatever its MAC, so a replay flood costs no hashing. ``whole`` is the one zmq part a
+    compact frame came as (:func:`read_frame` cut ``frames`` from it): its bytes before the
+    MAC are tagged as they are, not joined again."""
     if header.epoch != epoch:
         raise FrameError(DropReason.WRONG_EPOCH)
     if header.sequence <= last_sequence:
         raise FrameError(DropReason.REPLAYED)
-    header_view = frames[0]
-    total = header_view.nbytes + sum(header.lengths)
-    parts = frames[1:-1]
-    expected = tag(
-        key, direction, header.session, epoch, header.sequence, salt, header_view, parts, total
-    )
+    if whole is not None:
+        signed = whole.nbytes - MAC_BYTES
+        expected = tag_joined(
+            key, direction, header.session, epoch, header.sequence, salt, whole[:signed]
+        )
+    else:
+        header_view = frames[0]
+        total = header_view.nbytes + sum(header.lengths)
+        expected = tag(
+            key,
+            direction,
+            header.session,
+            epoch,
+            header.sequence,
+            salt,
+            header_view,
+            frames[1:-1],
+            total,
+        )
     if not hmac.compare_digest(expected, frames[-1]):
         raise FrameError(DropReason.BAD_MAC)

@@ -4,6 +4,7 @@ bounded sends, receives and waits (zmq poll, no spinning) and a close that never
 from __future__ import annotations
 
 import math
+import select
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -29,6 +30,12 @@ _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+#: pyzmq's compiled send, and the size below which it copies a part even when asked not to.
+# (Its overloads type ``copy`` as a literal; it is decided per part here.)
+_send_part = cast(
+    Callable[[zmq.Socket[Any], BytesLike, int, bool], object], zmq.backend.Socket.send
+)
+_COPY = zmq.COPY_THRESHOLD
 
 
 def deadline_after(timeout: float) -> float:
@@ -96,7 +103,7 @@ class LinkEnd:
         self._send_timeout_ms = -2  # SNDTIMEO as last set (zmq's -1 means no timeout)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
-        self._wait_pollers: dict[tuple[int, ...], zmq.Poller] = {}
+        self._wait_pollers: dict[tuple[int, ...], zmq.Poller | select.poll] = {}
 
     def _add_gate(self) -> None:
         """Put a :class:`Gate` in front of this (listening, not yet bound) socket."""
@@ -154,11 +161,13 @@ class LinkEnd:
         last = len(frames) - 1
         try:
             # Part by part, as pyzmq's send_multipart does, but with plain-int flags (it
-            # combines enum flags for every part). copy=False: pyzmq hands large parts to zmq
-            # without copying them (it still copies small ones, which is cheaper than
-            # tracking them), so a caller must not modify a part after sending it.
+            # combines enum flags for every part), and through pyzmq's compiled send, past
+            # its Python wrapper (which only adds draft-socket options). A small part is
+            # copied (what pyzmq does anyway, but without building a frame object first); a
+            # large one goes to zmq without a copy, so a caller must not modify a part
+            # after sending it.
             for index, frame in enumerate(frames):
-                socket.send(frame, _SNDMORE if index < last else 0, copy=False)
+                _send_part(socket, frame, _SNDMORE if index < last else 0, len(frame) < _COPY)
         except zmq.Again:
             raise ChannelTimeoutError(
                 f"could not send within {timeout}s: {self.limits.hwm} messages are already "
@@ -234,7 +243,9 @@ class LinkEnd:
         poller_key = (-1 if signal else -2, *fds)
         poller = self._wait_pollers.get(poller_key)
         if poller is None:
-            poller = zmq.Poller()
+            # Only descriptors, unless a gate's sockets are in it: the system's poll then,
+            # which costs less a wake than zmq's (a loop in Python over its items).
+            poller = zmq.Poller() if self._gate is not None else select.poll()
             if signal:
                 poller.register(self._signal_fd, zmq.POLLIN)
             for fd in fds:

@@ -21,10 +21,9 @@ from ._frames import (
     Kind,
     Limits,
     check_fresh,
-    parse_header,
     payload_chunks,
+    read_frame,
     seal,
-    split_compact,
     verify,
 )
 from ._link_end import LinkEnd, as_views
@@ -165,9 +164,9 @@ class Listener(LinkEnd):
 
     def _handle(self, frames: list[zmq.Frame]) -> Message | None:
         routing_id = frames[0].bytes
+        buffers = [frame.buffer for frame in frames[1:]]
         try:
-            views = split_compact([frame.buffer for frame in frames[1:]], self._limits)
-            header = parse_header(views, self._limits)
+            header, views = read_frame(buffers, self._limits)
             if header.kind is Kind.HELLO:
                 self._hello(routing_id, header, views)
                 return None
@@ -183,6 +182,7 @@ class Listener(LinkEnd):
                 header,
                 session.nonce,
                 session.last_sequence,
+                whole=buffers[0] if len(buffers) == 1 else None,
             )
         except FrameError as exc:
             self._drops.add(routing_id, exc.reason)
