@@ -12,8 +12,10 @@ DEALER in a spawned process on 127.0.0.2 that unpickles each call and sends back
 answer, pickle protocol 5, no authentication. Between the two, the wire with the least a
 link must add to be safe to unpickle from: each message carries a sequence number, which must
 grow, and a GMAC tag (AES-GCM over an empty plaintext, as the link's frames) under a key of
-its direction, checked before the message is unpickled. The sides take turns in rounds, so
-the machine's noise hits them alike. Figures: docs/benchmarks.md, "A member reads its own
+its direction, checked before the message is unpickled. And below the wire, a plain TCP
+socket of the standard library, which the calling thread writes and reads at each end (no
+zmq I/O thread), unauthenticated. The sides take turns in rounds, so the machine's noise hits
+them alike. Figures: docs/benchmarks.md, "A member reads its own
 calls" and "What a link adds to the wire".
 """
 
@@ -27,6 +29,7 @@ import multiprocessing
 import pickle
 import secrets
 import select
+import socket
 import statistics
 import struct
 import time
@@ -53,6 +56,8 @@ _NONCE = struct.Struct("!4xQ")  # the sequence in GCM's 12-byte nonce
 #: and copied, fair for a small one but not for 1 MiB (the link sends a large part as it is,
 #: which is what the member's row measures).
 AUTHENTICATED = "pyzmq wire, authenticated"
+_LENGTH = struct.Struct("!I")  # the plain socket's length prefix
+_TCP_BUFFER = 2 << 20  # what the plain socket's ends read into: more than a 1 MiB call
 
 
 def _answer(method: Any, args: Any, kwargs: Any, reply_rank: int | None) -> tuple[bool, Any]:
@@ -203,6 +208,57 @@ class WireSide:
         self.context.term()
 
 
+def _read_exactly(sock: socket.socket, size: int, buffer: bytearray) -> memoryview:
+    view = memoryview(buffer)[:size]
+    got = 0
+    while got < size:
+        count = sock.recv_into(view[got:])
+        if not count:
+            raise EOFError("the peer closed its socket")
+        got += count
+    return view
+
+
+def _tcp(port: int) -> None:
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer = bytearray(_TCP_BUFFER)
+    while True:
+        (size,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size, buffer))
+        if not size:
+            break
+        _method, args = pickle.loads(_read_exactly(sock, size, buffer))
+        answer = pickle.dumps(len(args[0]) if args else None, protocol=5)
+        sock.sendall(_LENGTH.pack(len(answer)) + answer)
+    sock.close()
+
+
+class SocketSide:
+    """A plain TCP socket (the standard library's), written and read by the calling thread
+    at both ends: no I/O thread, no authentication; each message its length, then itself."""
+
+    def __init__(self, context: Any) -> None:
+        with socket.create_server((HOST, 0)) as server:
+            self.process = context.Process(target=_tcp, args=(server.getsockname()[1],))
+            self.process.start()
+            server.settimeout(WAIT)
+            self.sock, _ = server.accept()
+        self.sock.settimeout(WAIT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = bytearray(_TCP_BUFFER)
+
+    def call(self, args: tuple[Any, ...]) -> None:
+        call = pickle.dumps(("size", args), protocol=5)
+        self.sock.sendall(_LENGTH.pack(len(call)) + call)
+        (size,) = _LENGTH.unpack(_read_exactly(self.sock, _LENGTH.size, self.buffer))
+        pickle.loads(_read_exactly(self.sock, size, self.buffer))
+
+    def close(self) -> None:
+        self.sock.sendall(_LENGTH.pack(0))
+        self.process.join(WAIT)
+        self.sock.close()
+
+
 def time_calls(call: Callable[[], object], calls: int) -> list[float]:
     """Seconds each of ``calls`` calls took, after a few to warm up."""
     for _ in range(min(100, calls)):
@@ -221,9 +277,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     options = parser.parse_args()
     context = multiprocessing.get_context("spawn")
-    sides: dict[str, HubSide | WireSide] = {"member": HubSide(context)}
+    sides: dict[str, HubSide | WireSide | SocketSide] = {"member": HubSide(context)}
     sides[AUTHENTICATED] = WireSide(context, authenticated=True)
     sides["pyzmq wire"] = WireSide(context)
+    sides["plain TCP socket"] = SocketSide(context)
     payloads = {"no-op": ((), options.calls), "1 MiB": ((b"x" * (1 << 20),), options.calls // 10)}
     results: dict[tuple[str, str], list[float]] = {}
     try:
