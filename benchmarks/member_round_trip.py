@@ -9,14 +9,14 @@ and the member in a spawned process that dials it from 127.0.0.2; each call is a
 then a 1 MiB ``bytes`` argument), sent and read back as the driver's poll does (the caller
 reads its replies itself). The baseline is the wire alone: a ROUTER in this process and a
 DEALER in a spawned process on 127.0.0.2 that unpickles each call and sends back a pickled
-answer, pickle protocol 5, no authentication. Between the two, the wire with the least a
-link must add to be safe to unpickle from: each message carries a sequence number, which must
-grow, and a GMAC tag (AES-GCM over an empty plaintext, as the link's frames) under a key of
-its direction, checked before the message is unpickled. And below the wire, a plain TCP
-socket of the standard library, which the calling thread writes and reads at each end (no
-zmq I/O thread), unauthenticated. The sides take turns in rounds, so the machine's noise hits
-them alike. Figures: docs/benchmarks.md, "A member reads its own
-calls" and "What a link adds to the wire".
+answer, pickle protocol 5, no authentication. Beside it, the wire with the least a link must
+add to be safe to unpickle from: each message carries a sequence number, which must grow, and
+a GMAC tag (AES-GCM over an empty plaintext, as the link's frames) under a key of its
+direction, checked before the message is unpickled. And below the wire, a plain TCP socket of
+the standard library, which the calling thread writes and reads at each end (no zmq I/O
+thread), unauthenticated and authenticated as the wire above. The sides take turns in
+rounds, so the machine's noise hits them alike. Figures: docs/benchmarks.md, "A member reads
+its own calls" and "What a link adds to the wire".
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ RANK = 1
 WAIT = 30.0
 _SEQUENCE = struct.Struct("!Q")
 _NONCE = struct.Struct("!4xQ")  # the sequence in GCM's 12-byte nonce
-#: The authenticated wire's side; it makes no-op calls only: its messages are one part, joined
+#: The authenticated sides make no-op calls only: a message is sealed as one buffer, joined
 #: and copied, fair for a small one but not for 1 MiB (the link sends a large part as it is,
 #: which is what the member's row measures).
 AUTHENTICATED = "pyzmq wire, authenticated"
+AUTHENTICATED_TCP = "plain TCP socket, authenticated"
 _LENGTH = struct.Struct("!I")  # the plain socket's length prefix
 _TCP_BUFFER = 2 << 20  # what the plain socket's ends read into: more than a 1 MiB call
 
@@ -219,27 +220,36 @@ def _read_exactly(sock: socket.socket, size: int, buffer: bytearray) -> memoryvi
     return view
 
 
-def _tcp(port: int) -> None:
+def _tcp(port: int, key: bytes | None) -> None:
     sock = socket.create_connection((HOST, port), timeout=WAIT)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buffer = bytearray(_TCP_BUFFER)
+    seal = Sealer(key, b"reply") if key else None
+    check = Sealer(key, b"call") if key else None
     while True:
         (size,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size, buffer))
         if not size:
             break
-        _method, args = pickle.loads(_read_exactly(sock, size, buffer))
+        call = _read_exactly(sock, size, buffer)
+        _method, args = pickle.loads(check.open(call) if check else call)
         answer = pickle.dumps(len(args[0]) if args else None, protocol=5)
+        answer = seal.seal(answer) if seal else answer
         sock.sendall(_LENGTH.pack(len(answer)) + answer)
     sock.close()
 
 
 class SocketSide:
     """A plain TCP socket (the standard library's), written and read by the calling thread
-    at both ends: no I/O thread, no authentication; each message its length, then itself."""
+    at both ends: no I/O thread; each message its length, then itself. No authentication,
+    or with ``authenticated`` every message sealed and checked (:class:`Sealer`)."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, authenticated: bool = False) -> None:
+        key = secrets.token_bytes(32) if authenticated else None
+        self.seal = Sealer(key, b"call") if key else None
+        self.check = Sealer(key, b"reply") if key else None
         with socket.create_server((HOST, 0)) as server:
-            self.process = context.Process(target=_tcp, args=(server.getsockname()[1],))
+            port = server.getsockname()[1]
+            self.process = context.Process(target=_tcp, args=(port, key))
             self.process.start()
             server.settimeout(WAIT)
             self.sock, _ = server.accept()
@@ -249,9 +259,11 @@ class SocketSide:
 
     def call(self, args: tuple[Any, ...]) -> None:
         call = pickle.dumps(("size", args), protocol=5)
+        call = self.seal.seal(call) if self.seal else call
         self.sock.sendall(_LENGTH.pack(len(call)) + call)
         (size,) = _LENGTH.unpack(_read_exactly(self.sock, _LENGTH.size, self.buffer))
-        pickle.loads(_read_exactly(self.sock, size, self.buffer))
+        reply = _read_exactly(self.sock, size, self.buffer)
+        pickle.loads(self.check.open(reply) if self.check else reply)
 
     def close(self) -> None:
         self.sock.sendall(_LENGTH.pack(0))
@@ -280,6 +292,7 @@ def main() -> None:
     sides: dict[str, HubSide | WireSide | SocketSide] = {"member": HubSide(context)}
     sides[AUTHENTICATED] = WireSide(context, authenticated=True)
     sides["pyzmq wire"] = WireSide(context)
+    sides[AUTHENTICATED_TCP] = SocketSide(context, authenticated=True)
     sides["plain TCP socket"] = SocketSide(context)
     payloads = {"no-op": ((), options.calls), "1 MiB": ((b"x" * (1 << 20),), options.calls // 10)}
     results: dict[tuple[str, str], list[float]] = {}
@@ -290,7 +303,7 @@ def main() -> None:
                 order.reverse()
             for payload, (args, calls) in payloads.items():
                 for name, side in order:
-                    if name == AUTHENTICATED and args:
+                    if name in (AUTHENTICATED, AUTHENTICATED_TCP) and args:
                         continue  # see AUTHENTICATED
                     timed = time_calls(functools.partial(side.call, args), calls)
                     results.setdefault((payload, name), []).extend(timed)
