@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -34,8 +38,21 @@ def _on_vllm_worker(fn: Callable[..., Any], worker: Any, *args: Any, **kwargs: A
     return fn(worker.vllm, *args, **kwargs)
 
 
-def _first(outputs: list[Any]) -> Any:
-    return outputs[0]
+def _shm_patterns(worker: Any) -> list[str]:
+    """The /dev/shm names (glob patterns) of the segments vLLM's worker made on this rank: its
+    CPU communicator's (named after ``VLLM_DIST_IDENT``) and its groups' message queues'."""
+    from vllm.distributed import parallel_state
+
+    patterns = []
+    ident = os.environ.get("VLLM_DIST_IDENT")
+    if ident:
+        patterns.append(glob.escape(ident) + "-*-cpushm*")
+    for name in ("_WORLD", "_TP", "_PP"):
+        queue = getattr(getattr(parallel_state, name, None), "mq_broadcaster", None)
+        memory = getattr(getattr(queue, "buffer", None), "shared_memory", None)
+        if memory is not None:
+            patterns.append(glob.escape(memory.name))
+    return patterns
 
 
 def _chain(future: Future[list[Any]]) -> Future[Any]:
@@ -86,6 +103,11 @@ class SdkExecutor(Executor):
                 "supported: leave them unset, or use vLLM's own mp executor"
             )
         settings = read_settings(self.vllm_config.additional_config, parallel.world_size)
+        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
+        # vLLM's workers bind IPC sockets in VLLM_RPC_BASE_PATH and leave their files
+        # behind: a directory of this executor's own, removed at shutdown.
+        self._rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="executor-vllm-")
+        self._shm_patterns: list[str] = []
         config = ExecutorConfig(
             backend=settings.backend,
             worker_cls="executor_vllm._worker:VllmWorker",
@@ -96,9 +118,18 @@ class SdkExecutor(Executor):
             async_scheduling=bool(self.scheduler_config.async_scheduling),
             rpc_timeout=settings.rpc_timeout,
             backend_options=settings.backend_options,
-            env={k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)},
+            env=env,
         )
-        self._sdk = create_executor(config)
+        try:
+            self._sdk = create_executor(config)
+        except BaseException:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            raise
+        if config.world_size > 1:
+            # The ranks' shared-memory segments, to remove those a killed rank leaves in
+            # /dev/shm (on the engine's node; vLLM's own mp leaves them).
+            found = self._sdk.collective_rpc(_shm_patterns, timeout=60)
+            self._shm_patterns = sorted({pattern for names in found for pattern in names})
         self._sdk.register_failure_callback(self._failed)
         self.output_rank = config.output_rank
         _log.info(
@@ -194,8 +225,14 @@ class SdkExecutor(Executor):
     def shutdown(self) -> None:
         """Stop every worker and release what the backend holds. Idempotent."""
         sdk = getattr(self, "_sdk", None)
-        if sdk is not None:
-            sdk.shutdown()
+        if sdk is None:
+            return
+        sdk.shutdown()
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
+        for pattern in self._shm_patterns:
+            for path in glob.glob(os.path.join("/dev/shm", pattern)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:

@@ -49,11 +49,17 @@ class VllmWorker(WorkerBase):
 
     def init_device(self) -> None:
         """Build vLLM's worker for this rank and initialise its device and process groups."""
-        from multiprocessing import Lock
+        from threading import Lock, RLock
 
+        from tqdm import tqdm
         from vllm.v1.worker.worker_base import WorkerWrapperBase
 
         context = self.context
+        # tqdm's default lock (vLLM's weight loading shows a bar) is a named semaphore, which
+        # a killed rank leaves in /dev/shm; this rank's threads need only a thread lock.
+        tqdm.set_lock(RLock())
+        # The engine's node made this directory; another node may lack it.
+        os.makedirs(os.environ.get("VLLM_RPC_BASE_PATH", "/tmp"), exist_ok=True)
         if context.world_size > 1:
             _bind_cpus(self._vllm_config, context.local_rank)
         wrapper = WorkerWrapperBase(rpc_rank=context.local_rank, global_rank=context.rank)
@@ -65,6 +71,8 @@ class VllmWorker(WorkerBase):
             "distributed_init_method": context.distributed_init_method,
             # The first rank of each tensor-parallel group, as vLLM's own executors say.
             "is_driver_worker": context.tp_rank == 0,
+            # Guards the multimodal cache among this process's threads (vLLM's mp shares
+            # one among processes; here no two ranks share a cache).
             "shared_worker_lock": Lock(),
         }
         wrapper.init_worker(kwargs)

@@ -1,0 +1,150 @@
+"""vLLM's real engine on the adapter: the same greedy tokens as vLLM's own executors, every
+call the engine makes, and nothing left behind. One engine per test; the references (vLLM's
+own ``uni`` and ``mp``) once per module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine import ADAPTER, engine, generate, model_executor
+
+from executor_core import WorkerDiedError
+from executor_vllm import make_tiny_model
+
+pytestmark = [
+    pytest.mark.slow,
+    # vLLM's own imports warn (deprecated torch names); they are not this package's.
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def vllm_uni(model: Path) -> list[list[int]]:
+    """vLLM's own single-process executor's tokens."""
+    with engine(model, executor="uni", check=False) as llm:
+        return generate(llm)
+
+
+@pytest.fixture(scope="module")
+def vllm_mp(model: Path) -> list[list[int]]:
+    """vLLM's own multiprocess executor's tokens, tensor parallel over two processes."""
+    with engine(model, executor="mp", tp=2, check=False) as llm:
+        return generate(llm)
+
+
+def test_uni_generates_vllm_uni_tokens_and_serves_every_call(
+    model: Path, vllm_uni: list[list[int]]
+) -> None:
+    with engine(model) as llm:  # one rank: the default is uni
+        executor = model_executor(llm)
+        assert type(executor).__name__ == "SdkExecutor"
+        assert executor.sdk_executor.backend_name == "uni"
+        assert generate(llm) == vllm_uni
+        # LLM.collective_rpc: a callable gets vLLM's worker, a name runs its method.
+        assert llm.collective_rpc(lambda worker: worker.rank) == [0]
+        assert llm.collective_rpc("get_supported_tasks")[0] == executor.supported_tasks
+        executor.check_health()
+        assert executor.take_draft_token_ids() is None
+        llm.sleep(level=1)
+        assert executor.is_sleeping
+        llm.wake_up()
+        assert not executor.is_sleeping
+        assert generate(llm) == vllm_uni  # still serving after sleep and wake-up
+
+
+def test_mp_tp2_generates_vllm_mp_tokens(
+    model: Path, vllm_mp: list[list[int]], vllm_uni: list[list[int]]
+) -> None:
+    with engine(model, tp=2) as llm:  # two ranks: the default is mp
+        executor = model_executor(llm)
+        assert executor.sdk_executor.backend_name == "mp"
+        assert generate(llm) == vllm_mp
+        pids = llm.collective_rpc(lambda worker: (worker.rank, os.getpid()))
+        assert [rank for rank, _ in pids] == [0, 1]
+        assert len({pid for _, pid in pids} | {os.getpid()}) == 3  # a process per rank
+        executor.check_health()
+    assert vllm_mp == vllm_uni  # tensor parallel changes nothing on this model
+
+
+def test_ray_tp2_generates_vllm_mp_tokens(model: Path, vllm_mp: list[list[int]]) -> None:
+    with engine(model, "ray", tp=2) as llm:
+        assert model_executor(llm).sdk_executor.backend_name == "ray"
+        assert generate(llm) == vllm_mp
+
+
+def test_third_party_backend_generates_vllm_uni_tokens(
+    model: Path, vllm_uni: list[list[int]]
+) -> None:
+    """examples/executor-threads: a backend vLLM has never heard of, found by name."""
+    with engine(model, "threads") as llm:
+        assert model_executor(llm).sdk_executor.backend_name == "threads"
+        assert generate(llm) == vllm_uni
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "tp", "expected"),
+    [
+        ("no-such-backend", None, 1, "no-such-backend"),
+        ("mp", {"no_such_option": 1}, 2, "no_such_option"),
+        ("mp", {"start_method": "teleport"}, 2, "teleport"),
+        ("uni", None, 2, "world"),  # uni runs one rank
+        ("threads", None, 2, "a process per rank"),  # ranks in the engine's process
+    ],
+)
+def test_bad_settings_fail_before_any_worker_starts(
+    model: Path, backend: str, options: dict[str, Any] | None, tp: int, expected: str
+) -> None:
+    with pytest.raises(Exception, match=expected) as caught, engine(model, backend, tp, options=options):
+        pass
+    assert "VllmWorker" not in repr(caught.value) or expected == "a process per rank"
+
+
+def test_a_dead_rank_fails_the_engine_naming_it_and_leaves_nothing(
+    model: Path,
+) -> None:
+    with engine(model, "mp", tp=2) as llm:
+        executor = model_executor(llm)
+        called = threading.Event()
+        executor.register_failure_callback(called.set)
+        pids = dict(llm.collective_rpc(lambda worker: (worker.rank, os.getpid())))
+        timer = threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL))
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as caught:
+            generate(llm, max_tokens=200)
+        timer.join(10)
+        assert caught.value.ranks == (1,) or 1 in caught.value.ranks
+        assert "rank 1" in str(caught.value)
+        assert called.wait(30), "the engine's failure callback was not called"
+        assert time.monotonic() - start < 60
+        with pytest.raises(Exception, match="rank 1"):
+            executor.check_health()
+
+
+def test_engine_core_process_resolves_the_adapter_by_qualname(
+    model: Path, vllm_uni: list[list[int]]
+) -> None:
+    """With vLLM's engine core in a process of its own (the default), the string names the
+    adapter in both processes."""
+    from engine import patched_env
+
+    # vLLM's engine-core client leaves its own IPC socket files (it does on its own
+    # executors too); the adapter's workers leave none (the other tests check).
+    with patched_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}), engine(
+        model, "uni", check_sockets=False
+    ) as llm:
+        assert generate(llm) == vllm_uni
+        assert ADAPTER in repr(llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
