@@ -23,6 +23,7 @@ DISTRIBUTIONS = {
     "bench": ("executor-bench", "executor_bench"),
     "reference": ("executor-reference", "executor_reference"),
     "plugins/otel": ("executor-plugin-otel", "executor_plugin_otel"),
+    "plugins/vllm": ("executor-vllm", "executor_vllm"),
 }
 
 

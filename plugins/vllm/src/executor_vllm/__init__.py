@@ -5,8 +5,12 @@ Give vLLM ``distributed_executor_backend=SdkExecutor`` (or the string
 environment (:func:`read_settings`)::
 
     from vllm import LLM
-    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="executor_vllm.SdkExecutor",
-              additional_config={"executor_sdk": {"backend": "ray"}})
+    llm = LLM(
+        model,
+        tensor_parallel_size=2,
+        distributed_executor_backend="executor_vllm.SdkExecutor",
+        additional_config={"executor_sdk": {"backend": "ray"}},
+    )
 
 Importing this package is cheap and needs no vLLM: :class:`SdkExecutor` and
 :class:`VllmWorker` import vLLM (and check its version) on first use.
@@ -40,8 +44,8 @@ __all__ = [
     "ENV_OPTIONS",
     "PROMPTS",
     "VLLM_RANGE",
-    "Settings",
     "SdkExecutor",
+    "Settings",
     "SettingsError",
     "VllmWorker",
     "__version__",

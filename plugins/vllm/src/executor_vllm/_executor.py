@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import vllm
+
 from executor_core import ExecutorConfig, ExecutorFailedError, create_executor
 
 from ._settings import check_vllm_version, read_settings
@@ -132,6 +133,9 @@ class SdkExecutor(Executor):
             self._shm_patterns = sorted({pattern for names in found for pattern in names})
         self._sdk.register_failure_callback(self._failed)
         self.output_rank = config.output_rank
+        # One rank that the backend runs in this process (uni, threads): a step is a direct
+        # call, as on vLLM's own uni, not a handoff to the backend's thread and back.
+        self._inline = config.world_size == 1 and self._sdk.transport.inline_runner() is not None
         _log.info(
             "vLLM runs on the Executor SDK's %r backend (%d rank(s); settings from %s)",
             self._sdk.backend_name,
@@ -150,7 +154,7 @@ class SdkExecutor(Executor):
         if callback is not None:
             callback()
 
-    def register_failure_callback(self, callback: Callable[[], None]) -> None:  # type: ignore[override]
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once when the workers fail for good (at once if they have): the
         engine then stops; the SDK's error, naming the ranks, is logged and raised by every
         later call."""
@@ -159,7 +163,7 @@ class SdkExecutor(Executor):
         else:
             self._failure_callback = callback
 
-    def collective_rpc(  # type: ignore[override]
+    def collective_rpc(
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
@@ -186,6 +190,15 @@ class SdkExecutor(Executor):
         return _chain(out) if non_block else out[0]
 
     def _step(self, method: str, arg: Any, non_block: bool) -> Any:
+        if self._inline:
+            if not non_block:
+                return self._sdk.collective_rpc(method, args=(arg,))[0]
+            done: Future[Any] = Future()
+            try:
+                done.set_result(self._sdk.collective_rpc(method, args=(arg,))[0])
+            except Exception as exc:  # noqa: BLE001 - the engine gets it from the Future
+                done.set_exception(exc)
+            return done
         return self.collective_rpc(
             method,
             vllm_envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
@@ -194,11 +207,11 @@ class SdkExecutor(Executor):
             unique_reply_rank=self.output_rank,
         )
 
-    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
         """One step on every rank; the output rank's ``ModelRunnerOutput`` (or a Future)."""
         return self._step("execute_model", scheduler_output, non_block)
 
-    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
         """The step's sampling on every rank; the output rank's output (or a Future)."""
         return self._step("sample_tokens", grammar_output, non_block)
 

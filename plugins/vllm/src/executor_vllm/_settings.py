@@ -100,8 +100,7 @@ def read_settings(
         )
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise SettingsError(
-            f"{where}: backend_options must be an object of option names to values, "
-            f"not {options!r}"
+            f"{where}: backend_options must be an object of option names to values, not {options!r}"
         )
     if timeout is not None and (
         not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0

@@ -45,7 +45,8 @@ def make_tiny_model(path: str | Path, *, seed: int = 0) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(_TEXT, trainer)
-    fast = PreTrainedTokenizerFast(
+    # transformers leaves these constructors unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(out)
@@ -62,6 +63,6 @@ def make_tiny_model(path: str | Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
     return out

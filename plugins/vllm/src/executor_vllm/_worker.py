@@ -51,7 +51,7 @@ class VllmWorker(WorkerBase):
         """Build vLLM's worker for this rank and initialise its device and process groups."""
         from threading import Lock, RLock
 
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
         from vllm.v1.worker.worker_base import WorkerWrapperBase
 
         context = self.context
@@ -76,7 +76,7 @@ class VllmWorker(WorkerBase):
             "shared_worker_lock": Lock(),
         }
         wrapper.init_worker(kwargs)
-        wrapper.init_device()
+        wrapper.init_device()  # type: ignore[no-untyped-call]  # vLLM leaves it unannotated
         self.vllm = wrapper
 
     def load_model(self) -> None:
@@ -121,8 +121,9 @@ class VllmWorker(WorkerBase):
             wrapper.shutdown()
             from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
-            destroy_model_parallel()
-            destroy_distributed_environment()
+            # Unannotated in vLLM.
+            destroy_model_parallel()  # type: ignore[no-untyped-call]
+            destroy_distributed_environment()  # type: ignore[no-untyped-call]
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this class lacks: vLLM's worker's own methods.
