@@ -109,7 +109,7 @@ def main() -> None:
                 str(args.max_tokens),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             results[name].append(json.loads(lines[-1][7:]))
@@ -121,19 +121,23 @@ def main() -> None:
         f"same tokens on every engine: {same}\n"
     )
     print(
-        "| engine | step median (ms) | step p99 (ms) | tokens/s (median of rounds) | vs vLLM's own |"
+        "| engine | step median (ms) | step mean (ms) | step p99 (ms) "
+        "| tokens/s (median of rounds) | time vs vLLM's own | tokens/s per round |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---|")
     rates: dict[str, float] = {}
     for name, runs in results.items():
-        steps = [s for r in runs for s in r["steps"]]  # type: ignore[attr-defined]
+        steps: list[float] = [s for r in runs for s in r["steps"]]  # type: ignore[attr-defined]
         count = sum(len(t) for t in runs[0]["tokens"])  # type: ignore[arg-type]
-        rates[name] = statistics.median(count / float(r["wall"]) for r in runs)  # type: ignore[arg-type]
+        per_round = [count / float(r["wall"]) for r in runs]  # type: ignore[arg-type]
+        rates[name] = statistics.median(per_round)
         base = rates.get(name.replace("adapter", "vllm"))
-        ratio = f"{base / rates[name]:.2f}x time" if name.startswith("adapter") and base else ""
+        ratio = f"{base / rates[name]:.2f}x" if name.startswith("adapter") and base else ""
+        median, mean = statistics.median(steps) * 1e3, statistics.fmean(steps) * 1e3
         print(
-            f"| {name} | {statistics.median(steps) * 1e3:.2f} | {_p(steps, 0.99) * 1e3:.2f} | "
-            f"{rates[name]:.0f} | {ratio} |"
+            f"| {name} | {median:.2f} | {mean:.2f} "
+            f"| {_p(steps, 0.99) * 1e3:.2f} | {rates[name]:.0f} | {ratio} "
+            f"| {', '.join(f'{rate:.0f}' for rate in per_round)} |"
         )
 
 
