@@ -33,13 +33,15 @@ ENGINES = {
 
 def _child(name: str, requests: int, max_tokens: int) -> None:
     executor, tp, backend = ENGINES[name]
+    from executor_vllm import PROMPTS, TINY_ENGINE_ARGS, make_tiny_model
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(i % (os.cpu_count() or 1)) for i in range(tp)
         )
-    from executor_vllm import PROMPTS, make_tiny_model
 
+    shm_before = set(os.listdir("/dev/shm"))
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as work:
         os.environ["VLLM_RPC_BASE_PATH"] = work
         model = make_tiny_model(os.path.join(work, "model"))
@@ -48,11 +50,7 @@ def _child(name: str, requests: int, max_tokens: int) -> None:
         extra = {"additional_config": {"executor_sdk": {"backend": backend}}} if backend else {}
         llm = LLM(
             model=str(model),
-            dtype="float32",
-            max_model_len=256,
-            enforce_eager=True,
-            kv_cache_memory_bytes=64 << 20,
-            seed=0,
+            **TINY_ENGINE_ARGS,
             distributed_executor_backend=executor,
             tensor_parallel_size=tp,
             **extra,
@@ -77,6 +75,9 @@ def _child(name: str, requests: int, max_tokens: int) -> None:
         wall = time.perf_counter() - start
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         llm.llm_engine.engine_core.shutdown()
+    for name in set(os.listdir("/dev/shm")) - shm_before:  # vLLM's own mp leaves its segments
+        if "cpushm" in name:
+            os.unlink(os.path.join("/dev/shm", name))
     print("RESULT " + json.dumps({"steps": steps, "wall": wall, "tokens": tokens}), flush=True)
 
 

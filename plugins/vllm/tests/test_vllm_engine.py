@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 from engine import ADAPTER, engine, generate, model_executor
 
-from executor_core import ConfigError, UnknownBackendError, WorkerDiedError, WorkerError
+from executor_core import (
+    ConfigError,
+    ExecutorError,
+    UnknownBackendError,
+    WorkerDiedError,
+    WorkerError,
+)
 from executor_vllm import make_tiny_model
 
 pytestmark = [
@@ -100,7 +106,7 @@ def test_third_party_backend_generates_vllm_uni_tokens(
         ("no-such-backend", None, 1, UnknownBackendError, "no-such-backend"),
         ("mp", {"no_such_option": 1}, 2, ConfigError, "no_such_option"),
         ("mp", {"start_method": "teleport"}, 2, ConfigError, "teleport"),
-        ("uni", None, 2, ConfigError, "world"),  # uni runs one rank
+        ("uni", None, 2, ExecutorError, "runs at most 1 worker"),  # its capabilities
         # Ranks in the engine's process: the adapter's worker refuses before vLLM's is built.
         ("threads", None, 2, WorkerError, "a process per rank"),
     ],
@@ -113,8 +119,8 @@ def test_bad_settings_fail_before_any_worker_starts(
     error: type[Exception],
     expected: str,
 ) -> None:
-    # The SDK refuses a config before its transport starts (ConfigError and
-    # UnknownBackendError come from there); engine() checks no process was left.
+    # The SDK refuses a config before its transport starts (the first four errors come from
+    # there); engine() checks no process was left.
     with pytest.raises(error, match=expected), engine(model, backend, tp, options=options):
         pass
 

@@ -31,7 +31,7 @@ from ._settings import (
     check_vllm_version,
     read_settings,
 )
-from ._tiny import PROMPTS, make_tiny_model
+from ._tiny import PROMPTS, TINY_ENGINE_ARGS, make_tiny_model, one_core_per_rank
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ __all__ = [
     "ENV_BACKEND",
     "ENV_OPTIONS",
     "PROMPTS",
+    "TINY_ENGINE_ARGS",
     "VLLM_RANGE",
     "SdkExecutor",
     "Settings",
@@ -51,6 +52,7 @@ __all__ = [
     "__version__",
     "check_vllm_version",
     "make_tiny_model",
+    "one_core_per_rank",
     "read_settings",
 ]
 

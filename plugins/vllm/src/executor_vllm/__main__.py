@@ -32,11 +32,10 @@ def main(argv: list[str] | None = None) -> int:
             section["backend_options"] = json.loads(args.options)
         except json.JSONDecodeError as exc:
             parser.error(f"--options is not JSON: {exc}")
-    if args.tp > 1:  # one core per rank, as vLLM's own mp is told on a single NUMA node
-        cores = os.cpu_count() or 1
-        binding = "|".join(str(rank % cores) for rank in range(args.tp))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
-    from . import PROMPTS, make_tiny_model
+    from . import PROMPTS, TINY_ENGINE_ARGS, make_tiny_model, one_core_per_rank
+
+    if args.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", one_core_per_rank(args.tp))
 
     with tempfile.TemporaryDirectory(prefix="executor-vllm-demo-") as work:
         os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(work, "rpc"))
@@ -47,11 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         llm = LLM(
             model=str(model),
-            dtype="float32",
-            max_model_len=256,
-            enforce_eager=True,
-            kv_cache_memory_bytes=64 << 20,
-            seed=0,
+            **TINY_ENGINE_ARGS,
             tensor_parallel_size=args.tp,
             distributed_executor_backend="executor_vllm.SdkExecutor",
             additional_config={"executor_sdk": section},

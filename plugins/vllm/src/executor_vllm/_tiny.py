@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PROMPTS", "make_tiny_model"]
+__all__ = ["PROMPTS", "TINY_ENGINE_ARGS", "make_tiny_model", "one_core_per_rank"]
 
 #: Prompts the demo, the tests and the benchmark generate from.
 PROMPTS: tuple[str, ...] = (
@@ -13,6 +15,24 @@ PROMPTS: tuple[str, ...] = (
     "A ring in shared memory",
     "vLLM generates tokens on the SDK",
 )
+
+#: ``LLM(model, **TINY_ENGINE_ARGS, ...)``: the engine arguments the demo, the tests and the
+#: benchmark give vLLM for the tiny model on a CPU (64 MiB of KV cache, no compilation).
+TINY_ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,
+    "seed": 0,
+}
+
+
+def one_core_per_rank(ranks: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``ranks`` ranks one core of its own
+    (``'0|1'`` for two): on one NUMA node, vLLM's ``auto`` cannot split the cores."""
+    cores = os.cpu_count() or 1
+    return "|".join(str(rank % cores) for rank in range(ranks))
+
 
 _TEXT = [
     *PROMPTS,
