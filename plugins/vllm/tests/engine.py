@@ -52,6 +52,16 @@ def _ours() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "executor-vllm-*")))
 
 
+def _children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def snapshot() -> tuple[set[str], set[str], set[int]]:
+    """What /dev/shm and the temp dir hold, and this process's children (another test's Ray
+    session, say), now: for :func:`assert_nothing_left`."""
+    return _shm(), _ours(), _children()
+
+
 @contextlib.contextmanager
 def engine(
     model: Path,
@@ -70,7 +80,7 @@ def engine(
     from vllm import LLM
 
     rpc_dir = tempfile.mkdtemp(prefix="vllm-test-rpc-")
-    shm_before, ours_before = _shm(), _ours()
+    before = snapshot()
     section: dict[str, Any] = {}
     if backend is not None:
         section["backend"] = backend
@@ -99,11 +109,11 @@ def engine(
         cleanup_dist_env_and_memory()
         try:
             if check:
-                assert_nothing_left(shm_before, ours_before, rpc_dir if check_sockets else None)
+                assert_nothing_left(before, rpc_dir if check_sockets else None)
         finally:
             # vLLM's own executors leave their CPU communicator's segments: never left for
             # the next test (only those: another process may own the rest).
-            for name in _shm() - shm_before:
+            for name in _shm() - before[0]:
                 if "cpushm" not in name:
                     continue
                 with contextlib.suppress(OSError):
@@ -113,12 +123,15 @@ def engine(
             os.rmdir(rpc_dir)
 
 
-def assert_nothing_left(shm_before: set[str], ours_before: set[str], rpc_dir: str | None) -> None:
-    # multiprocessing's resource tracker is one per process, for the life of the process.
+def assert_nothing_left(before: tuple[set[str], set[str], set[int]], rpc_dir: str | None) -> None:
+    """Nothing was left since ``before`` (a :func:`snapshot`): no process (but
+    multiprocessing's resource tracker, one per process for its life), no /dev/shm segment, no
+    executor-vllm temp dir, and no file in ``rpc_dir`` (unless None)."""
+    shm_before, ours_before, children_before = before
     children = [
         child
         for child in psutil.Process().children(recursive=True)
-        if "resource_tracker" not in " ".join(_cmdline(child))
+        if child.pid not in children_before and "resource_tracker" not in " ".join(_cmdline(child))
     ]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"processes left running: {[p.pid for p in alive]}"

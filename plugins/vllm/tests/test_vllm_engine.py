@@ -4,15 +4,25 @@ own ``uni`` and ``mp``) once per module."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine import ADAPTER, engine, generate, model_executor
+from engine import (
+    MAX_TOKENS,
+    assert_nothing_left,
+    engine,
+    generate,
+    model_executor,
+    snapshot,
+)
 
 from executor_core import (
     ConfigError,
@@ -147,19 +157,23 @@ def test_a_dead_rank_fails_the_engine_naming_it_and_leaves_nothing(
             executor.check_health()
 
 
-def test_engine_core_process_resolves_the_adapter_by_qualname(
-    model: Path, vllm_uni: list[list[int]]
+def test_the_demo_runs_with_the_engine_core_in_its_own_process(
+    model: Path, vllm_uni: list[list[int]], tmp_path: Path
 ) -> None:
-    """With vLLM's engine core in a process of its own (the default), the string names the
-    adapter in both processes."""
-    from engine import patched_env
-
-    # vLLM's engine-core client leaves its own IPC socket files (it does on its own
-    # executors too); the adapter's workers leave none (the other tests check).
-    with (
-        patched_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-        engine(model, "uni", check_sockets=False) as llm,
-    ):
-        assert generate(llm) == vllm_uni
-        backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
-        assert backend == ADAPTER
+    """``python -m executor_vllm`` (the README's command after its set-up), with vLLM's
+    engine core in a process of its own, as by default: the qualname names the adapter in
+    both processes, and the threads backend (a third party's) generates vLLM's tokens."""
+    before = snapshot()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_")}
+    command = [sys.executable, "-m", "executor_vllm", "--backend", "threads", "--json"]
+    command += ["--max-tokens", str(MAX_TOKENS)]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["backend"] == "threads"
+    assert report["tokens"] == vllm_uni
+    assert report["start_s"] > 0
+    assert report["generate_s"] > 0
+    assert_nothing_left(before, None)
