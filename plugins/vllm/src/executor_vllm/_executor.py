@@ -123,14 +123,15 @@ class SdkExecutor(Executor):
         )
         try:
             self._sdk = create_executor(config)
+            if config.world_size > 1:
+                # The ranks' shared-memory segments, to remove those a killed rank leaves in
+                # /dev/shm (on the engine's node; vLLM's own mp leaves them).
+                found = self._sdk.collective_rpc(_shm_patterns, timeout=60)
+                self._shm_patterns = sorted({pattern for names in found for pattern in names})
         except BaseException:
+            self.shutdown()  # what started, and the socket directory
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             raise
-        if config.world_size > 1:
-            # The ranks' shared-memory segments, to remove those a killed rank leaves in
-            # /dev/shm (on the engine's node; vLLM's own mp leaves them).
-            found = self._sdk.collective_rpc(_shm_patterns, timeout=60)
-            self._shm_patterns = sorted({pattern for names in found for pattern in names})
         self._sdk.register_failure_callback(self._failed)
         self.output_rank = config.output_rank
         # One rank that the backend runs in this process (uni, threads): a step is a direct
