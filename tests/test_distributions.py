@@ -47,20 +47,48 @@ def test_installed_version_is_the_packages(directory: str) -> None:
     assert importlib.metadata.version(distribution) == module.__version__
 
 
-#: The most lines a product module, a script or a benchmark may have (issue 26: one job per
-#: module).
+#: The most lines a script or a benchmark may have (one job per file).
 MAX_MODULE_LINES = 400
+
+#: Lines of Python a distribution's ``src/`` may hold, in all: budgets per distribution, not
+#: a cap per module, which was met by cutting classes into halves rather than by cutting
+#: work (a module is as long as its job). Today's ceilings: a change that adds lines finds
+#: them within its distribution's budget, or takes them out elsewhere in it. Issues 50 and 51
+#: lower them (the executor layer to about 15,000 lines in all).
+LINE_BUDGETS = {
+    "core": 9_800,
+    "channel": 7_900,
+    "plugins/uniproc": 300,
+    "plugins/multiproc": 2_900,
+    "plugins/ray": 2_300,
+    "plugins/slurm": 900,
+    "plugins/otel": 600,
+    "examples/executor-threads": 150,
+    "examples/executor-cluster": 150,
+    "bench": 3_200,
+    "reference": 2_150,
+}
+
+
+def _lines(directory: str) -> int:
+    _, package = DISTRIBUTIONS[directory]
+    return sum(
+        path.read_text().count("\n")
+        for path in (ROOT / directory / "src" / package).rglob("*.py")
+    )
+
+
+def test_every_distribution_has_a_line_budget() -> None:
+    assert set(LINE_BUDGETS) == set(DISTRIBUTIONS)
 
 
 @pytest.mark.parametrize("directory", sorted(DISTRIBUTIONS))
-def test_no_module_is_over_the_bound(directory: str) -> None:
-    _, package = DISTRIBUTIONS[directory]
-    over = {
-        str(path.relative_to(ROOT)): lines
-        for path in sorted((ROOT / directory / "src" / package).rglob("*.py"))
-        if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES
-    }
-    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by job): {over}"
+def test_each_distribution_is_within_its_line_budget(directory: str) -> None:
+    lines, budget = _lines(directory), LINE_BUDGETS[directory]
+    assert lines <= budget, (
+        f"{directory}/src holds {lines} lines of Python, over its budget of {budget}: find "
+        "the lines within the distribution (what can go?) rather than raising the budget"
+    )
 
 
 def _imported(path: Path) -> list[str]:

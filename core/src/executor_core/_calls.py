@@ -6,7 +6,9 @@ The rules, written once for every backend:
   ``unique_reply_rank``); ranks that are not expected answer only when they fail;
 - a failed call raises the error of the *lowest* failing rank among the expected ranks (the
   table waits for every expected rank before it decides); a failure from a rank that was not
-  expected to answer completes the call at once (there is nothing else to wait for);
+  expected to answer completes the call at once (there is nothing else to wait for); where
+  ranks ran the call without answering, a death among them wins over the failure (the
+  host's ``confirm_failure``);
 - calls complete strictly in submission order, so futures complete in that order too;
 - a reply to a call that is no longer in flight (it timed out) is dropped;
 - when the executor fails or shuts down, every call in flight fails with that error.
@@ -139,6 +141,10 @@ class CallTable:
         self.non_blocking = 0
         #: Set once: the error every call in flight and every later call fails with.
         self.closed_error: ExecutorError | None = None
+        #: ``confirm(call)``, set by the host: for a call that failed while ranks it does not
+        #: wait for ran it too, the death that explains the failure, or None (see
+        #: ``TransportHost.confirm_failure``).
+        self.confirm: Callable[[Call], ExecutorError | None] | None = None
 
     def add(self, call: Call) -> None:
         """Put ``call`` in flight (raise the closing error if the table is closed)."""
@@ -201,8 +207,13 @@ class CallTable:
 
     def _finish(self, ready: list[Call]) -> None:
         for call in ready:
-            if call.error is not None:
-                call.finish(False, call.error)
+            error = call.error
+            if error is not None:
+                if call.reply_rank is not None and self.confirm is not None:
+                    # Other ranks ran it without answering: a survivor's error may be the
+                    # news of their death, which the caller gets instead.
+                    error = self.confirm(call) or error
+                call.finish(False, error)
             else:
                 call.finish(True, [call.results[r] for r in call.expected])
         if ready and self.waiters:

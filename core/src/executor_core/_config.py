@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -70,7 +71,12 @@ def _is_env(value: object) -> bool:
 def _is_timeout(value: object) -> bool:
     if value is None:
         return True
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def _is_nonempty_str(value: object) -> bool:
@@ -141,7 +147,9 @@ class ExecutorConfig:
     #: Default timeout in seconds for collective calls; ``None`` waits for ever.
     rpc_timeout: float | None = attrs.field(
         default=None,
-        validator=_check("must be None (no timeout) or a number of seconds > 0", _is_timeout),
+        validator=_check(
+            "must be None (no timeout) or a finite number of seconds > 0", _is_timeout
+        ),
     )
     #: Device type the workers use: ``"cpu"`` (gloo), ``"cuda"`` (nccl), or a plugin's.
     device: str = attrs.field(default="cpu", validator=_NONEMPTY_STR)
@@ -169,7 +177,7 @@ class ExecutorConfig:
     #: (``Capabilities.liveness_probe`` false) refuses a bound.
     hang_timeout_s: float | None = attrs.field(
         default=None,
-        validator=_check("must be None (never) or a number of seconds > 0", _is_timeout),
+        validator=_check("must be None (never) or a finite number of seconds > 0", _is_timeout),
     )
     #: Backend-specific options: each backend documents its keys, and the executor refuses
     #: a key or a value its backend does not take (see ``executor_core.options``).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from time import perf_counter
@@ -137,7 +138,7 @@ class Executor(Lifecycle):
         construction): wait out a recovery, apply the default timeout, then :meth:`_call`,
         between the driver's observer hooks if a plugin implements one."""
         host = self._host
-        if host.closed or host.table.closed_error is not None:
+        if host.closed or host.failure is not None or host.table.closed_error is not None:
             timeout = self._await_recovery(host, timeout, method)
         if timeout is not None or self._default_timeout is not None:
             timeout = self._resolve_timeout(timeout)
@@ -275,7 +276,7 @@ class Executor(Lifecycle):
         may take, pass ``timeout``, not an asyncio timeout.
         """
         host = self._host
-        if host.closed or host.table.closed_error is not None:
+        if host.closed or host.failure is not None or host.table.closed_error is not None:
             timeout = self._await_recovery(host, timeout, method)
         return await self._aio.call(
             lambda: self.collective_rpc(
@@ -288,7 +289,7 @@ class Executor(Lifecycle):
         ordered, cancelled and failed as :meth:`collective_rpc_async` is (cancelling the
         await never stops a step the workers have been sent)."""
         host = self._host
-        if host.closed or host.table.closed_error is not None:
+        if host.closed or host.failure is not None or host.table.closed_error is not None:
             self._await_recovery(host, None, "execute_model")
         return await self._aio.call(lambda: self.execute_model(batch, non_block=True))
 
@@ -325,8 +326,15 @@ class Executor(Lifecycle):
         """``timeout`` if given, else the config's ``rpc_timeout``; validated."""
         if timeout is None:
             return self.config.rpc_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout must be a number of seconds > 0 or None, not {timeout!r}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf  # NaN and infinity too: None is "no bound"
+        ):
+            raise ValueError(
+                f"timeout must be a finite number of seconds > 0, or None (no bound), "
+                f"not {timeout!r}"
+            )
         return float(timeout)
 
     def _check_reply_rank(self, unique_reply_rank: int | None) -> None:

@@ -91,7 +91,8 @@ class HangWatch:
             if waited < self.bound_s:
                 continue
             try:
-                silent = self._transport.probe(self._ranks, self.probe_s)
+                with self._host.probe_lock:
+                    silent = self._transport.probe(self._ranks, self.probe_s)
             except Exception:  # a probe that breaks must not end the watch; logged
                 logger.exception("the liveness probe failed")
                 continue
@@ -118,7 +119,9 @@ class HangWatch:
             f"hung: no reply to {call} for {waited:.1f} s and no answer to a liveness probe "
             f"for {silent:.1f} s (hang_timeout_s={self.bound_s:g}); killed"
         )
-        self._host.worker_died(WorkerDiedError(ranks[0], detail=detail, ranks=tuple(ranks)))
+        host = self._host
+        node = host.node_named(ranks)
+        host.worker_died(WorkerDiedError(ranks[0], detail=detail, ranks=tuple(ranks), node=node))
         try:
             self._transport.kill(ranks)
         except Exception:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._calls import CallTable
+from ._calls import Call, CallTable
 from ._config import worker_environment
 from ._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError
 from ._net import release_port, reserve_port, tcp_init_method
@@ -34,6 +34,11 @@ __all__ = ["TransportHost", "run_callback"]
 #: How long a release waits for a thread still sending or reading replies to leave the
 #: transport before the cleanups release what it uses.
 _LEAVE_S = 2.0
+#: A failed call whose other ranks ran it silently (``unique_reply_rank``): how long the
+#: liveness probe of those ranks may take, and, if one of them does not answer, how long the
+#: core waits for its death to be reported (then the call raises the death, not the error).
+_CONFIRM_PROBE_S = 1.0
+_DEATH_REPORT_S = 2.0
 
 
 def _log_exception(message: str, *args: object) -> None:
@@ -72,11 +77,18 @@ class TransportHost:
         #: every host of one executor: ``name -> (value, release)``.
         self.kept: dict[str, tuple[Any, Callable[[], None]]] = {}
         self.failure: ExecutorFailedError | None = None
+        #: Run once with the failure in :meth:`fail`, before the calls in flight are failed:
+        #: whoever gets the error finds the death reported and the executor recovering or
+        #: failed (the core's recovery decides there, and runs the user's callbacks).
         self.failure_callbacks: list[Callable[[ExecutorFailedError], None]] = []
-        #: Called with the failure in :meth:`fail` before the calls in flight are failed (the
-        #: core's recovery decides there, so that those calls find it recovering).
-        self.before_abort: Callable[[ExecutorFailedError], None] | None = None
+        #: Called with the failure once the calls in flight have failed (the core's recovery
+        #: starts its thread there).
+        self.after_abort: Callable[[ExecutorFailedError], None] | None = None
         self.table = CallTable()
+        self.table.confirm = self.confirm_failure
+        #: Held around every call of ``Transport.probe``: the core probes from one thread at
+        #: a time (the hang watch, a failed call's confirmation).
+        self.probe_lock = threading.Lock()
         #: ``deliver(seq, rank, ok, value)``: ``rank``'s reply to call ``seq``, ``ok`` with
         #: the result, or not with the failure (a :class:`~executor_core.RemoteFailure` or an
         #: exception). Thread-safe. It is the call table's own method, so that no frame of the
@@ -99,6 +111,9 @@ class TransportHost:
         self._saved_env = {key: os.environ.get(key) for key in self.worker_env}
         #: The port :meth:`rendezvous` keeps (one cell, shared with a host that takes over).
         self._rendezvous: list[int] = []
+        #: Each rank's node, as :meth:`context` made it (the errors the core raises of a rank,
+        #: a hang say, name its node where the job spans several).
+        self.node_of: dict[int, str] = {}
 
     def take_over(self, old: TransportHost) -> None:
         """A rank replacement: this host carries on ``old``'s transport, so it takes what
@@ -116,6 +131,7 @@ class TransportHost:
             self._cleanups[:0] = cleanups
         self._saved_env = old._saved_env
         self._rendezvous = old._rendezvous
+        self.node_of = old.node_of
 
     def attach(self, transport: Transport) -> Replies:
         """Take the executor's transport (once, before it starts); return its :class:`Replies`."""
@@ -138,6 +154,7 @@ class TransportHost:
         """The :class:`WorkerContext` of ``rank``; the config's fields and :attr:`name` are
         filled in here."""
         config = self.config
+        self.node_of[rank] = node_id
         return WorkerContext(
             rank=rank,
             local_rank=local_rank,
@@ -259,6 +276,45 @@ class TransportHost:
         replies = self.replies
         return replies is not None and replies.while_blocked(timeout)
 
+    def confirm_failure(self, call: Call) -> ExecutorError | None:
+        """``call`` failed with a worker's error while other ranks ran it without answering
+        (``unique_reply_rank``): where the transport has a liveness probe, ask those ranks;
+        if one does not answer, wait (at most a few seconds) for its death to be reported
+        and return that death, which the caller gets instead (a collective's "connection
+        reset" on a survivor is the news of a peer's death, not a bug of its own). None: the
+        failure stands (every such rank answered, no probe, or no death reported)."""
+        from ._errors import WorkerDiedError, WorkerError
+        from ._hangs import has_probe
+
+        transport, table = self.transport, self.table
+        if transport is None or not isinstance(call.error, WorkerError) or not has_probe(transport):
+            return None
+        driven = transport.ranks
+        ranks = range(self.config.world_size) if driven is None else driven
+        silent = [rank for rank in ranks if rank not in call.expected]
+        if not silent:
+            return None
+        with self.probe_lock:
+            try:
+                gone = transport.probe(silent, _CONFIRM_PROBE_S)
+            except Exception:  # noqa: BLE001 - a probe that breaks leaves the error as it is
+                _log_exception("the liveness probe of a failed call's other ranks failed")
+                return None
+        if not gone:
+            return None
+        with table.lock:
+            table.cond.wait_for(lambda: table.closed_error is not None, _DEATH_REPORT_S)
+            closed = table.closed_error
+        return closed if isinstance(closed, WorkerDiedError) else None
+
+    def node_named(self, ranks: Sequence[int]) -> str | None:
+        """The node of ``ranks`` where the job spans several nodes and they are all on one,
+        else None (as a worker's death on a single node is reported)."""
+        nodes = {self.node_of.get(rank) for rank in ranks}
+        if len(nodes) != 1 or len(set(self.node_of.values())) < 2:
+            return None
+        return nodes.pop()
+
     # --- for the executor: failure and shutdown ----------------------------------------
 
     def check_open(self) -> None:
@@ -270,18 +326,19 @@ class TransportHost:
             raise failure
 
     def fail(self, error: ExecutorFailedError) -> bool:
-        """Mark the executor failed with ``error`` (once): fail the calls in flight, interrupt
-        the transport, run the failure callbacks. False if it had failed or closed already."""
+        """Mark the executor failed with ``error`` (once): run the failure callbacks, then fail
+        the calls in flight and interrupt the transport. False if it had failed or closed
+        already."""
         with self.state_lock:
             if self.failure is not None or self.closed:
                 return False
             self.failure = error  # first, so that whoever sees the error sees is_failed too
             callbacks, self.failure_callbacks = self.failure_callbacks, []
-        if self.before_abort is not None:
-            self.before_abort(error)
-        self.abort(error)
         for callback in callbacks:
             run_callback(callback, error)
+        self.abort(error)
+        if self.after_abort is not None:
+            self.after_abort(error)
         return True
 
     def abort(self, error: ExecutorError) -> None:
@@ -311,7 +368,10 @@ class TransportHost:
                 if transport is not None:
                     transport.close(graceful)
             finally:
-                self.abort(ExecutorClosedError("the executor was shut down during the call"))
+                # A failure's own error where there is one (a failure callback may shut the
+                # executor down before the calls in flight got it).
+                closed = ExecutorClosedError("the executor was shut down during the call")
+                self.abort(self.failure or closed)
             # Let senders and readers leave the transport before the cleanups release what
             # they use (a graceful release already holds the send lock).
             if not graceful and self.send_lock.acquire(timeout=_LEAVE_S):

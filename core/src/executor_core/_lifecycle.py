@@ -131,8 +131,8 @@ class Lifecycle(WaysBack):
         host = TransportHost(self.config, self._name, hooks)
         host.kept = self._kept  # what an earlier incarnation's transport handed over
         host.failure_callbacks.append(death_reporter(hooks, self._name))
-        host.before_abort = self._recovery.decide
-        host.failure_callbacks.append(self._recovery.on_failure)
+        host.failure_callbacks.append(self._recovery.decide)
+        host.after_abort = self._recovery.on_failure
         return host
 
     def _install(self, first: bool = False) -> None:

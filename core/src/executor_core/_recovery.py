@@ -69,8 +69,6 @@ class Recovery:
         #: The death the recovery in progress (or the last one) answers.
         self.last_death: WorkerDiedError | None = None
         self._thread: threading.Thread | None = None
-        #: What :meth:`decide` chose for the failure it saw: ``(error, final or None)``.
-        self._decision: tuple[ExecutorFailedError, ExecutorFailedError | None] | None = None
         #: A recovery was decided and its thread is still to start.
         self._start_pending = False
         #: Recoveries that completed, and how long the last one took (seconds).
@@ -84,32 +82,30 @@ class Recovery:
     # --- the executor's hosts call these -------------------------------------------------
 
     def decide(self, error: ExecutorFailedError) -> None:
-        """A host is failing with ``error`` (its ``before_abort``: before it fails its calls,
-        so that a call those wake finds the executor recovering already): decide now what
-        :meth:`on_failure` then does."""
+        """A host is failing with ``error`` (a failure callback, run before it fails its calls):
+        decide now, so that whoever sees the error sees the executor recovering or failed
+        already. Failing for good, the failure callbacks run here too, before any caller
+        gets the error (a ``shutdown()`` right after it loses none). Nothing else can
+        interleave: :meth:`begin_explicit` finds the state this sets."""
         with self._cond:
-            self._decision = (error, self._choose(error))
-
-    def on_failure(self, error: ExecutorFailedError) -> None:
-        """A host failed (a failure callback of each host; any thread): recover by the policy,
-        or fail the executor for good."""
-        with self._cond:
-            decision, self._decision = self._decision, None
-            if decision is not None and decision[0] is error:
-                final = decision[1]
-            else:
-                final = self._choose(error)
-            if self._start_pending:
-                self._start_pending = False
-                self._thread = threading.Thread(
-                    target=self._run,
-                    args=(self.last_death,),
-                    name=f"executor-{self._backend}-recovery",
-                    daemon=True,
-                )
-                self._thread.start()
+            final = self._choose(error)
         if final is not None:
             self._fail_for_good(final)
+
+    def on_failure(self, error: ExecutorFailedError) -> None:
+        """A host has failed its calls (its ``after_abort``; any thread): start the recovery
+        thread that :meth:`decide` called for, if it did."""
+        with self._cond:
+            if not self._start_pending:
+                return
+            self._start_pending = False
+            self._thread = threading.Thread(
+                target=self._run,
+                args=(self.last_death,),
+                name=f"executor-{self._backend}-recovery",
+                daemon=True,
+            )
+            self._thread.start()
 
     def _choose(self, error: ExecutorFailedError) -> ExecutorFailedError | None:
         """Under the lock: the error to fail for good with, or None (recovering, or nothing
