@@ -197,6 +197,36 @@ def _rebuild_worker_died(
     return cls(rank, exitcode, signal, detail, ranks=ranks, node=node)
 
 
+class NodeLostError(ExecutorFailedError):
+    """A node the workers need is gone, and no attempt of this executor can bring it back
+    (a Ray node whose raylet died; a machine whose node agent did not join again within
+    ``startup_timeout``). A backend raises it from ``Transport.start`` or
+    ``Transport.replace``; the recovery then stops at once, without a cycle of attempts that
+    cannot succeed, and the executor fails with it. Names the node, the ranks it held and
+    what to do."""
+
+    def __init__(
+        self, node: str, ranks: Sequence[int] = (), detail: str = "", hint: str = ""
+    ) -> None:
+        #: The node, as the backend names it (``WorkerContext.node_id``).
+        self.node = node
+        #: The ranks that ran on it.
+        self.ranks = tuple(ranks)
+        self.detail = detail
+        #: What to do about it.
+        self.hint = hint
+        held = f" (it held rank(s) {list(self.ranks)})" if self.ranks else ""
+        text = f"node {node} is gone{held}"
+        if detail:
+            text += f": {detail}"
+        if hint:
+            text += f"; {hint}"
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[type[NodeLostError], tuple[str, tuple[int, ...], str, str]]:
+        return (type(self), (self.node, self.ranks, self.detail, self.hint))
+
+
 class ExecutorClosedError(ExecutorError):
     """A call was made after :meth:`Executor.shutdown`."""
 

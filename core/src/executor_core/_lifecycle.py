@@ -326,7 +326,8 @@ class Lifecycle(WaysBack):
             error.__cause__ = exc
             recovery.end_explicit(error, ranks, perf_counter() - start)
             raise error from exc
-        recovery.end_explicit(None, ranks, perf_counter() - start, ("restart", self._all_ranks))
+        did = ("restart", self._all_ranks, "")
+        recovery.end_explicit(None, ranks, perf_counter() - start, did)
 
     def shutdown(self) -> None:
         """Stop the workers (each runs its ``shutdown``) and release every resource; calls in

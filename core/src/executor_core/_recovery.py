@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ExecutorClosedError, ExecutorFailedError, WorkerDiedError
+from ._errors import ExecutorClosedError, ExecutorFailedError, NodeLostError, WorkerDiedError
 from ._recovery_policy import ExecutorState, RecoveryPolicy, RecoveryRecord
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class Recovery:
         policy: RecoveryPolicy | None,
         backend: str,
         hooks: pluggy.HookRelay,
-        restart: Callable[[tuple[int, ...]], tuple[str, tuple[int, ...]]],
+        restart: Callable[[tuple[int, ...]], tuple[str, tuple[int, ...], str]],
     ) -> None:
         self.policy = policy
         self._backend = backend
@@ -76,8 +76,8 @@ class Recovery:
         self.last_duration_s = 0.0
         #: The last completed recovery, or None.
         self.last: RecoveryRecord | None = None
-        #: What the attempt in progress did: ``(kind, restarted ranks)``.
-        self._did: tuple[str, tuple[int, ...]] = ("restart", ())
+        #: What the attempt in progress did: ``(kind, restarted ranks, reason)``.
+        self._did: tuple[str, tuple[int, ...], str] = ("restart", (), "")
 
     # --- the executor's hosts call these -------------------------------------------------
 
@@ -179,6 +179,12 @@ class Recovery:
                 self._did = restart(tuple(error.ranks))
             except ExecutorClosedError:
                 return
+            except NodeLostError as lost:  # no attempt can succeed: fail now, saying why
+                del restart
+                logger.error("recovering the %s executor: %s", self._backend, lost)
+                lost.__context__ = error
+                self._fail_for_good(lost)
+                return
             except Exception as exc:  # noqa: BLE001 - the attempt failed: retry or fail for good
                 del restart
                 logger.warning("recovering the %s executor failed: %s", self._backend, exc)
@@ -239,9 +245,13 @@ class Recovery:
                 self.state = ExecutorState.RUNNING
                 self.recovered += 1
                 self.last_duration_s = duration_s
-                kind, restarted = self._did
+                kind, restarted, reason = self._did
                 self.last = RecoveryRecord(
-                    ranks=ranks, restarted=restarted, kind=kind, duration_s=duration_s
+                    ranks=ranks,
+                    restarted=restarted,
+                    kind=kind,
+                    duration_s=duration_s,
+                    reason=reason,
                 )
                 self._cond.notify_all()
         if pending is not None:  # died again as this recovery ended: no budget to decide
@@ -292,7 +302,7 @@ class Recovery:
         error: ExecutorFailedError | None,
         ranks: tuple[int, ...],
         took: float,
-        did: tuple[str, tuple[int, ...]] = ("restart", ()),
+        did: tuple[str, tuple[int, ...], str] = ("restart", (), ""),
     ) -> None:
         """The explicit recovery ended: recovered (``error`` None; ``did`` is what it did)
         or failed for good."""

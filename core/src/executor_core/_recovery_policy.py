@@ -84,7 +84,10 @@ class RecoveryPolicy:
         default=True, validator=_check("must be True or False", lambda v: type(v) is bool)
     )
     #: Seconds the survivors of a rank replacement have to finish the calls they still held
-    #: and rejoin (beyond the new ranks' start-up); past it, every rank is restarted.
+    #: and rejoin, counted from the moment the new ranks' processes have started (the core
+    #: then sends the rejoin call); past it, the replacement is abandoned and every rank is
+    #: restarted (:attr:`RecoveryRecord.reason` says so). A survivor busy in a longer call
+    #: costs a group restart: raise it above your longest call to keep survivors then.
     rejoin_timeout_s: float = attrs.field(
         default=10.0,
         validator=_check("must be a number of seconds > 0", lambda v: _seconds(v) and v > 0),
@@ -104,3 +107,6 @@ class RecoveryRecord:
     kind: str
     #: Seconds from the start of the recovery until calls reached the workers again.
     duration_s: float
+    #: Why every rank was restarted where the backend replaces ranks (the replacement was
+    #: abandoned: a survivor did not rejoin within ``rejoin_timeout_s``, say), else "".
+    reason: str = ""

@@ -113,10 +113,14 @@ class Transport(abc.ABC):
         one sent, then call ``rejoin(contexts)`` (every rank's, in rank order): the core
         sends the rejoin call, which each survivor runs (``WorkerBase.rejoin``) once it has
         finished the calls it still held, and a new rank answers once it has run
-        ``init_device`` and ``load_model``. Then wait, as :meth:`start` does and within the
-        same bound, until each new rank is ready, handing any other reply read meanwhile to
-        :attr:`TransportHost.deliver`. Raise if it cannot be done (the core then restarts
-        the whole group); the default raises ``NotImplementedError``."""
+        ``init_device`` and ``load_model``; the survivors' bound
+        (``RecoveryPolicy.rejoin_timeout_s``) starts then. Then wait, as :meth:`start` does
+        and within the same bound, until each new rank is ready, handing any other reply read
+        meanwhile to :attr:`TransportHost.deliver`, and end the wait promptly after
+        :meth:`interrupt` (the core interrupts a replacement whose survivors are late). Raise
+        if it cannot be done (the core then restarts the whole group); raise
+        :class:`~executor_core.NodeLostError` if a node the ranks need is gone for good (the
+        core then fails the executor at once); the default raises ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} cannot replace ranks")
 
     @abc.abstractmethod

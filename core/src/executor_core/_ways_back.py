@@ -4,13 +4,14 @@ group restart (every rank starts again)."""
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._calls import Call
-from ._errors import ExecutorClosedError, ExecutorError
+from ._errors import ExecutorClosedError, ExecutorError, NodeLostError
 from ._transport import can_replace
 from ._wire import REJOIN_METHOD
 
@@ -31,6 +32,26 @@ def log_warning(message: str) -> None:
     import logging  # deferred: only needed on this rare path
 
     logging.getLogger("executor_core").warning(message)
+
+
+class _RejoinTimeout(ExecutorError):
+    """A rank replacement given up: survivors did not rejoin within the policy's bound."""
+
+
+def _abandon_if_late(
+    host: TransportHost, call: Call, survivors: tuple[int, ...], bound_s: float
+) -> None:
+    """The rejoin bound has passed: if a survivor has not answered the rejoin call, give the
+    replacement up (its host is aborted: the transport's wait for the new ranks ends, and
+    the core restarts every rank)."""
+    late = [rank for rank in survivors if rank not in call.results]
+    if late and not call.done:
+        host.abort(
+            _RejoinTimeout(
+                f"survivor rank(s) {late} did not rejoin within rejoin_timeout_s={bound_s:g} s "
+                "of the new ranks' start (still in an earlier call, or not answering)"
+            )
+        )
 
 
 class WaysBack:
@@ -58,34 +79,36 @@ class WaysBack:
 
         _publish: Callable[[TransportHost, Transport, Replies, weakref.finalize[Any, Any]], None]
 
-    def _come_back(self, ranks: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    def _come_back(self, ranks: tuple[int, ...]) -> tuple[str, tuple[int, ...], str]:
         """The recovery thread's attempt after the death of ``ranks``: replace them where
         the policy and the transport allow, else (or if that fails) restart every rank.
-        Returns what it did: ``(kind, the ranks that got new processes)``."""
+        Returns what it did: ``(kind, the ranks that got new processes, why every rank was
+        restarted where the ranks could have been replaced, or "")``."""
         policy = self._recovery.policy
         dead = tuple(sorted(set(ranks) & set(self._all_ranks)))
+        reason = ""
         if (
             policy is not None
             and policy.replace_ranks
             and dead
             and len(dead) < len(self._all_ranks)
-            # Asleep, the survivors and a new rank would disagree: a group restart wakes all.
-            and not self._sleep.tags
             and (can_replace(self._transport) if self._replaces is None else self._replaces)
         ):
-            try:
-                self._replace(dead, policy.rejoin_timeout_s)
-                return "replace", dead
-            except ExecutorClosedError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - logged; a group restart follows
-                log_warning(
-                    f"replacing rank(s) {list(dead)} failed ({type(exc).__name__}: {exc}); "
-                    "restarting every rank"
-                )
-                self._recovery.forget_pending()
+            if self._sleep.tags:
+                # Asleep, the survivors and a new rank would disagree: a restart wakes all.
+                reason = "the executor was asleep (a group restart wakes every rank)"
+            else:
+                try:
+                    self._replace(dead, policy.rejoin_timeout_s)
+                    return "replace", dead, ""
+                except (ExecutorClosedError, NodeLostError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - logged; a group restart follows
+                    reason = f"replacing rank(s) {list(dead)} failed: {exc}"
+                    log_warning(f"{reason}; restarting every rank")
+                    self._recovery.forget_pending()
         self._restart()
-        return "restart", self._all_ranks
+        return "restart", self._all_ranks, reason
 
     def _replace(self, dead: tuple[int, ...], rejoin_timeout_s: float) -> None:
         """Rank replacement: the transport, and the survivors' processes, carry on over a new
@@ -104,23 +127,39 @@ class WaysBack:
         self._starting = host
         call: Call | None = None
 
+        survivors = tuple(rank for rank in self._all_ranks if rank not in dead)
+        watch: threading.Timer | None = None
+
         def rejoin(contexts: Sequence[WorkerContext]) -> None:
-            nonlocal call
+            nonlocal call, watch
             call = self._send_rejoin(host, transport, contexts)
+            # The survivors' bound starts now, as the new ranks' processes have started:
+            # a survivor still in an earlier call holds up their rendezvous, so past the
+            # bound the replacement is abandoned for a group restart.
+            watch = threading.Timer(
+                rejoin_timeout_s, _abandon_if_late, (host, call, survivors, rejoin_timeout_s)
+            )
+            watch.daemon = True
+            watch.start()
 
         try:
             transport.replace(dead, rejoin)
             if call is None:
                 raise ExecutorError(f"{type(transport).__qualname__}.replace never called rejoin")
-            # The new ranks are ready: the survivors' bound starts now.
+            # The new ranks are ready: they answer the rejoin call at once.
             call.timeout = rejoin_timeout_s
             call.deadline = time.monotonic() + rejoin_timeout_s
             replies.wait(call)
-        except BaseException:
+        except BaseException as exc:
             host.restarting = True  # remote agents rejoin the group restart that follows
             finalizer()
+            abandoned = host.table.closed_error
+            if isinstance(abandoned, _RejoinTimeout) and exc is not abandoned:
+                raise abandoned from exc  # why the transport's wait ended
             raise
         finally:
+            if watch is not None:
+                watch.cancel()
             self._starting = None
         if recovery.is_closed():
             finalizer()

@@ -29,7 +29,7 @@ from ._group import WorkerGroup
 from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
 from ._node_protocol import NodeSpec
 from ._options import MultiprocOptions
-from ._placing import join_nodes, placement_for
+from ._placing import join_nodes, placement_for, remember_lost
 from ._process import worker_died_error
 from ._spare import worker_qualname
 from .launcher import ManualPlacement, Placement
@@ -238,16 +238,17 @@ class MultiprocTransport(Transport):
             rank: WorkerLaunch.of(host.wrapper(contexts[rank]), config.env) for rank in ranks
         }
         remote = [rank for rank in ranks if rank >= self._local]
-        lost = [
-            rank
-            for node in (driver.hub.nodes if driver.hub is not None else [])
-            if node.lost
-            for rank in node.ranks
-            if rank in remote
-        ]
-        if lost:
-            # Their agent is gone: the group restart waits for one to join again.
-            raise NotImplementedError(f"the agent of rank(s) {lost} is gone")
+        for node in driver.hub.nodes if driver.hub is not None else []:
+            if node.lost and set(node.ranks) & set(remote):
+                # Its agent is gone, and a hub admits agents only while it starts: the group
+                # restart waits for one to join again (start_nodes names the node if none).
+                raise ExecutorError(
+                    f"the agent of node {node.node_id} (node rank {node.node_rank}, ranks "
+                    f"{list(node.ranks)}) is gone, so its ranks cannot be replaced where they "
+                    f"ran; the group restart waits up to startup_timeout="
+                    f"{options.startup_timeout:g} s for an agent of node rank "
+                    f"{node.node_rank} to join again"
+                )
         if remote:
             # Their agents start them, in order with the calls (the stale ones before).
             assert driver.hub is not None
@@ -313,6 +314,8 @@ class MultiprocTransport(Transport):
             # A recovery: agents someone else started join the next incarnation (placed
             # ones are started anew by their placement).
             rejoin = self.host.restarting and self._placement_cls.agents_rejoin
+            if self.host.restarting and driver.hub is not None:
+                remember_lost(self.host, driver.hub)
             driver.stop_hub(False, 0.0, rejoin)
             if group is not None:
                 group.kill_now()

@@ -29,7 +29,7 @@ import ray
 
 from executor_channel.driver import ChannelDriver
 from executor_channel.shm import Doorbell, NodeRings
-from executor_core import ExecutorClosedError, WorkerContext, WorkerDiedError
+from executor_core import ExecutorClosedError, NodeLostError, WorkerContext, WorkerDiedError
 from executor_core.backend import Call, Transport, TransportHost, WorkerWrapper, tcp_init_method
 
 from ._cluster import acquire_ray
@@ -96,6 +96,49 @@ class RayTransport(Transport):
         # executor's last lease would shut down the Ray instance this process started.
         lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
         host.keep_or_release("ray_lease", lease, lease.release)
+        # Where the previous incarnation's ranks ran (a recovery's restart): if one of those
+        # nodes is dead and this start fails, no later attempt can do better.
+        before: dict[int, str] = host.take("ray_nodes") or {}
+        self._check_driver_node(range(config.world_size))
+        try:
+            self._start()
+        except Exception as exc:
+            if not isinstance(exc, NodeLostError | ExecutorClosedError):
+                gone = _dead_nodes(set(before.values()))
+                if gone:
+                    node = sorted(gone)[0]
+                    raise NodeLostError(
+                        node,
+                        [rank for rank, where in sorted(before.items()) if where == node],
+                        f"the Ray node is dead, and starting the workers again failed: {exc}",
+                        "add a node with the resources it held (or give the placement room "
+                        "elsewhere), then call recover() or create a new executor",
+                    ) from exc
+            raise
+        host.keep_or_release(
+            "ray_nodes", {p.rank: p.node_id for p in self.placements}, lambda: None
+        )
+
+    def _check_driver_node(self, ranks: Sequence[int]) -> None:
+        """Raise :class:`NodeLostError` if this process's own Ray node is dead (its raylet
+        is gone): no actor can be created or reached from here, so no recovery attempt
+        could succeed."""
+        if ray.util.client.ray.is_connected():  # type: ignore[no-untyped-call]  # unannotated in ray
+            return  # Ray Client: this process is on no Ray node
+        node = ray.get_runtime_context().get_node_id()
+        if _dead_nodes({node}):
+            ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated in ray
+            raise NodeLostError(
+                f"{node} ({ip})",
+                [p.rank for p in self.placements if p.node_id == node] or list(ranks),
+                "it is this driver's own Ray node, and Ray marked it dead (its raylet is "
+                "gone): no actor can be created or reached from this process",
+                "restart the driver process (and Ray on this machine, if it is a cluster's "
+                "node); nothing in this process can bring the executor back",
+            )
+
+    def _start(self) -> None:
+        host, options, config = self.host, self.options, self.host.config
         # A recovery's restart keeps the placement group too: the new actors go into the same
         # bundles, so every rank comes back on its node.
         group = host.take("ray_group")
@@ -252,7 +295,12 @@ class RayTransport(Transport):
     def _check_running(self) -> None:
         """Raise if the executor failed or is closing (ends a wait at start)."""
         if self._stopped.is_set():
-            raise self.host.failure or ExecutorClosedError("the executor was shut down")
+            host = self.host
+            raise (
+                host.failure
+                or host.closed_error
+                or ExecutorClosedError("the executor was shut down")
+            )
 
     def _check_start(self, pending: set[int]) -> None:
         self._check_running()
@@ -287,6 +335,7 @@ class RayTransport(Transport):
                 "replaced"
             )
         host, options = self.host, self.options
+        self._check_driver_node(ranks)
         self._stopped.clear()  # undo interrupt()
         driver.rebind(host)
         if host.closed_error is not None:  # shut down before interrupt() was undone
@@ -384,3 +433,13 @@ def _new_bell(host: TransportHost) -> Doorbell:
     bell = Doorbell(blocking=True)
     host.add_cleanup(bell.close)
     return bell
+
+
+def _dead_nodes(node_ids: set[str]) -> set[str]:
+    """Those of ``node_ids`` that Ray's control store does not list as alive (one call to
+    the GCS, which answers while a node's raylet is gone)."""
+    if not node_ids:
+        return set()
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]  # unannotated in ray
+    alive = {node["NodeID"] for node in nodes if node.get("Alive")}
+    return node_ids - alive
