@@ -73,8 +73,7 @@ LINE_BUDGETS = {
 def _lines(directory: str) -> int:
     _, package = DISTRIBUTIONS[directory]
     return sum(
-        path.read_text().count("\n")
-        for path in (ROOT / directory / "src" / package).rglob("*.py")
+        path.read_text().count("\n") for path in (ROOT / directory / "src" / package).rglob("*.py")
     )
 
 
