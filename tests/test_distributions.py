@@ -53,14 +53,14 @@ MAX_MODULE_LINES = 400
 #: Lines of Python a distribution's ``src/`` may hold, in all: budgets per distribution, not
 #: a cap per module, which was met by cutting classes into halves rather than by cutting
 #: work (a module is as long as its job). Today's ceilings: a change that adds lines finds
-#: them within its distribution's budget, or takes them out elsewhere in it. Issues 50 and 51
-#: lower them (the executor layer to about 15,000 lines in all).
+#: them within its distribution's budget, or takes them out elsewhere in it. Set after issue
+#: 48; issues 50 and 51 lower them (the executor layer to about 15,000 lines in all).
 LINE_BUDGETS = {
-    "core": 9_800,
+    "core": 9_900,
     "channel": 7_900,
     "plugins/uniproc": 300,
     "plugins/multiproc": 2_900,
-    "plugins/ray": 2_300,
+    "plugins/ray": 2_350,
     "plugins/slurm": 900,
     "plugins/otel": 600,
     "examples/executor-threads": 150,

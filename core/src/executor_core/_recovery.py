@@ -71,9 +71,6 @@ class Recovery:
         self._thread: threading.Thread | None = None
         #: A recovery was decided and its thread is still to start.
         self._start_pending = False
-        #: Recoveries that completed, and how long the last one took (seconds).
-        self.recovered = 0
-        self.last_duration_s = 0.0
         #: The last completed recovery, or None.
         self.last: RecoveryRecord | None = None
         #: What the attempt in progress did: ``(kind, restarted ranks, reason)``.
@@ -243,8 +240,6 @@ class Recovery:
             pending, self._pending = self._pending, None
             if pending is None:
                 self.state = ExecutorState.RUNNING
-                self.recovered += 1
-                self.last_duration_s = duration_s
                 kind, restarted, reason = self._did
                 self.last = RecoveryRecord(
                     ranks=ranks,
