@@ -386,7 +386,13 @@ class RayTransport(Transport):
     def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
         asked = {self.actors[rank].alive.remote(): rank for rank in ranks}
         ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout)
-        answered = {asked[ref] for ref in ready}
+        answered = set()
+        for ref in ready:  # a dead actor's call is ready too, with its death as the error
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - any failure of the call: the rank is gone
+                continue
+            answered.add(asked[ref])
         return {rank for rank in asked.values() if rank not in answered}
 
     def kill(self, ranks: Sequence[int]) -> None:
