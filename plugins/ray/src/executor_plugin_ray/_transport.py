@@ -95,7 +95,7 @@ class RayTransport(Transport):
         # A recovery's restart hands the Ray connection over (host.kept): releasing the
         # executor's last lease would shut down the Ray instance this process started.
         lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
-        host.keep_or_release("ray_lease", lease, lease.release)
+        host.keep("ray_lease", lease, lease.release)
         # Where the previous incarnation's ranks ran (a recovery's restart): if one of those
         # nodes is dead and this start fails, no later attempt can do better.
         before: dict[int, str] = host.take("ray_nodes") or {}
@@ -115,9 +115,7 @@ class RayTransport(Transport):
                         "elsewhere), then call recover() or create a new executor",
                     ) from exc
             raise
-        host.keep_or_release(
-            "ray_nodes", {p.rank: p.node_id for p in self.placements}, lambda: None
-        )
+        host.keep("ray_nodes", {p.rank: p.node_id for p in self.placements}, lambda: None)
 
     def _check_driver_node(self, ranks: Sequence[int]) -> None:
         """Raise :class:`NodeLostError` if this process's own Ray node is dead (its raylet
@@ -144,7 +142,7 @@ class RayTransport(Transport):
         group = host.take("ray_group")
         if group is None:
             group, _bundles = reserve_placement_group(options, config.device, config.world_size)
-        host.keep_or_release("ray_group", group, functools.partial(remove_group, group))
+        host.keep("ray_group", group, functools.partial(remove_group, group))
         actors = create_actors(group, options, config)
         host.add_cleanup(functools.partial(kill_actors, actors))
         startup = Startup(options, self._check_running)
@@ -296,11 +294,7 @@ class RayTransport(Transport):
         """Raise if the executor failed or is closing (ends a wait at start)."""
         if self._stopped.is_set():
             host = self.host
-            raise (
-                host.failure
-                or host.closed_error
-                or ExecutorClosedError("the executor was shut down")
-            )
+            raise (host.closed_error or ExecutorClosedError("the executor was shut down"))
 
     def _check_start(self, pending: set[int]) -> None:
         self._check_running()
@@ -380,7 +374,7 @@ class RayTransport(Transport):
         placement = placements[rank] if 0 <= rank < len(placements) else None
         died = WorkerDiedError(rank, detail=death_detail(placement, error))
         self.host.worker_died(died)
-        if self.host.failure is died:
+        if self.host.closed_error is died:
             logger.error("%s", died)
 
     def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:

@@ -1,7 +1,10 @@
-"""The pluggy hook specifications. Each is documented in docs/hooks.md (a test checks it)."""
+"""The pluggy hook specifications (each documented in docs/hooks.md; a test checks it), and
+:class:`CallObserver`, which calls the driver-side observer hooks of one executor."""
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,10 +15,10 @@ if TYPE_CHECKING:
 
     from ._config import ExecutorConfig
     from ._errors import WorkerDiedError
-    from ._specs import BackendSpec
+    from ._registry import BackendSpec
     from ._worker import WorkerBase, WorkerContext
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ = ["PROJECT_NAME", "CallObserver", "hookimpl", "hookspec"]
 
 #: The one pluggy project name: spec marker, impl marker and plugin manager all use it.
 PROJECT_NAME = "executor"
@@ -23,6 +26,63 @@ PROJECT_NAME = "executor"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 #: Decorate a plugin module's functions with this to implement a hook.
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: Call ids: unique in the process, so that a plugin pairs start and end with the id alone.
+_call_ids = itertools.count(1)
+
+
+class CallObserver:
+    """The observer hooks of one executor's calls and sleep state. With no implementation a
+    call pays one look at the hooks' implementations; an implementation that raises is
+    logged, and the call goes on."""
+
+    def __init__(self, hooks: pluggy.HookRelay, backend: str, world_size: int) -> None:
+        self._hooks, self._backend, self._world_size = hooks, backend, world_size
+
+    def active(self) -> bool:
+        """Whether a plugin observes calls now."""
+        hooks = self._hooks
+        return bool(
+            hooks.executor_call_started.get_hookimpls()
+            or hooks.executor_call_finished.get_hookimpls()
+        )
+
+    def started(self, method: str, non_block: bool) -> int:
+        """Call the started hook; return the call's id."""
+        call_id = next(_call_ids)
+        self._call(
+            "executor_call_started",
+            method=method,
+            call_id=call_id,
+            world_size=self._world_size,
+            non_block=non_block,
+        )
+        return call_id
+
+    def finished(
+        self, method: str, call_id: int, start: float, error: BaseException | None
+    ) -> None:
+        """Call the finished hook of a call started at ``start`` (``time.perf_counter``)."""
+        duration = time.perf_counter() - start
+        self._call(
+            "executor_call_finished",
+            method=method,
+            call_id=call_id,
+            duration_s=duration,
+            error=error,
+        )
+
+    def sleep_changed(self, tags: frozenset[str]) -> None:
+        """Call ``executor_sleep_changed`` (what is asleep now)."""
+        self._call("executor_sleep_changed", sleeping=bool(tags), tags=tags)
+
+    def _call(self, hook: str, **kwargs: Any) -> None:
+        try:
+            getattr(self._hooks, hook)(backend=self._backend, **kwargs)
+        except Exception:
+            import logging
+
+            logging.getLogger("executor_core").exception("an implementation of %s raised", hook)
 
 
 # --- driver side -------------------------------------------------------------------------
