@@ -446,7 +446,7 @@ class _Processes(Transport):
                 process = self.procs[rank]
                 process.join(1.0)
                 code = process.exitcode
-                if code is not None and not self.host.closed:
+                if code is not None and self.host.closed_error is None:
                     signal_ = -code if code < 0 else None
                     exit_ = code if code >= 0 else None
                     self.host.worker_died(WorkerDiedError(rank, exit_, signal_))
