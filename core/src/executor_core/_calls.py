@@ -7,7 +7,7 @@ them (:class:`Replies`).
 - A failed call raises the error of the *lowest* failing rank among the expected ranks (the
   table waits for every expected rank); a failure from a rank that was not expected
   completes the call at once. Where ranks ran the call without answering, a death among
-  them wins over the failure (``TransportHost.confirm_failure``).
+  them wins over the failure (``TransportHost._confirm_failure``).
 - Calls complete strictly in submission order, so futures complete in that order too; a
   reply to a call no longer in flight (it timed out) is dropped; when the executor fails or
   shuts down, every call in flight fails with that error.

@@ -26,9 +26,9 @@ from ._errors import (
 )
 from ._hooks import CallObserver
 from ._recovery import FailureCallback, Recovery
-from ._registry import BackendSpec, Registry, default_registry
+from ._registry import BackendSpec, Registry, default_registry, resolve_qualname
 from ._worker import SLEEP_TAGS
-from ._wrapper import method_name, resolve_qualname
+from ._wrapper import method_name
 from .options import NoOptions, parse_backend_options
 
 if TYPE_CHECKING:

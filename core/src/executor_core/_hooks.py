@@ -85,128 +85,88 @@ class CallObserver:
             logging.getLogger("executor_core").exception("an implementation of %s raised", hook)
 
 
-# --- driver side -------------------------------------------------------------------------
+# --- the specifications (docs/hooks.md says each in full) ---------------------------------
 
 
 @hookspec
 def executor_register_backends() -> Sequence[BackendSpec]:
-    """Declare the backends this plugin provides.
-
-    Return a sequence of :class:`~executor_core.BackendSpec`. The executor class is named by
-    a ``"package.module:Class"`` string so that nothing heavy is imported until the backend
-    is chosen. Called once per registry, in the driver and in worker processes alike.
-    """
+    """Declare the backends this plugin provides (:class:`~executor_core.BackendSpec` objects,
+    each naming its executor class by qualname, imported only when chosen)."""
     raise NotImplementedError  # pragma: no cover - specs are never called
 
 
 @hookspec(firstresult=True)
 def executor_select_backend(config: ExecutorConfig, available: Sequence[str]) -> str | None:
-    """Choose the backend name for ``backend="auto"``; return ``None`` to let others decide.
-
-    ``available`` lists the names of the backends that are installed and loaded. The first
-    non-``None`` answer wins; the core's built-in rule runs last.
-    """
+    """Choose the backend for ``backend="auto"`` among ``available``, or return ``None`` to
+    let others decide (the core's built-in rule runs last)."""
     raise NotImplementedError  # pragma: no cover
 
 
 @hookspec
 def executor_register_commands(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add subcommands to the ``executor`` command line.
-
-    ``commands`` is the ``argparse`` subparsers object of ``executor``: call
-    ``commands.add_parser(name, help=...)``, add its arguments, and
-    ``set_defaults(func=handler)``, where ``handler(args: argparse.Namespace) -> int``
-    returns the exit status. Import heavy code inside the handler, not here: this hook runs
-    every time ``executor`` starts. A name already taken raises an error naming it.
-    """
+    """Add subcommands to the ``executor`` command line (``commands.add_parser``, with
+    ``set_defaults(func=handler)``); import heavy code in the handler, not here."""
     raise NotImplementedError  # pragma: no cover
-
-
-# --- driver side: observers of calls and of the executor's state --------------------------
 
 
 @hookspec
 def executor_call_started(
     backend: str, method: str, call_id: int, world_size: int, non_block: bool
 ) -> None:
-    """A call was accepted (its arguments are valid) and is about to reach the workers.
-
-    ``call_id`` is unique in this process and is passed again to
-    :func:`executor_call_finished`, which follows exactly once. Runs in the thread that sends
-    the call, on the hot path: keep it cheap, and never call the executor from it.
-    """
+    """A valid call is about to reach the workers (:func:`executor_call_finished` follows
+    once, with the same ``call_id``). On the hot path: keep it cheap."""
 
 
 @hookspec
 def executor_call_finished(
     backend: str, method: str, call_id: int, duration_s: float, error: BaseException | None
 ) -> None:
-    """The call ``call_id`` completed: ``error`` is ``None`` when it succeeded, otherwise what
-    the caller gets (``WorkerError``, ``RPCTimeoutError``, ``ExecutorFailedError``, ...).
-
-    Runs in the caller's thread for a blocking call; for ``non_block`` calls in the thread that
-    completes the call, before the future is. Keep it cheap; never call the executor from it.
-    """
+    """The call ``call_id`` completed (``error`` is what the caller gets, or ``None``); in the
+    caller's thread, or for ``non_block`` in the thread that completes it."""
 
 
 @hookspec
 def executor_worker_died(
     backend: str, ranks: tuple[int, ...], node: str | None, error: WorkerDiedError
 ) -> None:
-    """Workers died: ``ranks`` are gone (one rank, or all the ranks of a lost ``node``).
-    Called once per death, from the thread that noticed; the executor has failed, or, with a
-    recovery policy, :func:`executor_recovery_started` follows."""
+    """Workers died (one rank, or the ranks of a lost ``node``): once per death, before the
+    calls in flight raise it."""
 
 
 @hookspec
 def executor_recovery_started(backend: str, ranks: tuple[int, ...], error: WorkerDiedError) -> None:
-    """The executor starts to recover from the death of ``ranks`` (``error``): its calls in
-    flight have failed, and its workers are being started again. Called from the recovery
-    thread; :func:`executor_recovered` follows if it succeeds (else the executor fails, and
-    its failure callbacks run)."""
+    """The executor starts to recover from the death of ``ranks`` (from the recovery thread)."""
 
 
 @hookspec
 def executor_recovered(backend: str, ranks: tuple[int, ...], duration_s: float) -> None:
-    """The executor is back after the death of ``ranks``: ``duration_s`` seconds from the
-    start of the recovery to workers ready for calls. Called from the thread that
-    recovered (the recovery thread, or the caller of ``Executor.recover``)."""
+    """The executor is back after the death of ``ranks``, ``duration_s`` seconds later."""
 
 
 @hookspec
 def executor_sleep_changed(backend: str, sleeping: bool, tags: frozenset[str]) -> None:
-    """:meth:`Executor.sleep` or :meth:`Executor.wake_up` changed what is asleep: ``tags``
-    is what is asleep now (``sleeping`` is ``bool(tags)``)."""
-
-
-# --- worker side: called inside each worker process -----------------------------------------
+    """``sleep`` or ``wake_up`` changed what is asleep: ``tags`` is what is asleep now."""
 
 
 @hookspec
 def executor_worker_process_started(context: WorkerContext) -> None:
-    """A worker process (or actor) is about to build its worker.
-
-    Runs before the user's worker is constructed and before ``init_device``: a device plugin
-    sets up its device or environment here (``context.device`` names the device type).
-    """
+    """In a worker's process, before the worker is built and ``init_device`` runs (a device
+    plugin sets up its device here)."""
 
 
 @hookspec
 def executor_worker_ready(worker: WorkerBase, context: WorkerContext) -> None:
-    """The worker has run ``init_device`` and ``load_model`` and is ready for calls."""
+    """In a worker's process: ``init_device`` and ``load_model`` have run."""
 
 
 @hookspec
 def executor_worker_rpc_finished(
     context: WorkerContext, method: str, duration_s: float, error: BaseException | None
 ) -> None:
-    """A call on the worker finished (``error`` is ``None`` when it returned normally).
-
-    Observer plugins (tracing, metrics) see every RPC here without touching the backend.
-    Keep it cheap: it runs on the worker's hot path.
-    """
+    """In a worker's process: a call finished (``error`` is ``None`` when it returned). On
+    the worker's hot path: keep it cheap."""
 
 
 @hookspec
 def executor_worker_stopping(worker: WorkerBase | None, context: WorkerContext) -> None:
-    """The worker is shutting down (``worker`` is ``None`` if it was never built)."""
+    """In a worker's process: the worker shuts down (``None`` if it was never built)."""

@@ -47,6 +47,7 @@ __all__ = [
     "default_registry",
     "lazy_getattr",
     "plugin_problems",
+    "resolve_qualname",
 ]
 
 #: The entry-point group plugins register under.
@@ -523,8 +524,6 @@ class Registry:
         missing or of the wrong version (with a ``pip install`` line that pastes into a
         shell), or when the class cannot be imported. ``Executor.get_class`` checks it is an
         Executor."""
-        from ._wrapper import resolve_qualname
-
         spec = self.get(name)
         problems = [(req, problem) for req, problem in map(_unmet, spec.requires) if problem]
         if problems:
@@ -629,6 +628,25 @@ class _Selection:
         if config.world_size == 1 and "uni" in available:
             return "uni"
         return "mp" if "mp" in available else None
+
+
+def resolve_qualname(qualname: str) -> Any:
+    """Import ``"package.module:Attr.sub"`` and return the attribute; :class:`ImportError`
+    names the module or attribute that could not be found."""
+    module_name, sep, attr_path = qualname.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ImportError(
+            f"{qualname!r} is not a qualified name; write it as 'package.module:ClassName'"
+        )
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(
+                f"module {module_name!r} has no attribute {attr_path!r} (from {qualname!r})"
+            ) from None
+    return obj
 
 
 @functools.cache

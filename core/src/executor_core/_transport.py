@@ -189,7 +189,7 @@ class TransportHost:
         self.restarting = False
         self._hooks, self._recovery = hooks, recovery
         self._table = CallTable()
-        self._table.confirm = self.confirm_failure
+        self._table.confirm = self._confirm_failure
         #: ``deliver(seq, rank, ok, value)``: ``rank``'s reply to call ``seq``, ``ok`` with the
         #: result, else the failure (a :class:`~executor_core.backend.RemoteFailure` or an
         #: exception). Thread-safe.
@@ -435,7 +435,7 @@ class TransportHost:
             for cleanup in reversed(cleanups):
                 run_logged("an executor cleanup", cleanup, self)
 
-    def confirm_failure(self, call: Call) -> ExecutorError | None:
+    def _confirm_failure(self, call: Call) -> ExecutorError | None:
         """``call`` failed with a worker's error while other ranks ran it without answering:
         where the transport has a probe, ask those ranks; if one does not answer, wait (a few
         seconds at most) for its death to be reported and return it, which the caller gets

@@ -20,19 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import RemoteFailure
+from ._registry import Registry, resolve_qualname
 from ._worker import WorkerBase, WorkerContext
 
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = [
-    "REJOIN_METHOD",
-    "WorkerWrapper",
-    "dumps_method",
-    "method_name",
-    "preload_worker",
-    "resolve_qualname",
-]
+__all__ = ["REJOIN_METHOD", "WorkerWrapper", "dumps_method", "method_name", "preload_worker"]
 
 #: The call a rank replacement sends every rank, with every rank's new context: a survivor
 #: runs ``WorkerBase.rejoin`` with its own; a new rank (already in that context) only answers.
@@ -62,25 +56,6 @@ def dumps_method(method: str | Callable[..., Any]) -> str | bytes:
 
     data: bytes = cloudpickle.dumps(method)
     return data
-
-
-def resolve_qualname(qualname: str) -> Any:
-    """Import ``"package.module:Attr.sub"`` and return the attribute; :class:`ImportError`
-    names the module or attribute that could not be found."""
-    module_name, sep, attr_path = qualname.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ImportError(
-            f"{qualname!r} is not a qualified name; write it as 'package.module:ClassName'"
-        )
-    obj: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ImportError(
-                f"module {module_name!r} has no attribute {attr_path!r} (from {qualname!r})"
-            ) from None
-    return obj
 
 
 def preload_worker(worker_cls: type | str) -> None:
@@ -161,8 +136,6 @@ class WorkerWrapper:
     def hooks(self) -> pluggy.HookRelay:
         """The worker-side hook relay (a registry is loaded in this process if none was given)."""
         if self._hooks is None:
-            from ._registry import Registry  # deferred: only needed in a fresh worker process
-
             self._hooks = Registry.from_entry_points().hook
         return self._hooks
 
