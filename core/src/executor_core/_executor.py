@@ -340,14 +340,12 @@ class Executor:
 
         The same call as ``collective_rpc(..., non_block=True)``, with the same rules and the
         same errors. It is sent from a thread of the executor's, in the order the coroutines
-        start, and completes in submission order. Cancelling the await never cancels a call
+        start (a call made during a recovery waits there, not on the loop), and completes in
+        submission order. Cancelling the await never cancels a call
         that was sent: every rank runs it, so the ranks stay in step, and its outcome is
         discarded (an error is logged at debug level); a call not yet sent is withdrawn. To
         bound how long the workers may take, pass ``timeout``, not an asyncio timeout.
         """
-        host = self._recovery.host
-        if host._closed or host._failure is not None or host._table.closed_error is not None:
-            timeout = self._await_recovery(timeout, method)
         return await self._aio.call(
             lambda: self.collective_rpc(
                 method, timeout, args, kwargs, non_block=True, unique_reply_rank=unique_reply_rank
@@ -357,9 +355,6 @@ class Executor:
     async def execute_model_async(self, batch: Any) -> Any:
         """:meth:`execute_model` for asyncio: ``await`` the output rank's result (sent,
         ordered, cancelled and failed as :meth:`collective_rpc_async` is)."""
-        host = self._recovery.host
-        if host._closed or host._failure is not None or host._table.closed_error is not None:
-            self._await_recovery(None, "execute_model")
         return await self._aio.call(lambda: self.execute_model(batch, non_block=True))
 
     def _await_recovery(
