@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -252,12 +253,25 @@ class Executor:
                     raise as_worker_error(expected[0], method_name(method), exc) from exc
             else:
                 future: Future[list[Any]] | None = None
+                on_done = None
                 if non_block:
                     future = Future()
                     future.set_running_or_notify_cancel()
-                call = self._send(host, method, timeout, args, kwargs, reply_rank, expected, future)
-                if observed and future is not None:
-                    call.on_done = lambda error: observer.finished(name, call_id, start, error)
+                    if observed:  # the call's end, in whichever thread completes it
+                        on_done = functools.partial(observer.finished, name, call_id, start)
+                call = Call(
+                    seq=0,
+                    method=method,
+                    name=method_name(method),
+                    args=args,
+                    kwargs=kwargs,
+                    reply_rank=reply_rank,
+                    expected=expected,
+                    timeout=timeout,
+                    future=future,
+                    on_done=on_done,
+                )
+                self._send(host, call)
                 assert recovery.replies is not None
                 if future is not None:
                     recovery.replies.ensure_pump(call)
@@ -271,32 +285,12 @@ class Executor:
             observer.finished(name, call_id, start, None)
         return cast("list[Any]", result)
 
-    def _send(
-        self,
-        host: TransportHost,
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        reply_rank: int | None,
-        expected: tuple[int, ...],
-        future: Future[list[Any]] | None,
-    ) -> Call:
-        """Give the call its sequence number and send it, under the send lock."""
+    def _send(self, host: TransportHost, call: Call) -> None:
+        """Give ``call`` its sequence number and send it, under the send lock."""
         recovery, table = self._recovery, host._table
         with host._send_lock:
             host._check_open()
-            call = Call(
-                seq=recovery.next_seq,
-                method=method,
-                name=method_name(method),
-                args=args,
-                kwargs=kwargs,
-                reply_rank=reply_rank,
-                expected=expected,
-                timeout=timeout,
-                future=future,
-            )
+            call.seq = recovery.next_seq
             recovery.next_seq += 1
             table.add(call)
             try:
@@ -313,11 +307,10 @@ class Executor:
                 table.remove(call)
                 if table.closed_error is not None:
                     raise table.closed_error
-                error = RPCTimeoutError(call.name, list(recovery.ranks), timeout or 0.0)
-                if future is None:
+                error = RPCTimeoutError(call.name, list(recovery.ranks), call.timeout or 0.0)
+                if call.future is None:
                     raise error
                 call.finish(False, error)
-        return call
 
     def execute_model(self, batch: Any, non_block: bool = False) -> Any:
         """Run one step on every worker; return the output rank's result (or a Future of it)."""
