@@ -11,10 +11,10 @@ from typing import Any, ClassVar
 
 import pytest
 
+from .._config import ExecutorState, RecoveryPolicy
 from .._errors import ConfigError, ExecutorFailedError, WorkerDiedError
 from .._executor import Executor
-from .._hangs import has_probe
-from .._recovery_policy import ExecutorState, RecoveryPolicy
+from .._transport import Transport
 from ._base import ExecutorFactory, KitBase
 from ._guard import pids_alive
 
@@ -75,7 +75,11 @@ class HangTests(KitBase):
             return spec.capabilities.liveness_probe
         backend = self.backend  # an unregistered class: what its transport implements
         transport = getattr(backend, "transport_cls", None)
-        return isinstance(transport, type) and has_probe(transport)
+        return (
+            isinstance(transport, type)
+            and issubclass(transport, Transport)
+            and transport.can_probe()
+        )
 
     def _hang_executor(self, fresh_executor: ExecutorFactory, **config: Any) -> Executor:
         if not self._probed():

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 import pytest
 
+from .._config import ExecutorState
 from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError, WorkerDiedError
-from .._hookspecs import hookimpl
-from .._recovery_policy import ExecutorState
+from .._hooks import hookimpl
 from .._registry import Registry
 from .._worker import WorkerBase, WorkerContext
 from ._base import ExecutorFactory, KitBase

@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from .._config import ExecutorState, RecoveryPolicy
 from .._executor import Executor
-from .._recovery_policy import ExecutorState, RecoveryPolicy
 from .._transport import Transport
 from ._base import ExecutorFactory, KitBase
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from .._config import ExecutorState, RecoveryPolicy
 from .._errors import (
     ConfigError,
     ExecutorFailedError,
@@ -21,7 +22,6 @@ from .._errors import (
     RPCTimeoutError,
     WorkerDiedError,
 )
-from .._recovery_policy import ExecutorState, RecoveryPolicy
 from ._base import ExecutorFactory
 from ._guard import grown, pids_alive, resources
 from ._recovering import RecoveringBase, gloo_sum
