@@ -257,10 +257,9 @@ def _variant(defect: str, base: type[_Variant] = _Variant) -> type[ThreadTranspo
 class _HoldsExecutor(ThreadExecutor):
     """Hands the executor to its transport, whose threads then keep it alive."""
 
-    def _create_transport(self, host: TransportHost) -> ThreadTransport:
-        transport = ThreadTransport(host)
-        transport.owner = self  # type: ignore[attr-defined]
-        return transport
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transport.owner = self  # type: ignore[attr-defined]
 
 
 class _IgnoresNonBlockTimeout(ThreadExecutor):
@@ -281,10 +280,24 @@ class _IgnoresNonBlockTimeout(ThreadExecutor):
 
 
 class _SkipsReplyRankCheck(ThreadExecutor):
-    """Forgets to validate ``unique_reply_rank``."""
+    """Forgets to validate ``unique_reply_rank`` (re-implements the entry of a call)."""
 
-    def _check_reply_rank(self, unique_reply_rank: int | None) -> None:
-        return
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: Any = None,
+        args: Any = (),
+        kwargs: Any = None,
+        non_block: bool = False,
+        unique_reply_rank: Any = None,
+    ) -> Any:  # type: ignore[override]
+        expected = self._recovery.ranks
+        if unique_reply_rank in expected:
+            expected = (unique_reply_rank,)
+        else:  # not checked: a rank out of range is taken for one this process does not drive
+            unique_reply_rank = None
+        args = tuple(args)
+        return self._call(method, timeout, args, kwargs, non_block, unique_reply_rank, expected)
 
 
 #: Each broken backend, with the words the kit's failure must contain.
@@ -384,7 +397,11 @@ class _Processes(Transport):
     defect: ClassVar[str] = ""
     incarnations: ClassVar[int] = 0
 
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
     def start(self) -> None:
+        self.interrupted = threading.Event()
         _Processes.incarnations += 1
         nodes = None
         if self.defect == "renames_nodes":  # each incarnation on "another node"
@@ -423,9 +440,12 @@ class _Processes(Transport):
         return process, parent, ours
 
     def _await_ready(self, rank: int) -> None:
-        conn = self.conns[rank]
-        if not conn.poll(30):
-            raise TimeoutError(f"rank {rank} did not start")
+        conn, deadline = self.conns[rank], time.monotonic() + 30
+        while not conn.poll(0.05):  # ends promptly after interrupt() (a replacement given up)
+            if self.interrupted.is_set():
+                raise RuntimeError(f"interrupted while rank {rank} started")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} did not start")
         _, ok, failure = conn.recv()
         if not ok:
             raise failure.to_error()
@@ -439,7 +459,7 @@ class _Processes(Transport):
                 process = self.procs[rank]
                 process.join(1.0)
                 code = process.exitcode
-                if code is not None and not self.host.closed:
+                if code is not None and self.host.closed_error is None:
                     signal_ = -code if code < 0 else None
                     exit_ = code if code >= 0 else None
                     self.host.worker_died(WorkerDiedError(rank, exit_, signal_))
@@ -506,6 +526,7 @@ class _ReplacingProcesses(_Processes):
     """:class:`_Processes` that replaces dead ranks (``Transport.replace``)."""
 
     def replace(self, ranks: Sequence[int], rejoin: Any) -> None:
+        self.interrupted.clear()
         # Every rank's new context: the same places, a new rendezvous.
         contexts = self.host.contexts(self.nodes)
         for rank in ranks:

@@ -48,20 +48,58 @@ def test_installed_version_is_the_packages(directory: str) -> None:
     assert importlib.metadata.version(distribution) == module.__version__
 
 
-#: The most lines a product module, a script or a benchmark may have (issue 26: one job per
-#: module).
+#: The most lines a script or a benchmark may have (one job per file).
 MAX_MODULE_LINES = 400
 
+#: Lines of Python a distribution's ``src/`` may hold, in all (the core's kit and torch helpers
+#: counted apart): budgets per distribution, not a cap per module, which was met by cutting
+#: classes into halves rather than by cutting work (a module is as long as its job). A change
+#: that adds lines finds them within its distribution's budget, or takes them out elsewhere
+#: in it. Issue 50's targets: core 4,000, its kit 2,000, its torch helpers 1,100; issue 51's:
+#: channel 3,500, multiproc 1,800, ray 1,300, slurm 600, otel 450, uniproc 250.
+LINE_BUDGETS = {
+    "core": 4_700,
+    "core/testing": 2_750,
+    "core/torch": 1_200,
+    "channel": 7_900,
+    "plugins/uniproc": 300,
+    "plugins/multiproc": 2_900,
+    "plugins/ray": 2_350,
+    "plugins/slurm": 900,
+    "plugins/otel": 600,
+    "examples/executor-threads": 150,
+    "examples/executor-cluster": 150,
+    "bench": 3_200,
+    "reference": 2_150,
+}
+#: The parts of a distribution counted apart from it (by their folder in its package).
+_PARTS = {"core/testing": ("core", "testing"), "core/torch": ("core", "torch")}
 
-@pytest.mark.parametrize("directory", sorted(DISTRIBUTIONS))
-def test_no_module_is_over_the_bound(directory: str) -> None:
+
+def _lines(part: str) -> int:
+    directory, sub = _PARTS.get(part, (part, ""))
     _, package = DISTRIBUTIONS[directory]
-    over = {
-        str(path.relative_to(ROOT)): lines
-        for path in sorted((ROOT / directory / "src" / package).rglob("*.py"))
-        if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES
-    }
-    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by job): {over}"
+    root = ROOT / directory / "src" / package
+    apart = [root / folder for d, folder in _PARTS.values() if d == directory and not sub]
+    paths = (root / sub).rglob("*.py")
+    return sum(
+        path.read_text().count("\n")
+        for path in paths
+        if not any(path.is_relative_to(folder) for folder in apart)
+    )
+
+
+def test_every_distribution_has_a_line_budget() -> None:
+    assert set(LINE_BUDGETS) == set(DISTRIBUTIONS) | set(_PARTS)
+
+
+@pytest.mark.parametrize("part", sorted(LINE_BUDGETS))
+def test_each_distribution_is_within_its_line_budget(part: str) -> None:
+    lines, budget = _lines(part), LINE_BUDGETS[part]
+    assert lines <= budget, (
+        f"{part}/src holds {lines} lines of Python, over its budget of {budget}: find the "
+        "lines within the distribution (what can go?) rather than raising the budget"
+    )
 
 
 def _imported(path: Path) -> list[str]:

@@ -521,6 +521,10 @@ def test_main_job_recovers_from_a_killed_rank_with_the_same_tokens(
     assert summary["restarted_ranks"] == [[1]], "only the dead rank got a new process"
     assert 0 < summary["recovery_s"][0] < 60
     assert data["tokens"] == cli_reference["tokens"]
+    # The time split adds up after a recovery (issue 48: a survivor's times hold the steps
+    # it ran before the death too, and the replayed steps must not take those).
+    shares = summary["executor_share"] + summary["model_share"]
+    assert 0 < shares <= 1.0 + 1e-9, summary
 
 
 def test_main_job_refuses_half_a_fault(tmp_path: Path) -> None:

@@ -292,3 +292,19 @@ def test_executor_time_counts_only_delays_on_the_steps_path() -> None:
     # No rank kept times for the step: fall back to the output rank's own start.
     [record] = step_records([tp_step], [{"pp_rank": 0, "tp_rank": 0, "steps": []}])
     assert record.executor_time_s == pytest.approx(0.1 + 0.5)
+
+
+def test_a_step_run_twice_takes_the_ranks_run_of_its_own_time() -> None:
+    """After a recovery a step runs again (same batch and position): a survivor's times hold
+    both runs, and each record takes the run that started while it was in flight, so the
+    executor's and the model's shares still add up to at most the step's time (issue 48)."""
+    from executor_reference._step_timing import step_records
+
+    first = _timed_step(submitted=10.0, done=10.6, started=10.1, finished=10.5)
+    again = _timed_step(submitted=20.0, done=22.7, started=22.2, finished=22.6)
+    survivor = {"pp_rank": 0, "tp_rank": 0, "steps": [(0, 0, 10.1, 10.5), (0, 0, 22.2, 22.6)]}
+    replaced = {"pp_rank": 0, "tp_rank": 1, "steps": [(0, 0, 22.1, 22.6)]}
+    records = step_records([first, again], [survivor, replaced])
+    assert [r.executor_time_s for r in records] == pytest.approx([0.1 + 0.1, 2.2 + 0.1])
+    for record in records:
+        assert record.model_time_s + record.executor_time_s <= record.latency_s + 1e-9

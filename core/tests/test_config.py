@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import types
 import typing
@@ -13,7 +14,7 @@ from typing import Any
 import attrs
 import pytest
 
-from executor_core import ConfigError, ExecutorConfig, WorkerBase
+from executor_core import ConfigError, ExecutorConfig, RecoveryPolicy, WorkerBase
 
 
 class _Worker(WorkerBase):
@@ -205,21 +206,61 @@ def test_preload_worker_imports_the_module_that_defines_the_class(
         preload_worker("spare_target:Nope")
 
 
-def test_keep_or_release_asks_the_host_that_runs_it() -> None:
-    """``TransportHost.keep_or_release``: after a rank replacement (``take_over``) the host
-    that took over decides: restarting, it keeps the value for the next incarnation;
-    shutting down, it releases it."""
+def test_keep_asks_the_host_that_runs_it() -> None:
+    """``TransportHost.keep``: after a rank replacement (``_take_over``) the host that took
+    over decides: restarting, it keeps the value for the next incarnation; shutting down, it
+    releases it."""
     from executor_core.backend import TransportHost
 
     config = ExecutorConfig(backend="uni", worker_cls="executor_core.testing:ConformanceWorker")
     for restarting in (True, False):
         released: list[str] = []
         first = TransportHost(config, "test", None)
-        first.keep_or_release("thing", "value", functools.partial(released.append, "thing"))
+        first.keep("thing", "value", functools.partial(released.append, "thing"))
         second = TransportHost(config, "test", None)
-        second.take_over(first)
+        second._take_over(first)
         first.restarting = not restarting  # the replaced host's state no longer counts
         second.restarting = restarting
-        second.release(False)
-        assert second.kept.get("thing", (None,))[0] == ("value" if restarting else None)
+        second._release(False)
+        assert second.take("thing") == ("value" if restarting else None)
         assert released == ([] if restarting else ["thing"])
+
+
+#: Every field of seconds, on the config and on its recovery policy.
+_SECONDS_FIELDS = [
+    ("ExecutorConfig", "rpc_timeout"),
+    ("ExecutorConfig", "hang_timeout_s"),
+    ("RecoveryPolicy", "window_s"),
+    ("RecoveryPolicy", "backoff_s"),
+    ("RecoveryPolicy", "rejoin_timeout_s"),
+]
+
+
+@pytest.mark.parametrize(("owner", "field"), _SECONDS_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_no_field_of_seconds_takes_an_infinity_or_nan(owner: str, field: str, value: float) -> None:
+    """An infinite or NaN bound is refused where it is given, naming the field (``None`` is
+    "no bound" where a field has one): it would otherwise reach a timer that cannot hold it
+    (the hang watch's thread died with ``OverflowError`` on ``hang_timeout_s=inf``)."""
+    make: Any = ExecutorConfig if owner == "ExecutorConfig" else RecoveryPolicy
+    kwargs: dict[str, Any] = {field: value}
+    if owner == "ExecutorConfig":
+        kwargs["worker_cls"] = _Worker
+    with pytest.raises(ConfigError) as info:
+        make(**kwargs)
+    assert info.value.field.endswith(field)
+    assert "finite" in str(info.value) or "number of seconds" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0, -1.0, True])
+def test_a_call_timeout_is_a_finite_number_of_seconds(value: float) -> None:
+    """A call's own ``timeout`` is checked as the config's is: an infinity or NaN is refused
+    before anything is sent (``None`` is the documented "no bound")."""
+    from executor_core import create_executor
+    from executor_core.testing import ConformanceWorker
+
+    config = ExecutorConfig(backend="uni", worker_cls=ConformanceWorker)
+    with create_executor(config) as executor:
+        with pytest.raises(ValueError, match="finite number of seconds > 0, or None"):
+            executor.collective_rpc("get_rank", timeout=value)
+        assert executor.collective_rpc("get_rank", timeout=None) == [0]

@@ -8,18 +8,27 @@ from collections.abc import Callable, Sequence
 
 from executor_core._calls import Call, CallTable
 from executor_core._errors import ExecutorFailedError
-from executor_core._hangs import HangWatch
+from executor_core._recovery import HangWatch
 
 BOUND_S = 0.2
 
 
 class _Host:
-    """The two things a watch uses of a host: its call table and ``worker_died``."""
+    """What a watch uses of a host: its call table, its probe lock, ``node_named`` and
+    ``worker_died``."""
 
     def __init__(self) -> None:
-        self.table = CallTable()
+        self._table = CallTable()
+        self._probe_lock = threading.Lock()
         self.died: list[ExecutorFailedError] = []
         self.declared = threading.Event()
+
+    @property
+    def table(self) -> CallTable:
+        return self._table
+
+    def _node_named(self, ranks: Sequence[int]) -> str | None:
+        return "node-b" if list(ranks) == [1] else None
 
     def worker_died(self, error: ExecutorFailedError) -> None:
         self.died.append(error)
@@ -67,7 +76,27 @@ def test_a_rank_silent_for_the_bound_is_declared_and_killed() -> None:
     assert host.declared.wait(10)
     assert [getattr(error, "ranks", None) for error in host.died] == [(1,)]
     assert "hung" in str(host.died[0])
+    assert getattr(host.died[0], "node", None) == "node-b"  # as the host names rank 1's node
     assert transport.killed == [1]
+
+
+def test_the_host_names_the_node_of_ranks_where_the_job_spans_several() -> None:
+    """Issue 48, item 8: the node the core names in an error of its own (a hang), from the
+    contexts the host made: only where the job spans several nodes and the ranks share one."""
+    from executor_core import ExecutorConfig
+    from executor_core.backend import TransportHost
+
+    config = ExecutorConfig(
+        backend="uni", worker_cls="executor_core.testing:ConformanceWorker", tensor_parallel_size=4
+    )
+    host = TransportHost(config, "test", None)
+    host.contexts(["a", "a", "b", "b"], init_method="tcp://127.0.0.1:1")
+    assert host._node_named([3]) == "b"
+    assert host._node_named([2, 3]) == "b"
+    assert host._node_named([1, 2]) is None
+    single = TransportHost(config, "test", None)
+    single.contexts(["a"] * 4, init_method="tcp://127.0.0.1:1")
+    assert single._node_named([3]) is None
 
 
 def test_a_call_that_completes_during_the_probe_declares_nobody() -> None:

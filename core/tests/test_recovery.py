@@ -96,16 +96,44 @@ def _reset() -> None:
     _Answering.made = []
     _Answering.hold = None
     _Answering.fail_starts = 0
+    _Holding.silent = set()
 
 
-def _make(policy: RecoveryPolicy | None = None, hooks: _Hooks | None = None) -> Executor:
+class _Holding(_Answering):
+    """Answers at once, but holds a call to ``"hold"`` (:attr:`held`) for the test to answer;
+    its liveness probe says the ranks in ``silent`` do not answer."""
+
+    silent: ClassVar[set[int]] = set()
+
+    def send(self, call: Call) -> bool:
+        if call.method == "hold":
+            self.held = call
+            return True
+        return super().send(call)
+
+    def probe(self, ranks: Any, timeout: float) -> set[int]:
+        return {rank for rank in ranks if rank in _Holding.silent}
+
+    def kill(self, ranks: Any) -> None:
+        pass
+
+
+class _HoldingExecutor(Executor):
+    transport_cls = _Holding
+
+
+def _make(
+    policy: RecoveryPolicy | None = None,
+    hooks: _Hooks | None = None,
+    cls: type[Executor] = _Executor,
+) -> Executor:
     registry = Registry()
     if hooks is not None:
         registry.register_plugin(hooks, "recovery-hooks")
     config = ExecutorConfig(
-        worker_cls=_Worker, backend=_Executor, tensor_parallel_size=2, recovery=policy
+        worker_cls=_Worker, backend=cls, tensor_parallel_size=2, recovery=policy
     )
-    return _Executor(config, registry=registry)
+    return cls(config, registry=registry)
 
 
 def _wait_state(executor: Executor, state: ExecutorState, timeout: float = 5.0) -> None:
@@ -272,3 +300,124 @@ def test_a_policy_is_validated_and_refused_by_a_backend_that_cannot_recover() ->
 
     with pytest.raises(ConfigError, match="cannot start its workers again"):
         create_executor(config, Registry.from_entry_points(allow=["uniproc"]))
+
+
+# --- a death is reported once, as a death, before anyone sees it -------------------------------
+
+
+def _outcome(executor: Executor) -> str:
+    """What a call made now gets (the name of the error it raises)."""
+    try:
+        executor.collective_rpc("x", timeout=5)
+    except Exception as exc:  # noqa: BLE001 - the test compares the outcome's name
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    "policy", [None, RecoveryPolicy(max_restarts=0)], ids=["no-policy", "used-up"]
+)
+def test_a_caller_that_sees_the_death_finds_the_callbacks_run_and_the_state_failed(
+    policy: RecoveryPolicy | None,
+) -> None:
+    """Issue 48, items 3 and 4: the failure callbacks have run, and the state is ``failed``,
+    before the call in flight raises; a call made at that moment raises the documented error
+    (the death without a policy, "used up" with one), and a ``shutdown()`` right after the
+    error loses no callback."""
+    with _make(policy, cls=_HoldingExecutor) as executor:
+        failures: list[ExecutorFailedError] = []
+        executor.register_failure_callback(failures.append)
+        future = executor.collective_rpc("hold", non_block=True)
+        seen: list[tuple[int, ExecutorState, str]] = []
+        future.add_done_callback(
+            lambda _: seen.append((len(failures), executor.state, _outcome(executor)))
+        )
+        _Answering.made[-1].die(1)
+        assert isinstance(future.exception(5), WorkerDiedError)
+        executor.shutdown()
+    assert len(seen) == 1
+    callbacks_run, state, outcome = seen[0]
+    assert callbacks_run == 1, "the failure callbacks run before the caller gets the error"
+    assert state is ExecutorState.FAILED
+    if policy is None:
+        assert outcome.startswith("WorkerDiedError: worker rank 1 died")
+    else:
+        assert outcome.startswith("ExecutorFailedError")
+        assert "used up" in outcome
+    assert len(failures) == 1
+
+
+def test_a_callback_that_shuts_down_leaves_the_calls_their_death() -> None:
+    """A failure callback may shut the executor down (it runs before the calls in flight
+    fail): those calls still raise the death, not ``ExecutorClosedError``."""
+    with _make(cls=_HoldingExecutor) as executor:
+        executor.register_failure_callback(lambda _: executor.shutdown())
+        future = executor.collective_rpc("hold", non_block=True)
+        _Answering.made[-1].die(1)
+        assert isinstance(future.exception(5), WorkerDiedError)
+        assert executor.state is ExecutorState.CLOSED
+
+
+def test_recover_at_the_moment_of_a_final_death_is_not_undone() -> None:
+    """Issue 48, item 4: ``recover()`` called the moment a caller sees the death that used up
+    the policy brings the executor back for good: the failure path does not mark it failed
+    afterwards."""
+    with _make(RecoveryPolicy(max_restarts=0), cls=_HoldingExecutor) as executor:
+        future = executor.collective_rpc("hold", non_block=True)
+        recovered = threading.Event()
+
+        def recover_now(_: Any) -> None:  # a caller on another thread, woken by the error
+            thread = threading.Thread(target=lambda: (executor.recover(5), recovered.set()))
+            thread.start()
+            thread.join(5)
+
+        future.add_done_callback(recover_now)
+        _Answering.made[-1].die(1)
+        assert recovered.is_set()
+        time.sleep(0.1)  # whatever the failure path still had to do, it has done
+        assert executor.state is ExecutorState.RUNNING
+        assert executor.collective_rpc("x") == [(2, 0), (2, 1)]
+
+
+@pytest.mark.parametrize("non_block", [False, True], ids=["blocking", "non-blocking"])
+def test_a_death_wins_over_the_survivors_error_that_came_first(non_block: bool) -> None:
+    """Issue 48, item 5: with ``unique_reply_rank``, the reply rank's error (a collective's
+    "connection reset" as its peer died) may come before the death is reported; a silent
+    rank that does not answer the probe is waited for, and the call raises its death."""
+    with _make(cls=_HoldingExecutor) as executor:
+        transport = _Answering.made[-1]
+        _Holding.silent = {1}
+        reset = ConnectionResetError("Connection reset by peer")
+
+        def rank0_fails_then_rank1_is_reported() -> None:
+            time.sleep(0.05)
+            threading.Timer(0.2, transport.die, args=(1,)).start()
+            transport.host.deliver(transport.held.seq, 0, False, reset)
+
+        threading.Thread(target=rank0_fails_then_rank1_is_reported).start()
+        start = time.monotonic()
+        if non_block:
+            future = executor.collective_rpc("hold", non_block=True, unique_reply_rank=0)
+            error = future.exception(5)
+        else:
+            with pytest.raises(ExecutorFailedError) as caught:
+                executor.collective_rpc("hold", unique_reply_rank=0)
+            error = caught.value
+        assert isinstance(error, WorkerDiedError), error
+        assert error.ranks == (1,)
+        assert time.monotonic() - start < 2
+
+
+def test_a_survivors_error_stands_when_every_other_rank_answers_the_probe() -> None:
+    """The confirmation costs one probe: when every silent rank answers, the error is
+    raised at once."""
+    with _make(cls=_HoldingExecutor) as executor:
+        transport = _Answering.made[-1]
+        future = executor.collective_rpc("hold", non_block=True, unique_reply_rank=0)
+        start = time.monotonic()
+        transport.host.deliver(transport.held.seq, 0, False, ValueError("bad batch"))
+        error = future.exception(5)
+        assert time.monotonic() - start < 0.5
+        assert type(error).__name__ == "WorkerError"
+        assert "bad batch" in str(error)
+        assert executor.collective_rpc("x") == [(1, 0), (1, 1)]

@@ -72,7 +72,14 @@ def step_records(
             previous_end = ended
     records: list[StepRecord] = []
     for step, output, submitted, done in finished:
-        ranks = by_step.get((step.batch_id, step.start_pos), [])
+        # This run of the step: after a recovery, steps run again (the same batch and
+        # position) and a survivor's times hold both runs; each record takes the ranks' run
+        # that started while it was in flight.
+        ranks = [
+            r
+            for r in by_step.get((step.batch_id, step.start_pos), [])
+            if submitted <= r.started <= done
+        ]
         if ranks:
             late_from = late_to = 0.0
         else:  # no rank kept times for it (dropped, or another worker): the output rank's

@@ -9,12 +9,13 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
+from .._config import ExecutorState
 from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError, WorkerDiedError
-from .._hookspecs import hookimpl
+from .._hooks import hookimpl
 from .._registry import Registry
 from .._worker import WorkerBase, WorkerContext
 from ._base import ExecutorFactory, KitBase
@@ -44,8 +45,36 @@ class _HookObserver:
         self.events.append(("stopping", context.rank))
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie its parent has not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _collective_with(worker: Any, victim: int, victim_pid: int) -> int:
+    """What a collective does when a peer dies: rank ``victim`` is busy (the test kills it);
+    rank 0 fails the moment the victim's process has ended (gloo's "Connection reset by
+    peer"), likely before the driver has seen the death; any other rank returns."""
+    if worker.rank == victim:
+        time.sleep(60)
+    elif worker.rank == 0:
+        deadline = time.monotonic() + 60
+        while not _gone(victim_pid) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        raise ConnectionResetError(f"Connection reset by peer (rank {victim} is gone)")
+    rank: int = worker.rank
+    return rank
+
+
 class LifecycleTests(KitBase):
     """Failure, shutdown and the finalizer leave nothing behind."""
+
+    #: Times :meth:`test_a_death_is_reported_once_as_a_death` kills a worker (a fresh
+    #: executor each time): its races show in some runs, not in one.
+    kill_checks: ClassVar[int] = 3
 
     def _check_nothing_left(self, before: Snapshot, pids: list[int], when: str) -> None:
         others = [pid for pid in pids if pid != os.getpid()]
@@ -280,3 +309,53 @@ class LifecycleTests(KitBase):
         self.assert_prompt_shutdown(executor, "after a worker's death")
         alive = pids_alive([p for p in pids if p != os.getpid()], self.settle_s)
         assert not alive, f"rule broken: worker processes {alive} still run after shutdown()"
+
+    def test_a_death_is_reported_once_as_a_death(self, fresh_executor: ExecutorFactory) -> None:
+        """Rule: a worker killed during a ``unique_reply_rank`` call, whose reply rank fails
+        the moment its peer is gone (as a collective does), fails the call with
+        :class:`WorkerDiedError` naming it, never the survivor's error; by the time the
+        caller sees it, the failure callbacks have run once and the state is ``failed``, so
+        a ``shutdown()`` at once loses nothing and leaves nothing behind. ``kill_checks``
+        times, each on a fresh executor.
+
+        Runs only where ``workers_are_processes`` is True and there are two ranks or more."""
+        if not self.workers_are_processes:
+            pytest.skip("workers_are_processes is False: no worker process to kill")
+        for attempt in range(self.kill_checks):
+            executor = fresh_executor()
+            failures: list[ExecutorFailedError] = []
+            executor.register_failure_callback(failures.append)
+            pids: list[int] = executor.collective_rpc("get_pid", timeout=30)
+            others = [rank for rank, pid in enumerate(pids) if pid not in (os.getpid(), pids[0])]
+            if not others:
+                pytest.skip("no rank but the reply rank runs in a process of its own")
+            victim = others[-1]
+            future = executor.collective_rpc(
+                _collective_with, args=(victim, pids[victim]), non_block=True, unique_reply_rank=0
+            )
+            time.sleep(0.2)  # the call reached the workers
+            os.kill(pids[victim], signal.SIGKILL)
+            try:
+                error = future.exception(timeout=self.settle_s)
+            except TimeoutError:
+                pytest.fail(f"rule broken: the call still waits {self.settle_s:g} s after a death")
+            state, reported = executor.state, list(failures)
+            self.assert_prompt_shutdown(executor, "at once after a worker's death")
+            where = f"(kill {attempt + 1} of {self.kill_checks})"
+            died = isinstance(error, WorkerDiedError) and victim in error.ranks
+            assert died, (
+                f"rule broken: a call in flight on a dying rank raises WorkerDiedError naming "
+                f"rank {victim}, even when a survivor's error comes first, not {error!r} {where}"
+            )
+            told = [type(failure) for failure in reported]
+            assert told == [WorkerDiedError], (
+                f"rule broken: the failure callbacks have run once when the caller sees the "
+                f"death: {reported} {where}"
+            )
+            assert state is ExecutorState.FAILED, (
+                f"rule broken: the state is failed when the caller sees the death, not {state} "
+                f"{where}"
+            )
+            assert failures == reported, f"rule broken: callbacks ran again: {failures} {where}"
+            alive = pids_alive([p for p in pids if p != os.getpid()], self.settle_s)
+            assert not alive, f"rule broken: worker processes {alive} still run {where}"

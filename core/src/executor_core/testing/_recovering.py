@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from .._config import ExecutorState, RecoveryPolicy
 from .._executor import Executor
-from .._recovery_policy import ExecutorState, RecoveryPolicy
 from .._transport import Transport
 from ._base import ExecutorFactory, KitBase
 
@@ -71,6 +71,7 @@ class RecoveringBase(KitBase):
         fresh_executor: ExecutorFactory,
         tmp_path: Path | None = None,
         load_s: float = 0.0,
+        worker_kwargs: dict[str, Any] | None = None,
         **policy: Any,
     ) -> Executor:
         if self._recovery() == "none":
@@ -78,8 +79,11 @@ class RecoveringBase(KitBase):
         if not self.workers_are_processes:
             pytest.skip("workers_are_processes is False: no worker process to kill")
         kwargs: dict[str, Any] = {"recovery": self._policy(**policy)}
+        extra = dict(worker_kwargs or {})
         if tmp_path is not None:
-            kwargs["worker_kwargs"] = {"marker_dir": str(tmp_path), "load_s": load_s}
+            extra.update(marker_dir=str(tmp_path), load_s=load_s)
+        if extra:
+            kwargs["worker_kwargs"] = extra
         return fresh_executor(**kwargs)
 
     def _kill(

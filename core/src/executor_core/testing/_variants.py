@@ -28,6 +28,7 @@ LAYOUT_BLIND_TESTS = (
     "test_hooks_reach_in_process_workers",
     "test_shutdown_removes_temporary_files",
     "test_killed_worker_fails_the_call_in_flight",
+    "test_a_death_is_reported_once_as_a_death",
     # ErrorTests' own executors (the rest of the area shares the class's executor).
     "test_default_timeout_from_config",
     "test_unsendable_call_fails_by_its_deadline",

@@ -44,7 +44,9 @@ class ConformanceWorker(WorkerBase):
     :meth:`load_model` ``load-<rank>-<pid>`` as it starts (the recovery tests find the
     processes of a restart there). ``load_s``: seconds :meth:`load_model` takes.
     ``preload``: modules :meth:`load_model` imports (so that a test's first call does not
-    import them: the hang tests' calls are watched).
+    import them: the hang tests' calls are watched). ``gloo``: :meth:`init_device` joins a
+    gloo process group at the context's rendezvous, as a real model's workers do (a new rank
+    then waits there for the survivors of a rank replacement).
     """
 
     def __init__(
@@ -56,8 +58,11 @@ class ConformanceWorker(WorkerBase):
         marker_dir: str = "",
         load_s: float = 0.0,
         preload: tuple[str, ...] = (),
+        gloo: bool = False,
     ) -> None:
         super().__init__(context=context)
+        self.gloo = gloo
+        self.group: Any = None
         self.load_s = load_s
         self.preload = preload
         self.tag = tag
@@ -74,6 +79,10 @@ class ConformanceWorker(WorkerBase):
         """Fail on purpose on ``fail_init_on_rank``; otherwise mark the device ready."""
         if self.rank == self.fail_init_on_rank:
             raise RuntimeError(f"init_device failed on purpose on rank {self.rank}")
+        if self.gloo:
+            from executor_core.torch import init_distributed
+
+            self.group = init_distributed(self.context, timeout_s=120)
         self.initialised = True
 
     def load_model(self) -> None:

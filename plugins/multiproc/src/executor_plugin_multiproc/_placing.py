@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable
 
 from executor_channel.shm import Doorbell
-from executor_core import ConfigError, ExecutorFailedError
+from executor_core import ConfigError, ExecutorError, ExecutorFailedError, NodeLostError
 from executor_core.backend import TransportHost
 
 from ._options import MultiprocOptions
@@ -23,6 +23,17 @@ __all__ = ["join_nodes", "placement_for"]
 
 #: Under this name a group restart hands the placement to the next incarnation.
 _KEPT = "placement"
+#: Under this name a group restart hands on the nodes whose agents were lost:
+#: ``{node_rank: (node_id, ranks)}``.
+_LOST = "lost_nodes"
+
+
+def remember_lost(host: TransportHost, hub: Hub) -> None:
+    """A group restart follows: hand the next incarnation the nodes whose agents were lost,
+    so that if none joins again for one of them, its start says that node is gone."""
+    lost = {node.node_rank: (node.node_id, node.ranks) for node in hub.nodes if node.lost}
+    if lost:
+        host.keep(_LOST, lost, lambda: None)
 
 
 def placement_for(
@@ -32,7 +43,7 @@ def placement_for(
     cleanup, the incarnation's last (registered first), keeps it for the next incarnation
     while the executor restarts, and closes it otherwise."""
     placement: Placement = host.take(_KEPT) or placement_cls(host.config, options)
-    host.keep_or_release(_KEPT, placement, placement.close)
+    host.keep(_KEPT, placement, placement.close)
     return placement
 
 
@@ -94,12 +105,28 @@ def join_nodes(
         for node_rank in sorted(awaited):
             placement.check(by_rank[node_rank])
 
-    nodes.join(
-        list(by_rank),
-        __version__,
-        options.startup_timeout,
-        placement.hint(launches),
-        terms={"num_nodes": config.num_nodes},  # an agent's --num-nodes, if it gave one
-        check=check,
-    )
+    lost: dict[int, tuple[str, tuple[int, ...]]] = host.take(_LOST) or {}
+    try:
+        nodes.join(
+            list(by_rank),
+            __version__,
+            options.startup_timeout,
+            placement.hint(launches),
+            terms={"num_nodes": config.num_nodes},  # an agent's --num-nodes, if it gave one
+            check=check,
+        )
+    except ExecutorError as exc:
+        gone = sorted(set(lost) & nodes.awaited)
+        if not gone:
+            raise
+        # One attempt, bounded by startup_timeout: another would wait as long for nothing.
+        node_id, ranks = lost[gone[0]]
+        raise NodeLostError(
+            node_id,
+            ranks,
+            f"its agent was lost, and none joined again within startup_timeout="
+            f"{options.startup_timeout:g} s ({exc})",
+            f"start an agent for node rank {gone[0]} there, then call recover() (or create "
+            "a new executor)",
+        ) from exc
     return nodes
