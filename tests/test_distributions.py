@@ -71,6 +71,7 @@ LINE_BUDGETS = {
     "examples/executor-cluster": 150,
     "bench": 3_200,
     "reference": 2_150,
+    "plugins/vllm": 800,
 }
 #: The parts of a distribution counted apart from it (by their folder in its package).
 _PARTS = {"core/testing": ("core", "testing"), "core/torch": ("core", "torch")}
