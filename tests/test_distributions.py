@@ -23,6 +23,7 @@ DISTRIBUTIONS = {
     "bench": ("executor-bench", "executor_bench"),
     "reference": ("executor-reference", "executor_reference"),
     "plugins/otel": ("executor-plugin-otel", "executor_plugin_otel"),
+    "plugins/vllm": ("executor-vllm", "executor_vllm"),
 }
 
 
@@ -70,6 +71,7 @@ LINE_BUDGETS = {
     "examples/executor-cluster": 150,
     "bench": 3_200,
     "reference": 2_150,
+    "plugins/vllm": 800,
 }
 #: The parts of a distribution counted apart from it (by their folder in its package).
 _PARTS = {"core/testing": ("core", "testing"), "core/torch": ("core", "torch")}
