@@ -31,46 +31,78 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 _call_ids = itertools.count(1)
 
 
+class _Direct:
+    """One hook's plain implementations, called directly with positional values in the order
+    of its specification: pluggy's general call (argument checks, the wrapper protocol, a
+    result list) costs more than a cheap observer. Kept by ``executor bench``'s overhead row
+    "observed collective_rpc": 0.6 µs over a direct call with it, 2.0 µs through pluggy
+    (3.5 times worse). Plugins may come and go at any time: each :meth:`current` compares the
+    implementations with those it has seen (pluggy's own list, changed in place, so the
+    check allocates nothing); with a wrapper among them, pluggy's own call is used."""
+
+    __slots__ = ("_caller", "_live", "_names", "_seen", "call")
+
+    def __init__(self, caller: pluggy.HookCaller) -> None:
+        self._caller = caller
+        live = getattr(caller, "_hookimpls", None)  # pluggy's list, where it is reachable
+        self._live: list[Any] | None = live if isinstance(live, list) else None
+        self._names = tuple(caller.spec.argnames) if caller.spec is not None else ()
+        self._seen: list[Any] = []
+        #: A function of the values in the specification's order, or None without a plugin.
+        self.call: Any = None
+
+    def current(self) -> Any:
+        """:attr:`call` as of the implementations the hook has now."""
+        impls = self._live if self._live is not None else self._caller.get_hookimpls()
+        if impls != self._seen:
+            self._seen, names = list(impls), self._names
+            if not impls:
+                self.call = None
+            elif any(impl.wrapper or impl.hookwrapper for impl in impls):
+                caller = self._caller
+                self.call = lambda *values: caller(**dict(zip(names, values, strict=True)))
+            else:  # pluggy's order: the last registered first
+                where = {name: index for index, name in enumerate(names)}
+                plan = [(i.function, [where[n] for n in i.argnames]) for i in reversed(impls)]
+                if len(plan) == 1 and plan[0][1] == list(range(len(names))):
+                    self.call = plan[0][0]
+                else:
+                    self.call = lambda *values: [f(*[values[k] for k in ks]) for f, ks in plan]
+        return self.call
+
+
 class CallObserver:
     """The observer hooks of one executor's calls and sleep state. With no implementation a
-    call pays one look at the hooks' implementations; an implementation that raises is
+    call pays one look at each hook's implementations; an implementation that raises is
     logged, and the call goes on."""
 
     def __init__(self, hooks: pluggy.HookRelay, backend: str, world_size: int) -> None:
         self._hooks, self._backend, self._world_size = hooks, backend, world_size
+        self._started = _Direct(hooks.executor_call_started)
+        self._finished = _Direct(hooks.executor_call_finished)
 
     def active(self) -> bool:
         """Whether a plugin observes calls now."""
-        hooks = self._hooks
-        return bool(
-            hooks.executor_call_started.get_hookimpls()
-            or hooks.executor_call_finished.get_hookimpls()
-        )
+        return self._started.current() is not None or self._finished.current() is not None
 
     def started(self, method: str, non_block: bool) -> int:
         """Call the started hook; return the call's id."""
         call_id = next(_call_ids)
-        self._call(
-            "executor_call_started",
-            method=method,
-            call_id=call_id,
-            world_size=self._world_size,
-            non_block=non_block,
-        )
+        started = self._started.current()
+        if started is not None:
+            values = (self._backend, method, call_id, self._world_size, non_block)
+            _guarded("executor_call_started", started, values)
         return call_id
 
     def finished(
         self, method: str, call_id: int, start: float, error: BaseException | None
     ) -> None:
         """Call the finished hook of a call started at ``start`` (``time.perf_counter``)."""
-        duration = time.perf_counter() - start
-        self._call(
-            "executor_call_finished",
-            method=method,
-            call_id=call_id,
-            duration_s=duration,
-            error=error,
-        )
+        finished = self._finished.current()
+        if finished is not None:
+            duration = time.perf_counter() - start
+            values = (self._backend, method, call_id, duration, error)
+            _guarded("executor_call_finished", finished, values)
 
     def sleep_changed(self, tags: frozenset[str]) -> None:
         """Call ``executor_sleep_changed`` (what is asleep now)."""
@@ -79,10 +111,22 @@ class CallObserver:
     def _call(self, hook: str, **kwargs: Any) -> None:
         try:
             getattr(self._hooks, hook)(backend=self._backend, **kwargs)
-        except Exception:
-            import logging
+        except Exception:  # noqa: BLE001 - an observer never breaks a call; logged
+            _log_hook_error(hook)
 
-            logging.getLogger("executor_core").exception("an implementation of %s raised", hook)
+
+def _guarded(hook: str, call: Any, values: tuple[Any, ...]) -> None:
+    """``call(*values)``; an exception is logged: an observer never breaks a call."""
+    try:
+        call(*values)
+    except Exception:  # noqa: BLE001 - logged
+        _log_hook_error(hook)
+
+
+def _log_hook_error(hook: str) -> None:
+    import logging  # deferred: only needed on this error path
+
+    logging.getLogger("executor_core").exception("an implementation of %s raised", hook)
 
 
 # --- the specifications (docs/hooks.md says each in full) ---------------------------------
