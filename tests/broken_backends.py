@@ -385,6 +385,7 @@ class _Processes(Transport):
     incarnations: ClassVar[int] = 0
 
     def start(self) -> None:
+        self.interrupted = threading.Event()
         _Processes.incarnations += 1
         nodes = None
         if self.defect == "renames_nodes":  # each incarnation on "another node"
@@ -423,9 +424,10 @@ class _Processes(Transport):
         return process, parent, ours
 
     def _await_ready(self, rank: int) -> None:
-        conn = self.conns[rank]
-        if not conn.poll(30):
-            raise TimeoutError(f"rank {rank} did not start")
+        conn, deadline = self.conns[rank], time.monotonic() + 30
+        while not conn.poll(0.05):  # ends promptly after interrupt()
+            if self.interrupted.is_set() or time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} did not start")
         _, ok, failure = conn.recv()
         if not ok:
             raise failure.to_error()
@@ -475,6 +477,9 @@ class _Processes(Transport):
                 silent.add(rank)
         return silent
 
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
     def kill(self, ranks: Sequence[int]) -> None:
         if self.defect == "kill_forgets":
             return
@@ -506,6 +511,7 @@ class _ReplacingProcesses(_Processes):
     """:class:`_Processes` that replaces dead ranks (``Transport.replace``)."""
 
     def replace(self, ranks: Sequence[int], rejoin: Any) -> None:
+        self.interrupted.clear()
         # Every rank's new context: the same places, a new rendezvous.
         contexts = self.host.contexts(self.nodes)
         for rank in ranks:
