@@ -31,8 +31,12 @@ from executor_core import (
     create_executor,
 )
 from executor_core.backend import Registry, find_free_port
-from executor_core.testing import ExecutorConformanceTests, conformance_config, layout_variant
-from executor_core.testing._base import ExecutorFactory
+from executor_core.testing import (
+    ExecutorConformanceTests,
+    ExecutorFactory,
+    conformance_config,
+    layout_variant,
+)
 
 __all__ = ["agents", "node_secret"]  # fixtures, imported for the tests below
 

@@ -11,18 +11,17 @@ A backend's test module subclasses :class:`ExecutorConformanceTests` and declare
 Every area is a mixin of its own (:class:`CallTests`, :class:`NonBlockingTests`,
 :class:`ErrorTests`, :class:`LifecycleTests`, :class:`SleepTests`, :class:`PipelineTests`,
 :class:`DeviceTests`, :class:`AsyncTests`, :class:`RecoveryTests`, :class:`HangTests`);
-what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, not from
-skipped tests. Each test runs under a time limit, so a hang fails with the rule it broke.
+what a backend supports comes from its :class:`~executor_core.backend.BackendSpec`, and
+whether its workers are processes the kit may kill from the pids they report. Each test runs
+under a time limit, so a hang fails with the rule it broke.
 """
 
 from ._async import AsyncTests
 from ._base import ExecutorFactory, conformance_config
-from ._calls import CallTests
+from ._calls import CallTests, ErrorTests, NonBlockingTests
 from ._device import DeviceTests
-from ._errors import ErrorTests
 from ._hangs import HangTests
 from ._lifecycle import LifecycleTests
-from ._nonblock import NonBlockingTests
 from ._pipeline import PipelineTests
 from ._recovery import RecoveryTests
 from ._sleep import SleepTests

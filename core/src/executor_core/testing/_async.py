@@ -1,33 +1,21 @@
-"""Conformance kit, asyncio: ``collective_rpc_async`` and ``execute_model_async`` under load,
-with errors, timeouts, cancellation and several event loops."""
+"""asyncio: ``collective_rpc_async`` and ``execute_model_async`` under load, with errors,
+timeouts, cancellation and several event loops."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from .._errors import RPCTimeoutError, WorkerError
-from .._executor import Executor
+from executor_core import Executor, RPCTimeoutError, WorkerError
+
 from ._base import KitBase
+from ._calls import echoed, usable_after
 
 __all__ = ["AsyncTests"]
-
-T = TypeVar("T")
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def _echoed(executor: Executor, args: tuple[Any, ...], rank: int | None = None) -> list[Any]:
-    """What ``echo(*args)`` returns (from every rank, or only ``rank``)."""
-    ranks = range(executor.world_size) if rank is None else [rank]
-    return [(r, args, {}) for r in ranks]
 
 
 class AsyncTests(KitBase):
@@ -38,18 +26,17 @@ class AsyncTests(KitBase):
     def test_async_many_concurrent_awaits(self, executor: Executor) -> None:
         last = executor.world_size - 1
 
-        async def one(i: int) -> tuple[int, list[Any]]:
-            if i % 3 == 2:
-                return i, await executor.collective_rpc_async(
-                    "echo", args=(i,), unique_reply_rank=last
-                )
-            return i, await executor.collective_rpc_async("echo", args=(i,))
+        async def one(i: int) -> list[Any]:
+            reply_rank = last if i % 3 == 2 else None
+            return await executor.collective_rpc_async(
+                "echo", args=(i,), unique_reply_rank=reply_rank
+            )
 
-        async def main() -> list[tuple[int, list[Any]]]:
+        async def main() -> list[list[Any]]:
             return await asyncio.gather(*(one(i) for i in range(200)))
 
-        for i, result in _run(main()):
-            expected = _echoed(executor, (i,), last if i % 3 == 2 else None)
+        for i, result in enumerate(asyncio.run(main())):
+            expected = echoed(executor, (i,), last if i % 3 == 2 else None)
             assert result == expected, (
                 f"rule broken: each await gets its own call's results (call {i} got {result})"
             )
@@ -58,18 +45,17 @@ class AsyncTests(KitBase):
         executor.collective_rpc("clear_recorded")
 
         async def main() -> list[list[Any]]:
-            return await asyncio.gather(
-                *(executor.collective_rpc_async("record", args=(i,)) for i in range(30))
-            )
+            calls = (executor.collective_rpc_async("record", args=(i,)) for i in range(30))
+            return await asyncio.gather(*calls)
 
-        assert _run(main()) == [[i + 1] * executor.world_size for i in range(30)]
+        assert asyncio.run(main()) == [[i + 1] * executor.world_size for i in range(30)]
         assert executor.collective_rpc("get_recorded") == [list(range(30))] * executor.world_size
 
     def test_execute_model_async(self, executor: Executor) -> None:
         async def main() -> list[Any]:
             return await asyncio.gather(*(executor.execute_model_async(i) for i in range(20)))
 
-        outputs = _run(main())
+        outputs = asyncio.run(main())
         assert [out["batch"] for out in outputs] == list(range(20))
         assert {out["rank"] for out in outputs} == {executor.output_rank}, (
             "rule broken: execute_model_async returns the output rank's result"
@@ -85,33 +71,28 @@ class AsyncTests(KitBase):
             assert await call == [(r, None) for r in range(executor.world_size)]
             return ticks
 
-        ticks = _run(main())
+        ticks = asyncio.run(main())
         assert ticks >= 5, f"rule broken: the event loop runs while a call is awaited ({ticks})"
 
     def test_async_worker_error(self, executor: Executor) -> None:
         bad = executor.world_size - 1
-        sync_error = executor.collective_rpc(
-            "fail", args=("async kaboom",), kwargs={"on_rank": bad}, non_block=True
-        ).exception(timeout=30)
+        call: dict[str, Any] = {"args": ("async kaboom",), "kwargs": {"on_rank": bad}}
+        sync_error = executor.collective_rpc("fail", **call, non_block=True).exception(timeout=30)
 
         async def main() -> WorkerError:
             with pytest.raises(WorkerError) as info:
-                await executor.collective_rpc_async(
-                    "fail", args=("async kaboom",), kwargs={"on_rank": bad}
-                )
+                await executor.collective_rpc_async("fail", **call)
             return info.value
 
-        err = _run(main())
-        assert err.rank == bad
-        assert err.method == "fail"
-        assert err.exc_type == "ValueError"
+        err = asyncio.run(main())
+        assert (err.rank, err.method, err.exc_type) == (bad, "fail", "ValueError")
         assert "async kaboom" in err.message
         assert "in fail" in err.remote_traceback
         assert "raise ValueError" in err.remote_traceback
         assert str(err) == str(sync_error), (
             "rule broken: an awaited call's WorkerError reads as the synchronous API's"
         )
-        assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
+        usable_after(executor, "an awaited worker error")
 
     def test_async_timeout(self, executor: Executor) -> None:
         slow = self.slow_call_s / 2
@@ -122,19 +103,16 @@ class AsyncTests(KitBase):
             return info.value
 
         start = time.monotonic()
-        err = _run(main())
+        err = asyncio.run(main())
         assert time.monotonic() - start < slow * 0.9, "rule broken: timeout fires on time"
         assert isinstance(err, TimeoutError)
         assert err.method == "slow"
         assert err.ranks, "the error must name the ranks that did not answer"
-        assert _run(executor.collective_rpc_async("echo", args=("after",))) == _echoed(
-            executor, ("after",)
-        ), "rule broken: after a timeout the next call gets its own results, not late ones"
+        usable_after(executor, "an awaited call's timeout")
 
     def test_async_cancel_keeps_ranks_in_step(self, executor: Executor) -> None:
-        ws = executor.world_size
+        ws, slow = executor.world_size, 0.3
         executor.collective_rpc("clear_recorded")
-        slow = 0.3
 
         async def main() -> list[list[Any]]:
             loop = asyncio.get_running_loop()
@@ -147,24 +125,21 @@ class AsyncTests(KitBase):
             with pytest.raises(asyncio.CancelledError):
                 await call
             assert loop.time() - start < slow / 3, "the awaiter is cancelled at once"
-            # An asyncio timeout is a cancellation too.
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError):  # an asyncio timeout is a cancellation too
                 await asyncio.wait_for(
                     executor.collective_rpc_async("record_slowly", args=("timed out", 0.0)),
                     timeout=0.01,
                 )
-            return await asyncio.gather(
-                *(executor.collective_rpc_async("record", args=(i,)) for i in range(10))
-            )
+            calls = (executor.collective_rpc_async("record", args=(i,)) for i in range(10))
+            return await asyncio.gather(*calls)
 
-        results = _run(main())
+        results = asyncio.run(main())
         recorded = executor.collective_rpc("get_recorded")
         assert recorded[0][:1] == ["cancelled"], (
             "rule broken: a sent call runs on every rank even if its await is cancelled"
         )
         assert recorded[0][-10:] == list(range(10))
-        # The call cancelled by wait_for was sent (it ran) or withdrawn (it did not), on every
-        # rank alike.
+        # The call cancelled by wait_for was sent (it ran) or withdrawn, on every rank alike.
         assert recorded[0][1:-10] in ([], ["timed out"])
         assert recorded == [recorded[0]] * ws, "rule broken: the ranks ran different calls"
         ahead = len(recorded[0]) - 10
@@ -182,7 +157,7 @@ class AsyncTests(KitBase):
 
         def run(tag: str) -> None:
             try:
-                _run(main(tag))
+                asyncio.run(main(tag))
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 results[tag] = exc
 
@@ -194,7 +169,6 @@ class AsyncTests(KitBase):
         for tag in ("a", "b"):
             outcome = results.get(tag)
             assert isinstance(outcome, tuple), f"the loop of thread {tag!r} got {outcome!r}"
-            got = outcome[0]
-            assert got[:-1] == [_echoed(executor, (tag, i)) for i in range(50)]
-            assert got[-1]["batch"] == tag
+            assert outcome[0][:-1] == [echoed(executor, (tag, i)) for i in range(50)]
+            assert outcome[0][-1]["batch"] == tag
         assert results["a"][1] is not results["b"][1]

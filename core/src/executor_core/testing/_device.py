@@ -1,10 +1,10 @@
-"""Conformance kit, device: the worker's accelerator device is current on every thread that
-runs one of its methods, whatever path the backend takes for the call.
+"""Device: the worker's accelerator device is current on every thread that runs one of its
+methods, whatever path the backend takes for the call.
 
 CUDA keeps the current device per thread. The probe worker replaces ``torch.cuda``'s
-current-device functions in its own process with a per-thread stand-in (this kit runs where
-there is no GPU), makes device ``local_rank + 1`` current in ``init_device`` (so that it
-differs from a fresh thread's device 0), and reports what each call sees.
+current-device functions in its own process with a per-thread stand-in (the kit runs where
+there is no GPU), makes device ``local_rank + 1`` current in ``init_device`` (a fresh thread
+has device 0), and reports what each call sees.
 """
 
 from __future__ import annotations
@@ -15,90 +15,70 @@ from typing import Any, ClassVar
 
 import pytest
 
-from .._executor import Executor
-from .._worker import WorkerContext
-from ._base import ExecutorFactory, KitBase, check_reply_ranks
-from ._guard import time_limit
+from executor_core import Executor, WorkerContext
+
+from ._base import ExecutorFactory, KitBase
 from ._workers import ConformanceWorker
 
 __all__ = ["DeviceProbeWorker", "DeviceTests"]
-
-
-class _PerThreadDevice:
-    """Stands in for ``torch.cuda``'s current device: one per thread, 0 until set, as in CUDA."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def current_device(self) -> int:
-        index: int = getattr(self._local, "index", 0)
-        return index
-
-    def set_device(self, device: Any) -> None:
-        self._local.index = device if isinstance(device, int) else int(device.index)
-
 
 _REPLACED = ("is_initialized", "current_device", "set_device")
 
 
 class _StandIn:
-    """The stand-in of this process, installed while a probe worker lives in it (several
-    workers may share a process: a thread-per-rank backend's)."""
+    """``torch.cuda``'s current device, per thread, while a probe worker lives in this process
+    (several may share one: a thread-per-rank backend's, or the test's own)."""
 
     lock: ClassVar[threading.Lock] = threading.Lock()
     users: ClassVar[int] = 0
     saved: ClassVar[dict[str, Any]] = {}
+    local: ClassVar[threading.local] = threading.local()
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
 
     @classmethod
-    def install(cls) -> None:
+    def current_device(cls) -> int:
+        index: int = getattr(cls.local, "index", 0)
+        return index
+
+    @classmethod
+    def set_device(cls, device: Any) -> None:
+        cls.local.index = device if isinstance(device, int) else int(device.index)
+
+    @classmethod
+    def use(cls, add: int) -> None:
+        """Count a probe worker in (``add=1``) or out (``-1``); install or put back."""
         import torch
 
         with cls.lock:
-            if cls.users == 0:
-                fake = _PerThreadDevice()
+            if cls.users == 0 and add > 0:
+                cls.local = threading.local()
                 cls.saved = {name: getattr(torch.cuda, name) for name in _REPLACED}
                 for name in _REPLACED:
-                    setattr(torch.cuda, name, getattr(fake, name))
-            cls.users += 1
-
-    @classmethod
-    def uninstall(cls) -> None:
-        import torch
-
-        with cls.lock:
-            cls.users -= 1
-            if cls.users == 0:
+                    setattr(torch.cuda, name, getattr(cls, name))
+            cls.users += add
+            if cls.users == 0 and add < 0:
                 for name, function in cls.saved.items():
                     setattr(torch.cuda, name, function)
-                cls.saved = {}
 
 
 class DeviceProbeWorker(ConformanceWorker):
-    """A :class:`ConformanceWorker` whose process has a per-thread CUDA device stand-in.
-
-    The real functions come back when the last probe worker of the process shuts down (an
-    in-process backend runs this in the test's own process).
-    """
+    """A :class:`ConformanceWorker` whose process has a per-thread CUDA device stand-in; the
+    real functions come back when the process's last probe worker shuts down."""
 
     def __init__(self, *, context: WorkerContext, **kwargs: Any) -> None:
         super().__init__(context=context, **kwargs)
         self._installed = False
 
-    @property
-    def expected_device(self) -> int:
-        """The device this rank made current: ``local_rank + 1``."""
-        return self.local_rank + 1
-
     def init_device(self) -> None:
-        """Install the stand-in and make :attr:`expected_device` current on this thread."""
+        """Install the stand-in and make device ``local_rank + 1`` current on this thread."""
         import torch
 
-        _StandIn.install()
+        _StandIn.use(1)
         self._installed = True
-        torch.cuda.set_device(self.expected_device)
+        torch.cuda.set_device(self.local_rank + 1)
         super().init_device()
 
     def probe(self) -> tuple[str, int, int]:
@@ -106,7 +86,7 @@ class DeviceProbeWorker(ConformanceWorker):
         import torch
 
         current = torch.cuda.current_device()
-        return threading.current_thread().name, current, self.expected_device
+        return threading.current_thread().name, current, self.local_rank + 1
 
     def execute_model(self, batch: Any) -> Any:
         """The probe, from the path the backend takes for ``execute_model``."""
@@ -116,7 +96,7 @@ class DeviceProbeWorker(ConformanceWorker):
         """Put the real ``torch.cuda`` functions back (with the process's last probe)."""
         if self._installed:
             self._installed = False
-            _StandIn.uninstall()
+            _StandIn.use(-1)
         super().shutdown()
 
 
@@ -126,7 +106,7 @@ def _assert_devices(probes: list[Any], how: str) -> None:
         for rank, (thread, seen, expected) in enumerate(probes)
         if seen != expected
     ]
-    assert not wrong, f"{how}: {'; '.join(wrong)}"
+    assert not wrong, f"rule broken: the worker's device is current in {how}: {'; '.join(wrong)}"
 
 
 class DeviceTests(KitBase):
@@ -137,39 +117,25 @@ class DeviceTests(KitBase):
     def probed(cls, executor_factory: ExecutorFactory) -> Iterator[Executor]:
         """One executor of :class:`DeviceProbeWorker` for the class's device tests."""
         pytest.importorskip("torch", reason="the device probe stands in for torch.cuda")
-        with time_limit(cls.time_limit_s, "creating the executor"):
-            executor = executor_factory(worker_cls=DeviceProbeWorker)
-        try:
-            check_reply_ranks(executor, cls.reply_probe_s())
-            yield executor
-        finally:
-            with time_limit(cls.time_limit_s, "shutdown()"):
-                executor.shutdown()
+        yield from cls._shared(executor_factory, worker_cls=DeviceProbeWorker)
 
-    def test_device_is_current_in_blocking_calls(self, probed: Executor) -> None:
+    def test_device_is_current_in_every_kind_of_call(self, probed: Executor) -> None:
+        """Rule: blocking calls, calls with a timeout, non-blocking calls and
+        ``execute_model`` (blocking and not) run with the worker's device current."""
         _assert_devices(probed.collective_rpc("probe"), "a blocking call")
-
-    def test_device_is_current_in_calls_with_a_timeout(self, probed: Executor) -> None:
         _assert_devices(probed.collective_rpc("probe", timeout=30.0), "a call with a timeout")
-
-    def test_device_is_current_in_non_blocking_calls(self, probed: Executor) -> None:
         future = probed.collective_rpc("probe", non_block=True)
         _assert_devices(future.result(timeout=30.0), "a non-blocking call")
-
-    def test_device_is_current_in_execute_model(self, probed: Executor) -> None:
-        thread, seen, expected = probed.execute_model(None)
-        assert seen == expected, f"execute_model on thread {thread!r} saw device {seen}"
+        _assert_devices([probed.execute_model(None)], "execute_model")
         future = probed.execute_model(None, non_block=True)
-        thread, seen, expected = future.result(timeout=30.0)
-        assert seen == expected, f"execute_model(non_block) on {thread!r} saw device {seen}"
+        _assert_devices([future.result(timeout=30.0)], "execute_model(non_block=True)")
 
     def test_device_is_current_in_calls_from_other_driver_threads(self, probed: Executor) -> None:
         results: list[Any] = []
-
-        def call() -> None:
-            results.append(probed.collective_rpc("probe"))
-
-        threads = [threading.Thread(target=call, name=f"driver-{i}") for i in range(2)]
+        threads = [
+            threading.Thread(target=lambda: results.append(probed.collective_rpc("probe")))
+            for _ in range(2)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -1,10 +1,12 @@
-"""What keeps the conformance kit honest about time and leftovers: a time limit that turns a
-hang into a failure naming the rule, and snapshots of threads, descriptors and shared memory.
-"""
+"""What keeps the kit honest about time and leftovers: a time limit that turns a hang into a
+failure naming the rule; which processes are an executor's workers on this machine; and what
+the driver and those workers hold (threads, descriptors, /dev/shm, temporary files), so that
+only what the executor under test made must be gone after it."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing.util
 import os
 import shutil
@@ -12,7 +14,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -20,14 +22,19 @@ import attrs
 
 __all__ = [
     "ConformanceTimeout",
-    "Snapshot",
-    "grown",
+    "Footprint",
     "pids_alive",
     "private_tempdir",
+    "process_identity",
     "resources",
+    "running",
+    "shm_held",
     "temp_leftovers",
     "time_limit",
+    "wait_until",
 ]
+
+SHM = "/dev/shm/"
 
 
 class ConformanceTimeout(AssertionError):
@@ -36,12 +43,8 @@ class ConformanceTimeout(AssertionError):
 
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str) -> Iterator[None]:
-    """Fail with :class:`ConformanceTimeout` if the block runs past ``seconds``.
-
-    Uses SIGALRM in the main thread (where pytest runs tests); elsewhere, or without
-    ``setitimer``, the block runs unguarded. A timer already set (pytest-timeout's) is put
-    back afterwards, less the time spent here.
-    """
+    """Fail with :class:`ConformanceTimeout` if the block runs past ``seconds`` (SIGALRM, in
+    the main thread only; a timer already set, pytest-timeout's, is put back afterwards)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(
         signal, "setitimer"
     ):
@@ -67,49 +70,81 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
 
 
-def _fds() -> set[str]:
+def process_identity(pid: int | str = "self") -> str:
+    """The machine (boot id), pid namespace and start time of process ``pid`` as this process
+    sees it ("" where /proc cannot tell): a pid a worker reports is a process the kit may
+    kill, stop and inspect only where the worker's own identity is the same."""
     try:
-        return set(os.listdir("/proc/self/fd"))
-    except OSError:  # not Linux: descriptors are not checked
-        return set()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink(f"/proc/{pid}/ns/pid")
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+    return f"{boot} {namespace} {started}"
 
 
-def _fd_target(fd: str) -> str:
+def _fds(pid: int | str = "self") -> dict[str, str]:
+    """Process ``pid``'s open descriptors and what each points at ({} where /proc cannot
+    tell: not Linux, or not ours to read)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return found
+
+
+def _shm_maps(pid: int | str = "self") -> dict[str, str]:
+    """The /dev/shm files process ``pid`` maps: inode -> path (``(deleted)`` once unlinked)."""
     try:
-        return os.readlink(f"/proc/self/fd/{fd}")
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
     except OSError:
-        return "?"
+        return {}
+    fields = (line.split(maxsplit=5) for line in lines)
+    return {f[4]: f[5] for f in fields if len(f) == 6 and f[5].startswith(SHM)}
 
 
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
+def shm_held(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm names (not yet unlinked) that processes ``pids`` hold open or mapped."""
+    names: set[str] = set()
+    for pid in pids:
+        for path in (*_fds(pid).values(), *_shm_maps(pid).values()):
+            if path.startswith(SHM) and not path.endswith(" (deleted)"):
+                names.add(path)
+    return names
 
 
-@attrs.frozen
-class Snapshot:
-    """Threads, file descriptors and /dev/shm entries of this process at one moment."""
+def _shm_names() -> frozenset[str]:
+    with contextlib.suppress(OSError):
+        return frozenset(SHM + name for name in os.listdir(SHM))
+    return frozenset()
+
+
+@attrs.define
+class Footprint:
+    """The driver's threads, descriptors and /dev/shm mappings at one moment, and the /dev/shm
+    names that the driver and an executor's worker processes were seen to hold since (and
+    did not exist then): what the executor made, which must be gone after it."""
 
     threads: frozenset[int]
     fds: frozenset[str]
+    maps: frozenset[str]
     shm: frozenset[str]
+    held: set[str] = attrs.field(factory=set)
 
     @classmethod
-    def take(cls) -> Snapshot:
+    def take(cls) -> Footprint:
         """The state now."""
-        return cls(
-            frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
-            frozenset(_fds()),
-            frozenset(_shm()),
-        )
+        idents = frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
+        return cls(idents, frozenset(_fds()), frozenset(_shm_maps()), _shm_names())
 
-    def leftovers(
-        self, *, session_threads: Iterable[str] = (), check_fds: bool = True
-    ) -> list[str]:
-        """What exists now and did not at the snapshot (threads whose name starts with one
-        of ``session_threads`` are the backend's session, not the executor's, and allowed)."""
+    def note(self, pids: Iterable[int]) -> None:
+        """Record the /dev/shm names the driver and worker processes ``pids`` hold now."""
+        self.held |= shm_held([os.getpid(), *pids]) - self.shm
+
+    def leftovers(self, session_threads: Iterable[str] = (), check_fds: bool = True) -> list[str]:
+        """What the executor made that is still here (threads named ``session_threads*`` are
+        the backend's session's and allowed; ``check_fds=False``: descriptors are not checked)."""
         prefixes = tuple(session_threads)
         found = [
             f"thread {t.name!r}"
@@ -117,35 +152,66 @@ class Snapshot:
             if t.ident not in self.threads and t.is_alive() and not t.name.startswith(prefixes)
         ]
         if check_fds:
-            found += [f"fd {fd} -> {_fd_target(fd)}" for fd in sorted(_fds() - self.fds)]
-            found = [f for f in found if "/proc/" not in f]  # the listing's own descriptor
-        found += [f"/dev/shm/{name}" for name in sorted(_shm() - self.shm)]
-        return found
+            found += [
+                f"fd {fd} -> {target}"
+                for fd, target in sorted(_fds().items())
+                if fd not in self.fds and "/proc/" not in target  # the listing's own fd
+            ]
+        maps = _shm_maps()
+        found += [f"a mapping of {maps[inode]}" for inode in sorted(set(maps) - self.maps)]
+        return found + sorted(name for name in self.held if os.path.exists(name))
 
     def wait_clean(
-        self, within_s: float, *, session_threads: Iterable[str] = (), check_fds: bool = True
+        self, within_s: float, session_threads: Iterable[str] = (), check_fds: bool = True
     ) -> list[str]:
         """:meth:`leftovers`, polled until none are left or ``within_s`` passed."""
         deadline = time.monotonic() + within_s
-        while True:
-            left = self.leftovers(session_threads=session_threads, check_fds=check_fds)
-            if not left or time.monotonic() >= deadline:
-                return left
+        while (left := self.leftovers(session_threads, check_fds)) and time.monotonic() < deadline:
             time.sleep(0.05)
+        return left
+
+
+def resources() -> dict[str, int]:
+    """Counts of what the driver holds: threads, descriptors, /dev/shm mappings, live objects
+    of the SDK's and its backends' classes (``executor_*`` modules), and RSS bytes."""
+    gc.collect()
+    objects = sum(
+        1 for o in gc.get_objects() if getattr(type(o), "__module__", "").startswith("executor_")
+    )
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:  # not Linux: descriptors, mappings and RSS read as 0
+        pages = 0
+    return {
+        "threads": threading.active_count(),
+        "fds": len(_fds()),
+        "shm mappings": len(_shm_maps()),
+        "objects": objects,
+        "rss": pages * os.sysconf("SC_PAGE_SIZE"),
+    }
+
+
+def wait_until(condition: Callable[[], object], within_s: float, every_s: float = 0.01) -> bool:
+    """Whether ``condition()`` came true within ``within_s`` (polled every ``every_s``)."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every_s)
+    return True
 
 
 def pids_alive(pids: Iterable[int], within_s: float) -> list[int]:
     """The processes among ``pids`` still running after up to ``within_s`` (zombies count as
     ended: they run no code)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [pid for pid in pids if _running(pid)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
+    pids, deadline = list(pids), time.monotonic() + within_s
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return alive
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not: it runs no code)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -153,27 +219,21 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return True
-    return "\nState:\tZ" not in status
 
 
 @contextlib.contextmanager
 def private_tempdir() -> Iterator[Path]:
     """Point ``tempfile.gettempdir()`` at a fresh, empty directory for the block, in this
-    process (``tempfile.tempdir``) and in the processes it starts (``TMPDIR``), so that what
-    a backend leaves in the temporary directory can be told from what other programs put
-    there. Removed afterwards, with whatever is left in it.
-
-    This process's ``multiprocessing`` directory (``pymp-*``, kept until the process exits)
-    is made first, in the real temporary directory, so that it never lands here.
-    """
+    process (``tempfile.tempdir``) and in those it starts (``TMPDIR``), so that what a backend
+    leaves there is told from what other programs leave; removed afterwards. This process's
+    ``multiprocessing`` directory (kept until it exits) is made first, in the real one."""
     multiprocessing.util.get_temp_dir()
     saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
     path = Path(tempfile.mkdtemp(prefix="executor-kit-tmp-"))
-    tempfile.tempdir = str(path)
-    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = os.environ["TMPDIR"] = str(path)
     try:
         yield path
     finally:
@@ -186,8 +246,7 @@ def private_tempdir() -> Iterator[Path]:
 
 
 def temp_leftovers(path: Path, within_s: float, allowed: Iterable[str] = ()) -> list[str]:
-    """The entries of ``path`` (but those whose name starts with one of ``allowed``) still
-    there after up to ``within_s``."""
+    """The entries of ``path`` (but those named ``allowed*``) still there after ``within_s``."""
     prefixes = tuple(allowed)
     deadline = time.monotonic() + within_s
     while True:
@@ -198,30 +257,3 @@ def temp_leftovers(path: Path, within_s: float, allowed: Iterable[str] = ()) -> 
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
-
-
-#: RSS a run of recoveries may add to the driver (allocator noise, not a leak).
-_RSS_SLACK = 32 << 20
-
-
-def resources() -> dict[str, int]:
-    """The driver's thread count, descriptor count, /dev/shm entries and RSS now."""
-    try:
-        fds = len(os.listdir("/proc/self/fd"))
-        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: only threads are checked
-        fds = rss = 0
-    try:
-        shm = len(os.listdir("/dev/shm"))
-    except OSError:
-        shm = 0
-    return {"threads": threading.active_count(), "fds": fds, "shm": shm, "rss": rss}
-
-
-def grown(before: dict[str, int], now: dict[str, int], *, check_fds: bool) -> dict[str, str]:
-    limits = {"threads": 0, "fds": 0 if check_fds else None, "shm": 0, "rss": _RSS_SLACK}
-    return {
-        key: f"{before[key]} -> {now[key]}"
-        for key, slack in limits.items()
-        if slack is not None and now[key] > before[key] + slack
-    }

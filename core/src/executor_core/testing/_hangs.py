@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import pytest
 
-from .._errors import ConfigError, ExecutorFailedError, WorkerDiedError
-from .._executor import Executor
-from .._hangs import has_probe
-from .._recovery_policy import ExecutorState, RecoveryPolicy
-from ._base import ExecutorFactory, KitBase
-from ._guard import pids_alive
+from executor_core import (
+    ConfigError,
+    Executor,
+    ExecutorFailedError,
+    ExecutorState,
+    RecoveryPolicy,
+    WorkerDiedError,
+)
+from executor_core.backend import Transport
 
-__all__ = ["HangTests"]
+from ._base import ExecutorFactory, KitBase
+from ._guard import pids_alive, wait_until
+
+__all__ = ["HangTests", "freeze"]
 
 
 def _join_gloo(worker: Any) -> None:
@@ -37,18 +43,6 @@ def _all_reduce(worker: Any) -> float:
     return float(total.item())
 
 
-def freeze(pid: int, within_s: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and return once it is stopped: the signal lands asynchronously, and a
-    worker spinning for its next call on another core could otherwise answer one more."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + within_s
-    while _state(pid) not in ("T", "t"):
-        assert time.monotonic() < deadline, (
-            f"process {pid} not stopped {within_s:g} s after SIGSTOP"
-        )
-        time.sleep(0.001)
-
-
 def _state(pid: int) -> str:
     """The process's state letter (``/proc/PID/stat``; "" where there is none)."""
     try:
@@ -58,14 +52,22 @@ def _state(pid: int) -> str:
         return ""
 
 
+def freeze(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (the signal lands asynchronously, and a
+    worker spinning for its next call could otherwise answer one more)."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = wait_until(lambda: _state(pid) in ("T", "t"), within_s, 0.001)
+    assert stopped, f"process {pid} not stopped {within_s:g} s after SIGSTOP"
+
+
 class HangTests(KitBase):
     """``hang_timeout_s`` on a backend with a probe: a stopped worker (SIGSTOP, by the pid it
-    reports; ``workers_are_processes``) is declared dead, named, killed and, with a recovery
-    policy, recovered; a worker busy in a long call is not."""
+    reports, where a rank runs in a worker process of its own on this machine) is declared
+    dead, named, killed and, with a recovery policy, recovered; a worker busy in a long call
+    is not."""
 
     #: The bound the kit sets (seconds); a frozen rank must be declared within
-    #: ``hang_grace`` times it, plus ``settle_s`` (a call waits the bound, then the rank
-    #: answers no probe for the bound).
+    #: ``hang_grace`` times it, plus ``settle_s``.
     hang_timeout_s: ClassVar[float] = 1.0
     hang_grace: ClassVar[float] = 3.5
 
@@ -73,32 +75,26 @@ class HangTests(KitBase):
         spec = self.spec()
         if spec is not None:
             return spec.capabilities.liveness_probe
-        backend = self.backend  # an unregistered class: what its transport implements
-        transport = getattr(backend, "transport_cls", None)
-        return isinstance(transport, type) and has_probe(transport)
+        transport = getattr(self.backend, "transport_cls", Transport)  # an unregistered class
+        return transport.probe is not Transport.probe
 
     def _hang_executor(self, fresh_executor: ExecutorFactory, **config: Any) -> Executor:
         if not self._probed():
             pytest.skip("covered by test_hang_bound_is_refused_without_a_probe")
-        if not self.workers_are_processes:
-            pytest.skip("workers_are_processes is False: no worker process to stop")
         spec = self.spec()
         if spec is not None and spec.capabilities.recovery != "none":
             config.setdefault("recovery", RecoveryPolicy(backoff_s=0.1))
         return fresh_executor(hang_timeout_s=self.hang_timeout_s, **config)
 
     def _freeze(self, executor: Executor) -> tuple[int, int, list[str]]:
-        """SIGSTOP the highest rank whose process is not this one: ``(rank, pid, every
+        """SIGSTOP the highest rank in a worker process of its own: ``(rank, pid, every
         rank's node id)``."""
         contexts = executor.collective_rpc("get_context", timeout=self.time_limit_s)
-        pids = executor.collective_rpc("get_pid", timeout=self.time_limit_s)
-        others = [r for r, pid in enumerate(pids) if pid != os.getpid()]
-        assert others, "workers_are_processes is True, but every worker reports the driver's pid"
-        victim = others[-1]
-        freeze(pids[victim])
-        return victim, pids[victim], [context.node_id for context in contexts]
+        victim, pid = self.victim(self.worker_processes(executor))
+        freeze(pid)
+        return victim, pid, [context.node_id for context in contexts]
 
-    def _declared(self, future: Any, victim: int, pid: int, nodes: list[str]) -> None:
+    def _declared(self, future: Future[Any], victim: int, pid: int, nodes: list[str]) -> None:
         """Wait for the call in flight to fail naming ``victim`` as hung (and its node, of
         ``nodes`` by rank, where the executor spans several)."""
         limit = self.hang_timeout_s * self.hang_grace + self.settle_s
@@ -136,12 +132,20 @@ class HangTests(KitBase):
             executor_factory(hang_timeout_s=self.hang_timeout_s)
 
     def test_a_frozen_rank_is_declared_dead(self, fresh_executor: ExecutorFactory) -> None:
-        """Rule: a rank stopped during a call fails that call with ``WorkerDiedError`` naming
-        it alone and saying it hung, within the bound; its process is killed; with a recovery
-        policy the executor comes back (without one it fails, callbacks told once)."""
+        """Rule: a call that runs three times the bound, in workers that answer the probe,
+        completes, no rank declared hung. A rank stopped during a call fails that call with
+        ``WorkerDiedError`` naming it alone, within the bound; its process is killed; with a
+        recovery policy the executor comes back (without one it fails, callbacks told once)."""
         executor = self._hang_executor(fresh_executor)
         failures: list[ExecutorFailedError] = []
         executor.register_failure_callback(failures.append)
+        seconds = self.hang_timeout_s * 3
+        replies = executor.collective_rpc("slow", args=(seconds, "done"), timeout=self.time_limit_s)
+        assert [value for _, value in replies] == ["done"] * executor.world_size, (
+            "rule broken: a long call in workers that answer the probe completes"
+        )
+        state = executor.state
+        assert state is ExecutorState.RUNNING, f"rule broken: a long call is no hang ({state})"
         victim, pid, nodes = self._freeze(executor)
         future = executor.collective_rpc("echo", args=("frozen",), non_block=True)
         self._declared(future, victim, pid, nodes)
@@ -149,21 +153,21 @@ class HangTests(KitBase):
             assert executor.state is ExecutorState.FAILED
             assert len(failures) == 1
             return
-        deadline = time.monotonic() + self.time_limit_s
-        while executor.state is not ExecutorState.RUNNING:
-            assert executor.state is not ExecutorState.FAILED, executor.failure
-            assert time.monotonic() < deadline, "rule broken: a hung rank is recovered"
-            time.sleep(0.02)
-        assert executor.collective_rpc("get_rank", timeout=self.time_limit_s) == list(
-            range(executor.world_size)
+        settled = (ExecutorState.RUNNING, ExecutorState.FAILED)
+        wait_until(lambda: executor.state in settled, self.time_limit_s)
+        assert executor.state is ExecutorState.RUNNING, (
+            f"rule broken: a hung rank is recovered ({executor.state}, {executor.failure!r})"
         )
+        ranks = executor.collective_rpc("get_rank", timeout=self.time_limit_s)
+        assert ranks == list(range(executor.world_size))
         assert not failures
 
     def test_a_collective_waiting_for_a_frozen_peer(self, fresh_executor: ExecutorFactory) -> None:
         """Rule: ranks blocked in a gloo ``all_reduce`` on a frozen peer answer the probe;
         only the frozen rank is declared, and its death ends the collective."""
-        pytest.importorskip("torch")
         preload = ("torch.distributed", "executor_core.torch")
+        if self._probed():
+            pytest.importorskip("torch")
         executor = self._hang_executor(fresh_executor, worker_kwargs={"preload": preload})
         executor.collective_rpc(_join_gloo, timeout=self.time_limit_s)
         assert (
@@ -173,12 +177,3 @@ class HangTests(KitBase):
         victim, pid, nodes = self._freeze(executor)
         future = executor.collective_rpc(_all_reduce, non_block=True)
         self._declared(future, victim, pid, nodes)
-
-    def test_a_long_call_that_is_alive_is_not_killed(self, fresh_executor: ExecutorFactory) -> None:
-        """Rule: a call that runs three times the bound, in workers that answer the probe,
-        completes; no rank is declared hung."""
-        executor = self._hang_executor(fresh_executor)
-        seconds = self.hang_timeout_s * 3
-        replies = executor.collective_rpc("slow", args=(seconds, "done"), timeout=self.time_limit_s)
-        assert [value for _, value in replies] == ["done"] * executor.world_size
-        assert executor.state is ExecutorState.RUNNING

@@ -1,7 +1,9 @@
-"""Conformance kit, lifecycle and cleanup: failure, shutdown, finalizer, env, hooks, leftovers."""
+"""Lifecycle: failure, shutdown (with calls in flight and a rank hung), the finalizer, env,
+hooks, a worker's death, and what the executor leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -13,13 +15,28 @@ from typing import Any, ClassVar
 
 import pytest
 
-from .._errors import ExecutorClosedError, ExecutorError, ExecutorFailedError, WorkerDiedError
-from .._hookspecs import hookimpl
-from .._recovery_policy import ExecutorState
-from .._registry import Registry
-from .._worker import WorkerBase, WorkerContext
+from executor_core import (
+    ExecutorClosedError,
+    ExecutorError,
+    ExecutorFailedError,
+    ExecutorState,
+    WorkerBase,
+    WorkerContext,
+    WorkerDiedError,
+    hookimpl,
+)
+from executor_core.backend import Registry
+
 from ._base import ExecutorFactory, KitBase
-from ._guard import Snapshot, pids_alive, private_tempdir, temp_leftovers
+from ._guard import (
+    Footprint,
+    pids_alive,
+    private_tempdir,
+    process_identity,
+    running,
+    temp_leftovers,
+    wait_until,
+)
 
 __all__ = ["LifecycleTests"]
 
@@ -45,15 +62,6 @@ class _HookObserver:
         self.events.append(("stopping", context.rank))
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (a zombie its parent has not reaped yet counts)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
 def _collective_with(worker: Any, victim: int, victim_pid: int) -> int:
     """What a collective does when a peer dies: rank ``victim`` is busy (the test kills it);
     rank 0 fails the moment the victim's process has ended (gloo's "Connection reset by
@@ -61,9 +69,7 @@ def _collective_with(worker: Any, victim: int, victim_pid: int) -> int:
     if worker.rank == victim:
         time.sleep(60)
     elif worker.rank == 0:
-        deadline = time.monotonic() + 60
-        while not _gone(victim_pid) and time.monotonic() < deadline:
-            time.sleep(0.0005)
+        wait_until(lambda: not running(victim_pid), 60, 0.0005)
         raise ConnectionResetError(f"Connection reset by peer (rank {victim} is gone)")
     rank: int = worker.rank
     return rank
@@ -76,21 +82,27 @@ class LifecycleTests(KitBase):
     #: executor each time): its races show in some runs, not in one.
     kill_checks: ClassVar[int] = 3
 
-    def _check_nothing_left(self, before: Snapshot, pids: list[int], when: str) -> None:
-        others = [pid for pid in pids if pid != os.getpid()]
-        alive = pids_alive(others, self.settle_s)
+    def _check_nothing_left(self, before: Footprint, pids: list[int | None], when: str) -> None:
+        alive = pids_alive([p for p in pids if p], self.settle_s)
         assert not alive, f"rule broken: worker processes {alive} still run {when}"
-        left = before.wait_clean(
-            self.settle_s, session_threads=self.session_threads, check_fds=self.check_fds
-        )
+        left = before.wait_clean(self.settle_s, self.session_threads, self.check_fds)
         assert not left, f"rule broken: left behind {when}: {left}"
 
     def test_failure_callbacks_run_once(self, fresh_executor: ExecutorFactory) -> None:
+        """Rule: ``fail()`` fails the calls in flight at once and runs the failure callbacks
+        once (a callback registered later runs at once); calls then raise."""
         executor = fresh_executor()
         calls: list[ExecutorFailedError] = []
         executor.register_failure_callback(calls.append)
+        future = executor.collective_rpc("slow", args=(self.slow_call_s * 3,), non_block=True)
+        start = time.monotonic()
         error = ExecutorFailedError("simulated failure")
         assert executor.fail(error) is True
+        with pytest.raises(ExecutorFailedError, match="simulated failure"):
+            future.result(timeout=self.slow_call_s * 6)
+        assert time.monotonic() - start < self.slow_call_s, (
+            "rule broken: fail() fails the calls in flight at once"
+        )
         assert executor.fail(ExecutorFailedError("second")) is False
         assert calls == [error], "rule broken: failure callbacks run exactly once"
         late: list[ExecutorFailedError] = []
@@ -101,21 +113,10 @@ class LifecycleTests(KitBase):
         with pytest.raises(ExecutorFailedError):
             executor.check_health()
 
-    def test_fail_fails_calls_in_flight(self, fresh_executor: ExecutorFactory) -> None:
-        executor = fresh_executor()
-        future = executor.collective_rpc("slow", args=(self.slow_call_s * 3,), non_block=True)
-        start = time.monotonic()
-        error = ExecutorFailedError("failed while a call ran")
-        executor.fail(error)
-        with pytest.raises(ExecutorFailedError, match="failed while a call ran"):
-            future.result(timeout=self.slow_call_s * 6)
-        assert time.monotonic() - start < self.slow_call_s, (
-            "rule broken: fail() fails the calls in flight at once"
-        )
-
     def test_shutdown_is_idempotent_and_final(self, fresh_executor: ExecutorFactory) -> None:
-        executor = fresh_executor()
-        assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
+        with fresh_executor() as executor:
+            assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
+        assert executor.is_closed, "rule broken: leaving a with block shuts the executor down"
         executor.shutdown()
         executor.shutdown()
         assert executor.is_closed
@@ -126,30 +127,43 @@ class LifecycleTests(KitBase):
         with pytest.raises(ExecutorClosedError):
             executor.check_health()
 
-    def test_shutdown_with_calls_in_flight(self, fresh_executor: ExecutorFactory) -> None:
+    def test_shutdown_with_calls_in_flight(
+        self, fresh_executor: ExecutorFactory, tmp_path: Path
+    ) -> None:
+        """Rule: ``shutdown()`` with calls in flight and a rank hung in one of them, past
+        ``shutdown_s``, returns within ``shutdown_s`` (after the backend's grace, the hung
+        rank is stopped by force, not waited for); a call that ran on every rank completes
+        or fails with :class:`ExecutorClosedError`, the hung one fails with it."""
         executor = fresh_executor()
-        future = executor.collective_rpc("slow", args=(0.3,), non_block=True)
-        executor.shutdown()
-        try:
-            result = future.result(timeout=self.settle_s)
-        except ExecutorClosedError:
-            return
-        assert result == [(r, None) for r in range(executor.world_size)]
-
-    def test_context_manager_shuts_down(self, fresh_executor: ExecutorFactory) -> None:
-        with fresh_executor() as executor:
-            assert executor.collective_rpc("get_rank") == list(range(executor.world_size))
-        assert executor.is_closed
+        release = tmp_path / "release"
+        done = executor.collective_rpc("slow", args=(0.3,), non_block=True)
+        hold = (str(release), executor.world_size - 1, self.time_limit_s)
+        hung = executor.collective_rpc("hold", args=hold, non_block=True)
+        self.assert_prompt_shutdown(executor, "with a rank hung in a call", release)
+        with contextlib.suppress(ExecutorClosedError):
+            result = done.result(timeout=self.settle_s)
+            assert result == [(r, None) for r in range(executor.world_size)], result
+        error = hung.exception(timeout=self.settle_s)
+        assert isinstance(error, ExecutorClosedError), (
+            f"rule broken: shutdown() fails the call a hung rank holds with ExecutorClosedError, "
+            f"not {error!r}"
+        )
 
     def test_env_reaches_workers_not_the_driver(self, fresh_executor: ExecutorFactory) -> None:
+        """Rule: ``config.env`` and the driver's ``NCCL_*`` variables reach every worker (a
+        cluster's workers do not inherit the driver's environment), ``config.env`` winning;
+        the driver's environment is as it was after shutdown; ``worker_kwargs`` reach the
+        worker."""
         name = f"EXECUTOR_CONFORMANCE_{uuid.uuid4().hex[:8].upper()}"
-        # The driver's collective-library settings reach every worker (a cluster's workers
-        # do not inherit the driver's environment); config.env wins over them.
         forwarded, overridden = f"NCCL_{name}", f"TORCH_NCCL_{name}"
         os.environ[forwarded] = os.environ[overridden] = "set-in-driver"
         try:
-            executor = fresh_executor(env={name: "set-by-config", overridden: "set-by-config"})
+            executor = fresh_executor(
+                env={name: "set-by-config", overridden: "set-by-config"},
+                worker_kwargs={"tag": "kw"},
+            )
             ws = executor.world_size
+            assert executor.collective_rpc("get_tag") == ["kw"] * ws
             assert executor.collective_rpc("get_env", args=(name,)) == ["set-by-config"] * ws, (
                 "rule broken: config.env is set in every worker"
             )
@@ -171,26 +185,39 @@ class LifecycleTests(KitBase):
             os.environ.pop(forwarded, None)
             os.environ.pop(overridden, None)
 
-    def test_worker_kwargs(self, fresh_executor: ExecutorFactory) -> None:
-        executor = fresh_executor(worker_kwargs={"tag": "kw"})
-        assert executor.collective_rpc("get_tag") == ["kw"] * executor.world_size
-
     def test_worker_init_failure_fails_creation(self, executor_factory: ExecutorFactory) -> None:
-        bad = 0
         with pytest.raises(ExecutorError) as info:
-            executor_factory(worker_kwargs={"fail_init_on_rank": bad}).shutdown()
-        text = str(info.value)
-        assert "init_device failed on purpose" in text
-        assert f"rank {bad}" in text
+            executor_factory(worker_kwargs={"fail_init_on_rank": 0}).shutdown()
+        assert "init_device failed on purpose" in str(info.value)
+        assert "rank 0" in str(info.value)
 
     def test_shutdown_stops_every_worker(
         self, executor_factory: ExecutorFactory, tmp_path: Path
     ) -> None:
-        before = Snapshot.take()
-        executor = executor_factory(worker_kwargs={"marker_dir": str(tmp_path)})
-        pids = executor.collective_rpc("get_pid")
-        executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
-        executor.shutdown()
+        """Rule: ``shutdown()`` runs every worker's shutdown through its wrapper (so the
+        ``executor_worker_stopping`` hook runs, and the registry's worker hooks reach ranks in
+        the driver's process) and leaves nothing the executor made: no worker process, and,
+        within ``settle_s``, no new thread or descriptor in the driver, no /dev/shm mapping
+        it made, no /dev/shm name the driver or a worker process held, nothing in
+        ``tempfile.gettempdir()`` (an empty directory of the kit's while the executor
+        lives, ``TMPDIR`` for the processes it starts; but ``session_temp_files``)."""
+        registry = Registry.from_entry_points()
+        observer = _HookObserver()
+        registry.register_plugin(observer, "conformance-hook-observer")
+        before = Footprint.take()
+        with private_tempdir() as tmp:
+            marker_dir = {"marker_dir": str(tmp_path)}
+            executor = executor_factory(registry=registry, worker_kwargs=marker_dir)
+            try:
+                pids = self.worker_processes(executor)
+                executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
+                before.note(p for p in pids if p)
+                me = (os.getpid(), process_identity())
+                processes = executor.collective_rpc("get_process", timeout=30)
+                in_driver = [rank for rank, p in enumerate(processes) if tuple(p) == me]
+            finally:
+                executor.shutdown()
+            temp_left = temp_leftovers(tmp, self.settle_s, self.session_temp_files)
         for rank in range(executor.world_size):
             marker = tmp_path / f"shutdown-{rank}"
             assert marker.exists(), (
@@ -201,15 +228,27 @@ class LifecycleTests(KitBase):
                 f"rule broken: rank {rank}'s worker was shut down without its wrapper, so the "
                 "executor_worker_stopping hook did not run (call WorkerWrapper.shutdown)"
             )
+        for rank in in_driver:
+            for event in ("ready", "rpc", "stopping"):
+                assert (event, rank) in observer.events, (
+                    f"rule broken: the registry's worker hooks reach rank {rank}, which runs "
+                    f"in the driver's process, but {event!r} was not seen"
+                )
         self._check_nothing_left(before, pids, "after shutdown()")
+        assert not temp_left, (
+            f"rule broken: temporary files and directories the backend creates are gone after "
+            f"shutdown(); left in tempfile.gettempdir(): {temp_left} (remove them in close() "
+            "or with host.add_cleanup)"
+        )
 
     def test_dropped_executor_is_collected_and_cleaned_up(
         self, executor_factory: ExecutorFactory
     ) -> None:
-        before = Snapshot.take()
+        before = Footprint.take()
         executor = executor_factory()
-        pids = executor.collective_rpc("get_pid")
+        pids = self.worker_processes(executor)
         executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
+        before.note(p for p in pids if p)
         ref = weakref.ref(executor)
         del executor
         gc.collect()
@@ -220,65 +259,19 @@ class LifecycleTests(KitBase):
         )
         self._check_nothing_left(before, pids, "after the executor was dropped")
 
-    def test_hooks_reach_in_process_workers(self, executor_factory: ExecutorFactory) -> None:
-        registry = Registry.from_entry_points()
-        observer = _HookObserver()
-        registry.register_plugin(observer, "conformance-hook-observer")
-        executor = executor_factory(registry=registry)
-        try:
-            pids: list[Any] = executor.collective_rpc("get_pid")
-        finally:
-            executor.shutdown()
-        here = [rank for rank, pid in enumerate(pids) if pid == os.getpid()]
-        for rank in here:
-            for event in ("ready", "rpc", "stopping"):
-                assert (event, rank) in observer.events, (
-                    f"rule broken: the registry's worker hooks reach rank {rank}, which runs "
-                    f"in the driver's process, but {event!r} was not seen (build wrappers with "
-                    "TransportHost.wrapper)"
-                )
-
-    def test_shutdown_removes_temporary_files(self, executor_factory: ExecutorFactory) -> None:
-        """Rule: the temporary files and directories a backend creates (its own, or its
-        workers') are gone once ``shutdown()`` returned (within ``settle_s``).
-
-        The kit points ``tempfile.gettempdir()`` at an empty directory of its own while the
-        executor lives (``tempfile.tempdir`` in the driver, ``TMPDIR`` for the processes it
-        starts): make temporary paths with :mod:`tempfile` and remove them in ``close()`` or
-        with ``host.add_cleanup``. Names in ``session_temp_files`` may stay."""
-        with private_tempdir() as tmp:
-            executor = executor_factory()
-            try:
-                executor.collective_rpc("get_pid", timeout=30)
-                executor.collective_rpc("get_rank", non_block=True).result(timeout=30)
-            finally:
-                executor.shutdown()
-            left = temp_leftovers(tmp, self.settle_s, self.session_temp_files)
-        assert not left, (
-            f"rule broken: temporary files and directories the backend creates are gone after "
-            f"shutdown(); left in tempfile.gettempdir(): {left} (remove them in close() or "
-            "with host.add_cleanup)"
-        )
-
     def test_killed_worker_fails_the_call_in_flight(self, fresh_executor: ExecutorFactory) -> None:
-        """Rule: a worker process that dies (here killed with SIGKILL, by the pid it reports)
-        fails the call in flight with :class:`WorkerDiedError` naming its rank, within
-        ``settle_s``; the failure callbacks run once; later calls raise; ``shutdown()``
-        returns within ``shutdown_s`` and no worker process is left.
-
-        Runs only where ``workers_are_processes`` is True."""
-        if not self.workers_are_processes:
-            pytest.skip("workers_are_processes is False: no worker process to kill")
+        """Rule: a worker process that dies (SIGKILL, by the pid it reports; where a rank runs
+        in a worker process of its own on this machine) fails the call in flight with
+        :class:`WorkerDiedError` naming its rank, within ``settle_s``; the failure callbacks
+        run once; later calls raise; ``shutdown()`` returns promptly, no worker left."""
         executor = fresh_executor()
         failures: list[ExecutorFailedError] = []
         executor.register_failure_callback(failures.append)
-        pids: list[int] = executor.collective_rpc("get_pid", timeout=30)
-        others = [rank for rank, pid in enumerate(pids) if pid != os.getpid()]
-        assert others, "workers_are_processes is True, but every worker reports the driver's pid"
-        victim = others[-1]
+        pids = self.worker_processes(executor)
+        victim, pid = self.victim(pids)
         future = executor.collective_rpc("slow", args=(self.time_limit_s,), non_block=True)
         time.sleep(min(0.2, self.slow_call_s / 5))  # the call reached the workers
-        os.kill(pids[victim], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         try:
             error = future.exception(timeout=self.settle_s)
         except TimeoutError:
@@ -295,9 +288,7 @@ class LifecycleTests(KitBase):
             f"rule broken: the WorkerDiedError names the rank that died ({victim}), not "
             f"{error.rank}"
         )
-        deadline = time.monotonic() + self.settle_s
-        while not failures and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: failures, self.settle_s)
         time.sleep(0.2)  # a second report would land now
         assert len(failures) == 1, (
             f"rule broken: after a worker's death the failure callbacks run once, not "
@@ -307,7 +298,7 @@ class LifecycleTests(KitBase):
         with pytest.raises(ExecutorFailedError):
             executor.collective_rpc("get_rank", timeout=10)
         self.assert_prompt_shutdown(executor, "after a worker's death")
-        alive = pids_alive([p for p in pids if p != os.getpid()], self.settle_s)
+        alive = pids_alive([p for p in pids if p], self.settle_s)
         assert not alive, f"rule broken: worker processes {alive} still run after shutdown()"
 
     def test_a_death_is_reported_once_as_a_death(self, fresh_executor: ExecutorFactory) -> None:
@@ -316,25 +307,19 @@ class LifecycleTests(KitBase):
         :class:`WorkerDiedError` naming it, never the survivor's error; by the time the
         caller sees it, the failure callbacks have run once and the state is ``failed``, so
         a ``shutdown()`` at once loses nothing and leaves nothing behind. ``kill_checks``
-        times, each on a fresh executor.
-
-        Runs only where ``workers_are_processes`` is True and there are two ranks or more."""
-        if not self.workers_are_processes:
-            pytest.skip("workers_are_processes is False: no worker process to kill")
+        times, each on a fresh executor (where a rank other than the reply rank runs in a
+        worker process of its own)."""
         for attempt in range(self.kill_checks):
             executor = fresh_executor()
             failures: list[ExecutorFailedError] = []
             executor.register_failure_callback(failures.append)
-            pids: list[int] = executor.collective_rpc("get_pid", timeout=30)
-            others = [rank for rank, pid in enumerate(pids) if pid not in (os.getpid(), pids[0])]
-            if not others:
-                pytest.skip("no rank but the reply rank runs in a process of its own")
-            victim = others[-1]
+            pids = self.worker_processes(executor)
+            victim, pid = self.victim(pids, avoid=[pids[0]])
             future = executor.collective_rpc(
-                _collective_with, args=(victim, pids[victim]), non_block=True, unique_reply_rank=0
+                _collective_with, args=(victim, pid), non_block=True, unique_reply_rank=0
             )
             time.sleep(0.2)  # the call reached the workers
-            os.kill(pids[victim], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             try:
                 error = future.exception(timeout=self.settle_s)
             except TimeoutError:
@@ -342,13 +327,12 @@ class LifecycleTests(KitBase):
             state, reported = executor.state, list(failures)
             self.assert_prompt_shutdown(executor, "at once after a worker's death")
             where = f"(kill {attempt + 1} of {self.kill_checks})"
-            died = isinstance(error, WorkerDiedError) and victim in error.ranks
-            assert died, (
+            assert isinstance(error, WorkerDiedError), f"rule broken: not a death: {error!r}"
+            assert victim in error.ranks, (
                 f"rule broken: a call in flight on a dying rank raises WorkerDiedError naming "
                 f"rank {victim}, even when a survivor's error comes first, not {error!r} {where}"
             )
-            told = [type(failure) for failure in reported]
-            assert told == [WorkerDiedError], (
+            assert [type(f) for f in reported] == [WorkerDiedError], (
                 f"rule broken: the failure callbacks have run once when the caller sees the "
                 f"death: {reported} {where}"
             )
@@ -357,5 +341,5 @@ class LifecycleTests(KitBase):
                 f"{where}"
             )
             assert failures == reported, f"rule broken: callbacks ran again: {failures} {where}"
-            alive = pids_alive([p for p in pids if p != os.getpid()], self.settle_s)
+            alive = pids_alive([p for p in pids if p], self.settle_s)
             assert not alive, f"rule broken: worker processes {alive} still run {where}"

@@ -1,10 +1,11 @@
-"""Conformance kit, pipeline and capabilities: what the backend declares is what it does."""
+"""Pipeline and limits: what the backend declares is what it does."""
 
 from __future__ import annotations
 
 import pytest
 
-from .._errors import ExecutorError
+from executor_core import ExecutorError
+
 from ._base import ExecutorFactory, KitBase
 
 __all__ = ["PipelineTests"]

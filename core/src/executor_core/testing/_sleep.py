@@ -1,12 +1,11 @@
-"""Conformance kit, sleep: the executor's sleep tags follow the workers'."""
+"""Sleep: the executor's sleep tags follow the workers'."""
 
 from __future__ import annotations
 
 import pytest
 
-from .._errors import SleepStateError
-from .._executor import Executor
-from .._worker import SLEEP_TAGS
+from executor_core import SLEEP_TAGS, Executor, SleepStateError
+
 from ._base import KitBase
 
 __all__ = ["SleepTests"]

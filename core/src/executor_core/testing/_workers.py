@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._worker import SLEEP_TAGS, WorkerBase, WorkerContext
+from executor_core import SLEEP_TAGS, WorkerBase, WorkerContext
+
+from ._guard import process_identity
 
 __all__ = ["ConformanceWorker", "UnpicklableError"]
 
@@ -30,23 +31,19 @@ class UnpicklableError(Exception):
 def _called_by_the_wrapper() -> bool:
     """True if the caller of our caller is ``WorkerWrapper.shutdown`` (which runs the
     ``executor_worker_stopping`` hook just before it calls the worker's ``shutdown``)."""
-    from .._wrapper import WorkerWrapper
+    from executor_core.backend import WorkerWrapper
 
-    frame = sys._getframe(2)
-    return frame.f_code is WorkerWrapper.shutdown.__code__
+    return sys._getframe(2).f_code is WorkerWrapper.shutdown.__code__
 
 
 class ConformanceWorker(WorkerBase):
     """A worker with small, observable methods for the conformance kit.
 
-    ``marker_dir``: a directory where :meth:`shutdown` leaves ``shutdown-<rank>`` (with
-    ``wrapper`` in it when the core's wrapper called it, so the stopping hook ran too), and
-    :meth:`load_model` ``load-<rank>-<pid>`` as it starts (the recovery tests find the
-    processes of a restart there). ``load_s``: seconds :meth:`load_model` takes.
-    ``preload``: modules :meth:`load_model` imports (so that a test's first call does not
-    import them: the hang tests' calls are watched). ``gloo``: :meth:`init_device` joins a
-    gloo process group at the context's rendezvous, as a real model's workers do (a new rank
-    then waits there for the survivors of a rank replacement).
+    ``marker_dir``: where :meth:`shutdown` leaves ``shutdown-<rank>`` (``wrapper`` in it when
+    the core's wrapper called it, so the stopping hook ran too) and :meth:`load_model`
+    ``load-<rank>-<pid>``. ``load_s``: seconds :meth:`load_model` takes. ``preload``: modules
+    it imports (so that a watched call does not). ``gloo``: :meth:`init_device` joins a gloo
+    group at the context's rendezvous, as a real model's workers do.
     """
 
     def __init__(
@@ -61,19 +58,14 @@ class ConformanceWorker(WorkerBase):
         gloo: bool = False,
     ) -> None:
         super().__init__(context=context)
-        self.gloo = gloo
+        self.tag, self.fail_init_on_rank, self.marker_dir = tag, fail_init_on_rank, marker_dir
+        self.load_s, self.preload, self.gloo = load_s, preload, gloo
         self.group: Any = None
-        self.load_s = load_s
-        self.preload = preload
-        self.tag = tag
-        self.fail_init_on_rank = fail_init_on_rank
-        self.marker_dir = marker_dir
         self.recorded: list[Any] = []
         self.asleep: set[str] = set()
         self.sleep_level = 0
         self.healthy = True
-        self.initialised = False
-        self.loaded = False
+        self.initialised = self.loaded = False
 
     def init_device(self) -> None:
         """Fail on purpose on ``fail_init_on_rank``; otherwise mark the device ready."""
@@ -86,19 +78,22 @@ class ConformanceWorker(WorkerBase):
         self.initialised = True
 
     def load_model(self) -> None:
-        """Mark the model loaded (after ``load_s`` seconds; see the class docstring)."""
+        """Mark the model loaded (see the class docstring)."""
         if self.marker_dir:
-            marker = os.path.join(self.marker_dir, f"load-{self.rank}-{os.getpid()}")
-            with open(marker, "w"):
-                pass
-        if self.load_s:
-            time.sleep(self.load_s)
+            Path(self.marker_dir, f"load-{self.rank}-{os.getpid()}").touch()
+        time.sleep(self.load_s)
         for module in self.preload:
             importlib.import_module(module)
         self.loaded = True
 
     def get_rank(self) -> int:
         """This worker's rank."""
+        return self.rank
+
+    def rank_in_reverse(self, step_s: float) -> int:
+        """This worker's rank, after ``(world_size - 1 - rank) * step_s``: the highest rank
+        answers first (replies labelled by their order of arrival show)."""
+        time.sleep((self.world_size - 1 - self.rank) * step_s)
         return self.rank
 
     def get_context(self) -> WorkerContext:
@@ -112,6 +107,10 @@ class ConformanceWorker(WorkerBase):
     def get_pid(self) -> int:
         """The pid of the process hosting this worker."""
         return os.getpid()
+
+    def get_process(self) -> tuple[int, str]:
+        """This process: its pid, and its ``process_identity`` (machine, namespace, start)."""
+        return os.getpid(), process_identity()
 
     def get_tag(self) -> str:
         """The ``tag`` worker kwarg."""
@@ -130,10 +129,12 @@ class ConformanceWorker(WorkerBase):
         time.sleep(seconds)
         return self.rank, value
 
-    def hang(self, seconds: float, on_rank: int) -> int:
-        """On ``on_rank``, sleep ``seconds`` (a rank hung in a call); return the rank."""
-        if self.rank == on_rank:
-            time.sleep(seconds)
+    def hold(self, release: str, on_rank: int, max_s: float) -> int:
+        """On ``on_rank``, wait until the file ``release`` exists (at most ``max_s``): a rank
+        hung in a call until the kit lets it go. Return the rank."""
+        deadline = time.monotonic() + max_s
+        while self.rank == on_rank and not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return self.rank
 
     def fail(self, message: str, on_rank: int | None = None) -> int:
@@ -143,8 +144,7 @@ class ConformanceWorker(WorkerBase):
         return self.rank
 
     def fail_later_on_lower_ranks(self, delay_s: float) -> None:
-        """Raise on every rank; the lower the rank, the later (rank r waits ``(n-1-r) *
-        delay_s``), so the highest rank's failure arrives first."""
+        """Raise on every rank, rank r after ``(world_size - 1 - r) * delay_s``."""
         time.sleep((self.world_size - 1 - self.rank) * delay_s)
         raise ValueError(f"failed on rank {self.rank}")
 
@@ -158,8 +158,7 @@ class ConformanceWorker(WorkerBase):
         return len(self.recorded)
 
     def record_slowly(self, item: Any, seconds: float) -> int:
-        """:meth:`record` ``item``, then sleep ``seconds`` (a call that is seen to have run
-        even when its caller stopped waiting for it)."""
+        """:meth:`record` ``item``, then sleep ``seconds``."""
         length = self.record(item)
         time.sleep(seconds)
         return length
@@ -208,10 +207,6 @@ class ConformanceWorker(WorkerBase):
         """Raise RuntimeError while unhealthy."""
         if not self.healthy:
             raise RuntimeError(f"rank {self.rank} is unhealthy")
-
-    def thread_name(self) -> str:
-        """The name of the thread running this call."""
-        return threading.current_thread().name
 
     def shutdown(self) -> None:
         """Leave ``shutdown-<rank>`` in ``marker_dir`` (saying whether the wrapper called)."""
