@@ -7,29 +7,32 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from executor_core import Executor, ExecutorConfig, RPCTimeoutError, create_executor
+from executor_core import (
+    Executor,
+    ExecutorConfig,
+    ExecutorState,
+    RPCTimeoutError,
+    WorkerDiedError,
+    create_executor,
+)
 from executor_core.backend import BackendSpec, Registry, default_registry
 
-from ._guard import process_identity, time_limit
+from ._guard import process_identity, time_limit, wait_until
 from ._workers import ConformanceWorker
-
-__all__ = ["ExecutorFactory", "KitBase", "check_reply_ranks", "conformance_config"]
 
 #: Builds a started executor: ``make(registry=None, **config_overrides)``.
 ExecutorFactory = Callable[..., Executor]
 
 
 def conformance_config(backend: str | type, **overrides: Any) -> ExecutorConfig:
-    """An ExecutorConfig that runs :class:`ConformanceWorker` on ``backend``.
-
-    ``world_size=N`` is accepted as a shorthand for ``tensor_parallel_size=N`` (divided by
-    ``pipeline_parallel_size`` when that is given).
-    """
+    """An ExecutorConfig that runs :class:`ConformanceWorker` on ``backend``; ``world_size``
+    stands for ``tensor_parallel_size`` times ``pipeline_parallel_size``."""
     world_size = overrides.pop("world_size", None)
     if world_size is not None and "tensor_parallel_size" not in overrides:
         overrides["tensor_parallel_size"] = world_size // overrides.get("pipeline_parallel_size", 1)
@@ -38,29 +41,30 @@ def conformance_config(backend: str | type, **overrides: Any) -> ExecutorConfig:
 
 
 def check_reply_ranks(executor: Executor, timeout: float, step_s: float = 0.0) -> None:
-    """Fail, naming the rule, unless every rank's reply comes back labelled with its rank.
-
-    Each worker returns its own rank; with ``step_s`` the highest rank answers first
-    (``rank_in_reverse``), so that replies labelled by their order of arrival show. A reply
-    under another rank's number leaves the true rank's place empty: the call has a
-    ``timeout`` so that this fails at once rather than as a hang in a later test.
-    """
+    """Fail unless every rank's reply comes labelled with its rank within ``timeout``; with
+    ``step_s`` the highest rank answers first (labels by order of arrival show)."""
     method, args = ("rank_in_reverse", (step_s,)) if step_s else ("get_rank", ())
     try:
         ranks = executor.collective_rpc(method, args=args, timeout=timeout)
     except RPCTimeoutError as exc:
         raise AssertionError(
             f"rule broken: replies carry the rank they came from; ranks {list(exc.ranks)} "
-            f"never answered {method} as themselves within {timeout:g} s (deliver(seq, rank, "
-            "...) with the rank that ran the call)"
+            f"never answered as themselves within {timeout:g} s"
         ) from exc
-    wrong = [f"rank {r}'s place holds {got!r}" for r, got in enumerate(ranks) if got != r]
-    assert len(ranks) == executor.world_size, f"rule broken: one result per rank, not {ranks}"
-    assert not wrong, (
-        f"rule broken: replies carry the rank they came from, one per rank in rank order: "
-        f"{ranks} ({'; '.join(wrong)}; deliver each reply with the rank that ran the call, "
-        "whatever order replies arrive in)"
+    assert ranks == list(range(executor.world_size)), (
+        f"rule broken: replies carry the rank they came from, one per rank in rank order, "
+        f"whatever order they arrive in: got {ranks}"
     )
+
+
+def in_threads(count: int, target: Callable[[int], object]) -> None:
+    """Run ``target(i)`` on ``count`` threads at once; fail if one raises or takes 2 minutes."""
+    pool = ThreadPoolExecutor(count)
+    try:
+        for future in [pool.submit(target, i) for i in range(count)]:
+            future.result(timeout=120)
+    finally:
+        pool.shutdown(wait=False)
 
 
 class KitBase:
@@ -85,17 +89,13 @@ class KitBase:
     slow_call_s: ClassVar[float] = 1.0
     #: Name prefixes of threads the backend keeps for its session across executors.
     session_threads: ClassVar[tuple[str, ...]] = ()
-    #: False if the backend's session keeps descriptors across executors (a cluster client's
-    #: sockets), so that descriptors cannot be attributed to one executor.
+    #: False if the backend's session keeps descriptors across executors (a cluster client).
     check_fds: ClassVar[bool] = True
-    #: Seconds ``shutdown()`` may take with a rank hung in a call (the backend's grace
-    #: periods before it stops the rank by force).
+    #: Seconds ``shutdown()`` may take with a rank hung (its grace before force).
     shutdown_s: ClassVar[float] = 30.0
-    #: Bytes of a call that no queue or ring of the backend holds whole (``mp``'s broadcast
-    #: ring holds 64 MiB at its defaults): with a rank hung it must still fail by its deadline.
+    #: Bytes of a call that no queue or ring of the backend holds whole (``mp``'s: 64 MiB).
     large_call_bytes: ClassVar[int] = 80 << 20
-    #: Name prefixes of entries in ``tempfile.gettempdir()`` that outlive an executor on
-    #: purpose (a cluster client's session directory).
+    #: Name prefixes of ``tempfile.gettempdir()`` entries the backend's session keeps.
     session_temp_files: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -106,18 +106,12 @@ class KitBase:
                 f"{cls.__name__} must set backend = '<your backend name>' (or override "
                 "the executor_factory fixture)"
             )
-        pp = overrides.pop("pipeline_parallel_size", cls.pipeline_parallel_size)
-        world_size = overrides.pop("world_size", cls.world_size)
-        if "num_nodes" not in overrides and world_size % cls.num_nodes == 0:
+        overrides.setdefault("pipeline_parallel_size", cls.pipeline_parallel_size)
+        overrides.setdefault("world_size", cls.world_size)
+        if "num_nodes" not in overrides and overrides["world_size"] % cls.num_nodes == 0:
             overrides["num_nodes"] = cls.num_nodes
         options = {**cls.backend_options, **overrides.pop("backend_options", {})}
-        return conformance_config(
-            cls.backend,
-            world_size=world_size,
-            pipeline_parallel_size=pp,
-            backend_options=options,
-            **overrides,
-        )
+        return conformance_config(cls.backend, backend_options=options, **overrides)
 
     @classmethod
     def reply_probe_s(cls) -> float:
@@ -133,38 +127,68 @@ class KitBase:
         return None
 
     def worker_processes(self, executor: Executor) -> list[int | None]:
-        """Each rank's pid where its worker runs in a process of its own on this machine
-        (one the kit may kill, stop and inspect: its ``process_identity`` is the same seen
-        from here), else None (the driver's process, or out of reach)."""
+        """Each rank's pid where it runs in a process of its own on this machine (the same
+        ``process_identity`` seen from here), else None: the ones the kit may kill."""
         found = executor.collective_rpc("get_process", timeout=self.reply_probe_s())
         mine = os.getpid()
         return [p if p != mine and who and who == process_identity(p) else None for p, who in found]
 
     def victim(self, pids: list[int | None], avoid: Iterable[int | None] = ()) -> tuple[int, int]:
-        """``(rank, pid)`` of the highest rank of ``pids`` (:meth:`worker_processes`) in a
-        process of its own, not one of ``avoid``; the test is skipped where there is none."""
+        """``(rank, pid)`` of the highest rank of ``pids`` with a process (not in ``avoid``);
+        the test is skipped where there is none."""
         avoid = set(avoid)
         found = [(r, pid) for r, pid in enumerate(pids) if pid is not None and pid not in avoid]
         if not found:
             pytest.skip("no rank runs in a worker process of its own on this machine")
         return found[-1]
 
+    def died(
+        self, future: Future[Any], victim: int, rule: str, within_s: float = 0
+    ) -> WorkerDiedError:
+        """``future``'s ``WorkerDiedError`` naming ``victim``, within ``within_s`` or
+        ``settle_s``."""
+        within_s = within_s or self.settle_s
+        try:
+            error = future.exception(timeout=within_s)
+        except TimeoutError:
+            pytest.fail(f"rule broken: {rule}; the call still waits after {within_s:g} s")
+        assert isinstance(error, WorkerDiedError), f"rule broken: {rule} (not {error!r})"
+        assert victim in error.ranks, f"rule broken: {rule} (naming {error.ranks}, not {victim})"
+        return error
+
+    def wait_running(self, executor: Executor, what: str, within_s: float) -> float:
+        """Seconds until ``executor`` runs again; fail if it failed, or took over ``within_s``."""
+        start, ends = time.monotonic(), (ExecutorState.RUNNING, ExecutorState.FAILED)
+        wait_until(lambda: executor.state in ends, within_s, 0.02)
+        state, took = executor.state, time.monotonic() - start
+        assert state is not ExecutorState.FAILED, (
+            f"rule broken: {what}: the executor failed instead of recovering: {executor.failure!r}"
+        )
+        assert state is ExecutorState.RUNNING, (
+            f"rule broken: {what}: the executor is back within {within_s:g} s (state {state} "
+            f"after {took:.1f} s)"
+        )
+        return took
+
+    def hold_last_rank(self, executor: Executor, release: Path) -> Future[list[Any]]:
+        """Hold the highest rank in a call until the file ``release`` exists."""
+        hold = (str(release), executor.world_size - 1, self.time_limit_s)
+        return executor.collective_rpc("hold", args=hold, non_block=True)
+
     def assert_prompt_shutdown(
         self, executor: Executor, when: str, release: Path | None = None
     ) -> None:
-        """Shut ``executor`` down; fail unless it returned within :attr:`shutdown_s`. A rank
-        held by ``hold(release, ...)`` is let go once that bound has passed (or after)."""
-        timer = threading.Timer(self.shutdown_s, release.touch) if release else None
+        """Shut ``executor`` down within :attr:`shutdown_s` (a rank held until ``release`` is
+        let go then)."""
+        timer = threading.Timer(self.shutdown_s, release.touch if release else lambda: None)
         start = time.monotonic()
-        if timer:
-            timer.start()
+        timer.start()
         try:
             executor.shutdown()
         finally:
             took = time.monotonic() - start
-            if timer and release:
-                timer.cancel()
-                timer.join()
+            timer.cancel()
+            if release:
                 release.touch()
         assert took < self.shutdown_s, (
             f"rule broken: shutdown() {when} returns within {self.shutdown_s:g} s (took "

@@ -1,7 +1,6 @@
-"""What keeps the kit honest about time and leftovers: a time limit that turns a hang into a
-failure naming the rule; which processes are an executor's workers on this machine; and what
-the driver and those workers hold (threads, descriptors, /dev/shm, temporary files), so that
-only what the executor under test made must be gone after it."""
+"""Time and leftovers: a time limit that fails a hang naming the rule; which processes are an
+executor's workers; what the driver and they hold (Linux's /proc), to check that what the
+executor made, and only that, is gone after it."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import contextlib
 import gc
 import multiprocessing.util
 import os
-import shutil
 import signal
 import tempfile
 import threading
@@ -17,22 +15,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import FrameType
+from unittest import mock
 
 import attrs
-
-__all__ = [
-    "ConformanceTimeout",
-    "Footprint",
-    "pids_alive",
-    "private_tempdir",
-    "process_identity",
-    "resources",
-    "running",
-    "shm_held",
-    "temp_leftovers",
-    "time_limit",
-    "wait_until",
-]
 
 SHM = "/dev/shm/"
 
@@ -44,10 +29,8 @@ class ConformanceTimeout(AssertionError):
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str) -> Iterator[None]:
     """Fail with :class:`ConformanceTimeout` if the block runs past ``seconds`` (SIGALRM, in
-    the main thread only; a timer already set, pytest-timeout's, is put back afterwards)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "setitimer"
-    ):
+    the main thread; a timer already set is put back after)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -58,8 +41,7 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
         )
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    outer_s, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
-    started = time.monotonic()
+    outer_s, started = signal.setitimer(signal.ITIMER_REAL, seconds)[0], time.monotonic()
     try:
         yield
     finally:
@@ -70,190 +52,156 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
 
 
-def process_identity(pid: int | str = "self") -> str:
-    """The machine (boot id), pid namespace and start time of process ``pid`` as this process
-    sees it ("" where /proc cannot tell): a pid a worker reports is a process the kit may
-    kill, stop and inspect only where the worker's own identity is the same."""
+def wait_until(condition: Callable[[], object], within_s: float, every_s: float = 0.01) -> bool:
+    """Whether ``condition()`` came true within ``within_s`` (polled every ``every_s``)."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return bool(condition())
+
+
+def _read(path: str | Path) -> str:
+    """A file's text ("" where it cannot be read: gone, not ours, or not Linux)."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink(f"/proc/{pid}/ns/pid")
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _listdir(path: str | Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: state first ([] if gone)."""
+    return _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+
+
+def process_identity(pid: int | str = "self") -> str:
+    """Process ``pid``'s machine (boot id), pid namespace and start time ("" where unknown):
+    a pid a worker reports is that process only where its own identity is the same."""
+    try:
+        namespace, started = os.readlink(f"/proc/{pid}/ns/pid"), _stat(pid)[19]
     except (OSError, IndexError):
         return ""
-    return f"{boot} {namespace} {started}"
+    return f"{_read('/proc/sys/kernel/random/boot_id').strip()} {namespace} {started}"
+
+
+def freeze(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (the signal lands asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = wait_until(lambda: _stat(pid)[:1] in (["T"], ["t"]), within_s, 0.001)
+    assert stopped, f"process {pid} not stopped {within_s:g} s after SIGSTOP"
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has: it runs no code)."""
+    return _stat(pid)[:1] in ([], ["Z"], ["X"])
+
+
+def pids_alive(pids: Iterable[int], within_s: float) -> list[int]:
+    """Those of ``pids`` still running after up to ``within_s``."""
+    pids = list(pids)
+    wait_until(lambda: all(ended(pid) for pid in pids), within_s, 0.05)
+    return [pid for pid in pids if not ended(pid)]
 
 
 def _fds(pid: int | str = "self") -> dict[str, str]:
-    """Process ``pid``'s open descriptors and what each points at ({} where /proc cannot
-    tell: not Linux, or not ours to read)."""
+    """Process ``pid``'s open descriptors and what each points at."""
     found = {}
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    for fd in _listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
     return found
 
 
 def _shm_maps(pid: int | str = "self") -> dict[str, str]:
     """The /dev/shm files process ``pid`` maps: inode -> path (``(deleted)`` once unlinked)."""
-    try:
-        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    except OSError:
-        return {}
-    fields = (line.split(maxsplit=5) for line in lines)
+    fields = (line.split(maxsplit=5) for line in _read(f"/proc/{pid}/maps").splitlines())
     return {f[4]: f[5] for f in fields if len(f) == 6 and f[5].startswith(SHM)}
 
 
 def shm_held(pids: Iterable[int]) -> set[str]:
-    """The /dev/shm names (not yet unlinked) that processes ``pids`` hold open or mapped."""
-    names: set[str] = set()
-    for pid in pids:
-        for path in (*_fds(pid).values(), *_shm_maps(pid).values()):
-            if path.startswith(SHM) and not path.endswith(" (deleted)"):
-                names.add(path)
-    return names
-
-
-def _shm_names() -> frozenset[str]:
-    with contextlib.suppress(OSError):
-        return frozenset(SHM + name for name in os.listdir(SHM))
-    return frozenset()
+    """The /dev/shm names (not unlinked) that processes ``pids`` hold open or mapped."""
+    paths = {p for pid in pids for p in (*_fds(pid).values(), *_shm_maps(pid).values())}
+    return {p for p in paths if p.startswith(SHM) and not p.endswith(" (deleted)")}
 
 
 @attrs.define
 class Footprint:
-    """The driver's threads, descriptors and /dev/shm mappings at one moment, and the /dev/shm
-    names that the driver and an executor's worker processes were seen to hold since (and
-    did not exist then): what the executor made, which must be gone after it."""
+    """The driver's threads, descriptors and /dev/shm mappings now, and the /dev/shm names
+    (new since) that it and an executor's worker processes were seen to hold: what must be
+    gone after the executor (but threads named ``session_threads*``)."""
 
-    threads: frozenset[int]
-    fds: frozenset[str]
-    maps: frozenset[str]
-    shm: frozenset[str]
+    session_threads: tuple[str, ...]
+    check_fds: bool
+    threads: frozenset[int | None] = attrs.field(
+        factory=lambda: frozenset(t.ident for t in threading.enumerate())
+    )
+    fds: frozenset[str] = attrs.field(factory=lambda: frozenset(_fds()))
+    maps: frozenset[str] = attrs.field(factory=lambda: frozenset(_shm_maps()))
+    shm: frozenset[str] = attrs.field(factory=lambda: frozenset(SHM + n for n in _listdir(SHM)))
     held: set[str] = attrs.field(factory=set)
 
-    @classmethod
-    def take(cls) -> Footprint:
-        """The state now."""
-        idents = frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
-        return cls(idents, frozenset(_fds()), frozenset(_shm_maps()), _shm_names())
-
-    def note(self, pids: Iterable[int]) -> None:
+    def note(self, pids: Iterable[int | None]) -> None:
         """Record the /dev/shm names the driver and worker processes ``pids`` hold now."""
-        self.held |= shm_held([os.getpid(), *pids]) - self.shm
+        self.held |= shm_held([os.getpid(), *(p for p in pids if p)]) - self.shm
 
-    def leftovers(self, session_threads: Iterable[str] = (), check_fds: bool = True) -> list[str]:
-        """What the executor made that is still here (threads named ``session_threads*`` are
-        the backend's session's and allowed; ``check_fds=False``: descriptors are not checked)."""
-        prefixes = tuple(session_threads)
-        found = [
-            f"thread {t.name!r}"
-            for t in threading.enumerate()
-            if t.ident not in self.threads and t.is_alive() and not t.name.startswith(prefixes)
-        ]
-        if check_fds:
-            found += [
-                f"fd {fd} -> {target}"
-                for fd, target in sorted(_fds().items())
-                if fd not in self.fds and "/proc/" not in target  # the listing's own fd
+    def leftovers(self, within_s: float) -> list[str]:
+        """What the executor made that is still here after up to ``within_s``."""
+
+        def left() -> list[str]:
+            found = [
+                f"thread {t.name!r}"
+                for t in threading.enumerate()
+                if t.ident not in self.threads and not t.name.startswith(self.session_threads)
             ]
-        maps = _shm_maps()
-        found += [f"a mapping of {maps[inode]}" for inode in sorted(set(maps) - self.maps)]
-        return found + sorted(name for name in self.held if os.path.exists(name))
+            fds = _fds() if self.check_fds else {}
+            new = {fd: to for fd, to in fds.items() if fd not in self.fds and "/proc/" not in to}
+            found += [f"fd {fd} -> {to}" for fd, to in new.items()]
+            maps = _shm_maps()
+            found += [f"a mapping of {maps[inode]}" for inode in set(maps) - self.maps]
+            return found + [name for name in self.held if os.path.exists(name)]
 
-    def wait_clean(
-        self, within_s: float, session_threads: Iterable[str] = (), check_fds: bool = True
-    ) -> list[str]:
-        """:meth:`leftovers`, polled until none are left or ``within_s`` passed."""
-        deadline = time.monotonic() + within_s
-        while (left := self.leftovers(session_threads, check_fds)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return left
+        wait_until(lambda: not left(), within_s, 0.05)
+        return sorted(left())
 
 
 def resources() -> dict[str, int]:
-    """Counts of what the driver holds: threads, descriptors, /dev/shm mappings, live objects
-    of the SDK's and its backends' classes (``executor_*`` modules), and RSS bytes."""
+    """The driver's threads, descriptors, /dev/shm mappings, ``executor_*`` objects, RSS."""
     gc.collect()
-    objects = sum(
-        1 for o in gc.get_objects() if getattr(type(o), "__module__", "").startswith("executor_")
-    )
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except OSError:  # not Linux: descriptors, mappings and RSS read as 0
-        pages = 0
+    objects = [getattr(type(o), "__module__", "") for o in gc.get_objects()]
+    pages = int((_read("/proc/self/statm").split() or ["0", "0"])[1])
     return {
         "threads": threading.active_count(),
         "fds": len(_fds()),
         "shm mappings": len(_shm_maps()),
-        "objects": objects,
+        "objects": sum(1 for module in objects if module.startswith("executor_")),
         "rss": pages * os.sysconf("SC_PAGE_SIZE"),
     }
 
 
-def wait_until(condition: Callable[[], object], within_s: float, every_s: float = 0.01) -> bool:
-    """Whether ``condition()`` came true within ``within_s`` (polled every ``every_s``)."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(every_s)
-    return True
-
-
-def pids_alive(pids: Iterable[int], within_s: float) -> list[int]:
-    """The processes among ``pids`` still running after up to ``within_s`` (zombies count as
-    ended: they run no code)."""
-    pids, deadline = list(pids), time.monotonic() + within_s
-    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not: it runs no code)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-
-
 @contextlib.contextmanager
 def private_tempdir() -> Iterator[Path]:
-    """Point ``tempfile.gettempdir()`` at a fresh, empty directory for the block, in this
-    process (``tempfile.tempdir``) and in those it starts (``TMPDIR``), so that what a backend
-    leaves there is told from what other programs leave; removed afterwards. This process's
-    ``multiprocessing`` directory (kept until it exits) is made first, in the real one."""
-    multiprocessing.util.get_temp_dir()
-    saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
-    path = Path(tempfile.mkdtemp(prefix="executor-kit-tmp-"))
-    tempfile.tempdir = os.environ["TMPDIR"] = str(path)
-    try:
-        yield path
-    finally:
-        tempfile.tempdir = saved_dir
-        if saved_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved_env
-        shutil.rmtree(path, ignore_errors=True)
+    """Point ``tempfile.gettempdir()`` (and ``TMPDIR``) at a fresh, empty directory for the
+    block, so that what a backend leaves there is told from what other programs leave."""
+    multiprocessing.util.get_temp_dir()  # this process's own, made in the real one
+    with (
+        tempfile.TemporaryDirectory(prefix="executor-kit-tmp-", ignore_cleanup_errors=True) as tmp,
+        mock.patch.dict(os.environ, TMPDIR=tmp),
+        mock.patch.object(tempfile, "tempdir", tmp),
+    ):
+        yield Path(tmp)
 
 
 def temp_leftovers(path: Path, within_s: float, allowed: Iterable[str] = ()) -> list[str]:
     """The entries of ``path`` (but those named ``allowed*``) still there after ``within_s``."""
-    prefixes = tuple(allowed)
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            left = sorted(p.name for p in path.iterdir() if not p.name.startswith(prefixes))
-        except OSError:
-            left = []
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
+
+    def left() -> list[str]:
+        return sorted(name for name in _listdir(path) if not name.startswith(tuple(allowed)))
+
+    wait_until(lambda: not left(), within_s, 0.05)
+    return left()
