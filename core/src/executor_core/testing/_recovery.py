@@ -225,9 +225,9 @@ class RecoveryTests(KitBase):
     def test_a_second_death_during_the_recovery(
         self, fresh_executor: ExecutorFactory, tmp_path: Path
     ) -> None:
-        """Rule: a worker of the restart killed while it loads its model (a second each)
+        """Rule: a worker of the restart killed while it loads its model (half a second)
         fails that attempt; the executor tries again, within the policy, and comes back."""
-        executor = self._recovering(fresh_executor, {"marker_dir": str(tmp_path), "load_s": 1.0})
+        executor = self._recovering(fresh_executor, {"marker_dir": str(tmp_path), "load_s": 0.5})
         loaded = set(tmp_path.glob("load-*"))
         self._kill(executor)
 
