@@ -173,7 +173,7 @@ class Footprint:
 def resources() -> dict[str, int]:
     """The driver's threads, descriptors, /dev/shm mappings, ``executor_*`` objects, RSS."""
     gc.collect()
-    objects = [getattr(type(o), "__module__", "") for o in gc.get_objects()]
+    objects = [str(getattr(type(o), "__module__", "")) for o in gc.get_objects()]
     pages = int((_read("/proc/self/statm").split() or ["0", "0"])[1])
     return {
         "threads": threading.active_count(),
