@@ -171,15 +171,16 @@ class Footprint:
 
 
 def resources() -> dict[str, int]:
-    """The driver's threads, descriptors, /dev/shm mappings, ``executor_*`` objects, RSS."""
+    """The driver's threads, descriptors, /dev/shm mappings, RSS, and objects of ``executor_*``
+    classes (but errors, which a log handler, pytest's say, may keep)."""
     gc.collect()
-    objects = [str(getattr(type(o), "__module__", "")) for o in gc.get_objects()]
+    kept = [str(type(o).__module__) for o in gc.get_objects() if not isinstance(o, Exception)]
     pages = int((_read("/proc/self/statm").split() or ["0", "0"])[1])
     return {
         "threads": threading.active_count(),
         "fds": len(_fds()),
         "shm mappings": len(_shm_maps()),
-        "objects": sum(1 for module in objects if module.startswith("executor_")),
+        "objects": sum(1 for module in kept if module.startswith("executor_")),
         "rss": pages * os.sysconf("SC_PAGE_SIZE"),
     }
 

@@ -12,6 +12,7 @@ import uuid
 import weakref
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest import mock
 
 import pytest
 
@@ -127,8 +128,8 @@ class LifecycleTests(KitBase):
         """Rule: ``config.env`` and the driver's ``NCCL_*`` reach every worker, not the driver."""
         name = f"EXECUTOR_CONFORMANCE_{uuid.uuid4().hex[:8].upper()}"
         forwarded, overridden = f"NCCL_{name}", f"TORCH_NCCL_{name}"
-        os.environ[forwarded] = os.environ[overridden] = "set-in-driver"
-        try:
+        driver_env = {forwarded: "set-in-driver", overridden: "set-in-driver"}
+        with mock.patch.dict(os.environ, driver_env):  # and put back after
             env = {name: "set-by-config", overridden: "set-by-config"}
             executor = fresh_executor(env=env, worker_kwargs={"tag": "kw"})
             assert executor.collective_rpc("get_tag") == ["kw"] * executor.world_size
@@ -144,9 +145,6 @@ class LifecycleTests(KitBase):
             assert (os.environ.get(name), os.environ.get(overridden)) == (None, "set-in-driver"), (
                 "rule broken: config.env does not leak into the driver's environment"
             )
-        finally:
-            os.environ.pop(forwarded, None)
-            os.environ.pop(overridden, None)
 
     def test_worker_init_failure_fails_creation(self, executor_factory: ExecutorFactory) -> None:
         with pytest.raises(ExecutorError) as info:

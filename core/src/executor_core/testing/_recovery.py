@@ -414,8 +414,7 @@ class HangTests(KitBase):
         preload = ("torch.distributed", "executor_core.torch")
         if self._probed():
             pytest.importorskip("torch")
-        kwargs = {"preload": preload}  # and no recovery: the declaration is the rule here
-        executor = self._hang_executor(fresh_executor, recovery=None, worker_kwargs=kwargs)
+        executor = self._hang_executor(fresh_executor, worker_kwargs={"preload": preload})
         sums = executor.collective_rpc(gloo_sum, self.time_limit_s, (True,))
         assert sums == [float(executor.world_size)] * executor.world_size
         self._freeze_during(executor, gloo_sum)

@@ -139,9 +139,7 @@ class ConformanceWorker(WorkerBase):
 
     def get_recorded(self, clear: bool = False) -> list[Any]:
         """What :meth:`record` has seen, in order (and forget it, with ``clear``)."""
-        recorded = list(self.recorded)
-        if clear:
-            self.recorded.clear()
+        recorded, self.recorded = self.recorded, [] if clear else list(self.recorded)
         return recorded
 
     def payload_size(self, data: bytes) -> int:
