@@ -180,11 +180,11 @@ class _MislabelledReplies(_Variant):
         super().start()
 
 
-class _RacySends(_Variant):
-    """Sends a call to each rank from a thread of its own, and labels replies by their order
-    of arrival (it forgot which rank's reply it read): the first reply to a call is rank
-    0's. Ranks that answer as fast as each other mostly answer in rank order, so that the
-    defect shows only where a higher rank answers first."""
+class _RepliesByArrival(_Variant):
+    """Labels replies by their order of arrival (it reads them from one queue and forgot
+    which rank's each is): the first reply to a call is rank 0's. Ranks that answer as fast
+    as each other often answer in rank order: the defect shows for sure only where a
+    higher rank answers first."""
 
     def start(self) -> None:
         host, arrived, lock = self.host, dict[int, int](), threading.Lock()
@@ -198,10 +198,36 @@ class _RacySends(_Variant):
         self.host = Host(host, host.wrapper)  # type: ignore[assignment]
         super().start()
 
-    def send(self, call: Call) -> bool:
+
+class _RacySends(_RepliesByArrival):
+    """:class:`_RepliesByArrival` that sends to each rank from a thread of its own (one outbox
+    per rank), so that the ranks' replies arrive in either order."""
+
+    def start(self) -> None:
+        super().start()
+        self.outboxes: list[queue.SimpleQueue[Call | None]] = []
+        self.senders = []
         for calls in self.queues:
-            threading.Thread(target=calls.put, args=(call,), daemon=True).start()
+            self.outboxes.append(queue.SimpleQueue())
+            self.senders.append(threading.Thread(target=_forward, args=(self.outboxes[-1], calls)))
+            self.senders[-1].start()
+
+    def send(self, call: Call) -> bool:
+        for outbox in self.outboxes:
+            outbox.put(call)
         return True
+
+    def close(self, graceful: bool) -> None:
+        for outbox in getattr(self, "outboxes", []):
+            outbox.put(None)
+        for sender in getattr(self, "senders", []):
+            sender.join(2.0)
+        super().close(graceful)
+
+
+def _forward(outbox: queue.SimpleQueue[Call | None], calls: Queue) -> None:
+    while (call := outbox.get()) is not None:
+        calls.put(call)
 
 
 def _leak_shm_segment(name: str) -> mmap.mmap:
@@ -387,6 +413,7 @@ BROKEN: dict[str, tuple[type[ThreadExecutor], str]] = {
         "a call that cannot be sent fails by its deadline",
     ),
     "racy_sends": (_executor(_RacySends), "replies carry the rank they came from"),
+    "replies_by_arrival": (_executor(_RepliesByArrival), "replies carry the rank they came from"),
     "unbounded_shutdown": (
         _executor(_variant("unbounded_shutdown")),
         "shutdown() with a rank hung",
@@ -402,8 +429,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
         "there is no worker process to kill"
     ),
 }
-
-_ = Queue
 
 
 # --- a backend of worker processes, for the recovery rules ----------------------------------
