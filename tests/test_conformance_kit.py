@@ -147,7 +147,7 @@ def test_kit_passes_the_correct_backend_beside_other_programs(tmp_path: Path) ->
         module = (
             "from executor_core.testing import ExecutorConformanceTests\n\n\n"
             "class TestThreads(ExecutorConformanceTests):\n"
-            "    backend = 'threads'\n    time_limit_s = 8.0\n"
+            "    backend = 'threads'\n    time_limit_s = 12.0\n"
             "    settle_s = 3.0\n    slow_call_s = 0.5\n    shutdown_s = 7.0\n"
         )
         code, output, _ = _pytest(tmp_path, module)
