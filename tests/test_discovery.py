@@ -20,7 +20,7 @@ from executor_core import (
     __version__,
     create_executor,
 )
-from executor_core._specs import ENTRY_POINT_GROUP
+from executor_core._registry import ENTRY_POINT_GROUP
 from executor_core.backend import Registry, default_registry
 from executor_core.testing import ConformanceWorker
 

@@ -23,6 +23,7 @@ DISTRIBUTIONS = {
     "bench": ("executor-bench", "executor_bench"),
     "reference": ("executor-reference", "executor_reference"),
     "plugins/otel": ("executor-plugin-otel", "executor_plugin_otel"),
+    "plugins/vllm": ("executor-vllm", "executor_vllm"),
 }
 
 
@@ -50,13 +51,16 @@ def test_installed_version_is_the_packages(directory: str) -> None:
 #: The most lines a script or a benchmark may have (one job per file).
 MAX_MODULE_LINES = 400
 
-#: Lines of Python a distribution's ``src/`` may hold, in all: budgets per distribution, not
-#: a cap per module, which was met by cutting classes into halves rather than by cutting
-#: work (a module is as long as its job). Today's ceilings: a change that adds lines finds
-#: them within its distribution's budget, or takes them out elsewhere in it. Set after issue
-#: 48; issues 50 and 51 lower them (the executor layer to about 15,000 lines in all).
+#: Lines of Python a distribution's ``src/`` may hold, in all (the core's kit and torch helpers
+#: counted apart): budgets per distribution, not a cap per module, which was met by cutting
+#: classes into halves rather than by cutting work (a module is as long as its job). A change
+#: that adds lines finds them within its distribution's budget, or takes them out elsewhere
+#: in it. Issue 50's targets: core 4,000, its kit 2,000, its torch helpers 1,100; issue 51's:
+#: channel 3,500, multiproc 1,800, ray 1,300, slurm 600, otel 450, uniproc 250.
 LINE_BUDGETS = {
-    "core": 9_900,
+    "core": 4_700,
+    "core/testing": 2_000,
+    "core/torch": 1_200,
     "channel": 7_900,
     "plugins/uniproc": 300,
     "plugins/multiproc": 2_900,
@@ -67,26 +71,35 @@ LINE_BUDGETS = {
     "examples/executor-cluster": 150,
     "bench": 3_200,
     "reference": 2_150,
+    "plugins/vllm": 800,
 }
+#: The parts of a distribution counted apart from it (by their folder in its package).
+_PARTS = {"core/testing": ("core", "testing"), "core/torch": ("core", "torch")}
 
 
-def _lines(directory: str) -> int:
+def _lines(part: str) -> int:
+    directory, sub = _PARTS.get(part, (part, ""))
     _, package = DISTRIBUTIONS[directory]
+    root = ROOT / directory / "src" / package
+    apart = [root / folder for d, folder in _PARTS.values() if d == directory and not sub]
+    paths = (root / sub).rglob("*.py")
     return sum(
-        path.read_text().count("\n") for path in (ROOT / directory / "src" / package).rglob("*.py")
+        path.read_text().count("\n")
+        for path in paths
+        if not any(path.is_relative_to(folder) for folder in apart)
     )
 
 
 def test_every_distribution_has_a_line_budget() -> None:
-    assert set(LINE_BUDGETS) == set(DISTRIBUTIONS)
+    assert set(LINE_BUDGETS) == set(DISTRIBUTIONS) | set(_PARTS)
 
 
-@pytest.mark.parametrize("directory", sorted(DISTRIBUTIONS))
-def test_each_distribution_is_within_its_line_budget(directory: str) -> None:
-    lines, budget = _lines(directory), LINE_BUDGETS[directory]
+@pytest.mark.parametrize("part", sorted(LINE_BUDGETS))
+def test_each_distribution_is_within_its_line_budget(part: str) -> None:
+    lines, budget = _lines(part), LINE_BUDGETS[part]
     assert lines <= budget, (
-        f"{directory}/src holds {lines} lines of Python, over its budget of {budget}: find "
-        "the lines within the distribution (what can go?) rather than raising the budget"
+        f"{part}/src holds {lines} lines of Python, over its budget of {budget}: find the "
+        "lines within the distribution (what can go?) rather than raising the budget"
     )
 
 

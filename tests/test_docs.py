@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from executor_core import _hookspecs
+from executor_core import _hooks as _hookspecs
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = sorted(

@@ -136,8 +136,8 @@ def _private_modules(package: Path) -> set[str]:
 
 
 def _hook_specs() -> set[str]:
-    """The functions marked ``@hookspec`` in executor_core._hookspecs."""
-    from executor_core import _hookspecs
+    """The functions marked ``@hookspec`` in executor_core._hooks."""
+    from executor_core import _hooks as _hookspecs
 
     marker = f"{_hookspecs.PROJECT_NAME}_spec"
     return {
@@ -333,8 +333,8 @@ def test_hooks_md_documents_every_hook_spec() -> None:
         _hook_specs(),
         sides["driver"] | sides["worker"],
         f"{HOOKS}'s '### hook' headings",
-        "an @hookspec function of executor_core._hookspecs",
-        "is no @hookspec function of executor_core._hookspecs",
+        "an @hookspec function of executor_core._hooks",
+        "is no @hookspec function of executor_core._hooks",
     )
     assert not problems, "\n".join(problems)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from executor_core import ExecutorConfig, create_executor
-from executor_core._thread_device import capture_thread_device
+from executor_core._wrapper import _device_setter
 from executor_core.torch import device_memory, pinned_host_bytes, release_pinned_host_memory
 from executor_core.torch._devices import _dist_backend
 from executor_reference import MODEL_SIZES, ensure_checkpoint, generate, make_prompts
@@ -92,16 +92,16 @@ def test_the_hidden_apis_are_gone(release: str) -> None:
 def test_the_cuda_device_is_carried_to_other_threads(
     release: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert capture_thread_device() is None  # nothing initialised, nothing to carry
+    assert _device_setter() is None  # nothing initialised, nothing to carry
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(
         torch.cuda, "set_device", lambda i: calls.append((threading.current_thread().name, i))
     )
-    device = capture_thread_device()
-    assert device is not None
-    thread = threading.Thread(target=device.bind, name="runner")
+    setter = _device_setter()
+    assert setter is not None
+    thread = threading.Thread(target=setter, name="runner")
     thread.start()
     thread.join()
     assert calls == [("runner", 1)]

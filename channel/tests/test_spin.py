@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from executor_channel import _spin
+from executor_channel.driver import ChannelTransport
 from executor_channel.shm import Spinner
 
 
@@ -247,12 +248,12 @@ def test_the_driver_counts_only_a_small_reply_that_came_during_a_lost_yield(
     from types import SimpleNamespace
 
     from executor_channel._codec import KIND_REPLY, encode
-    from executor_channel._driver import ChannelDriver
 
     with node_rings(0.01) as (rings, worker):
         delivered: list[tuple[int, int, bool, object]] = []
         host = SimpleNamespace(deliver=lambda *reply: delivered.append(reply))
-        driver = ChannelDriver(host, rings)  # type: ignore[arg-type]  # only deliver is used
+        driver = _Channel(host)  # type: ignore[arg-type]  # only deliver is used
+        driver.attach_channel(rings)
 
         def reply() -> None:
             parts, nbytes = encode(KIND_REPLY, True, 0, 7, bytes(size))
@@ -306,12 +307,12 @@ def test_the_driver_hands_the_cpu_off_after_a_small_call_only(
 ) -> None:
     from types import SimpleNamespace
 
-    from executor_channel._driver import ChannelDriver
     from executor_core.backend import Call
 
     with node_rings(0.01) as (rings, _worker):
         host = SimpleNamespace(while_blocked=lambda: None)
-        driver = ChannelDriver(host, rings)  # type: ignore[arg-type]  # send uses only this
+        driver = _Channel(host)  # type: ignore[arg-type]  # send uses only this
+        driver.attach_channel(rings)
         handoffs: list[bool] = []
         monkeypatch.setattr(rings.spinner, "handoff", lambda answered: handoffs.append(True))
         call = Call(
@@ -341,3 +342,13 @@ def test_a_worker_hands_the_cpu_off_after_a_small_reply_only(
             lambda method, args, kwargs, rank: (True, bytes(*args)), worker.calls, worker.replies, 0
         )
         assert handoffs == ([True] if handed_off else [])
+
+
+class _Channel(ChannelTransport):
+    """The channel's transport with nothing to start or stop (the rings are the test's)."""
+
+    def start(self) -> None:
+        pass
+
+    def close(self, graceful: bool) -> None:
+        pass

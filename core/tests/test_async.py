@@ -98,7 +98,7 @@ async def _until(predicate: Any, what: str) -> None:
 
 
 def _sender_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.endswith("-asyncio")]
+    return [t for t in threading.enumerate() if "-asyncio" in t.name]
 
 
 # --- the uni backend -------------------------------------------------------------------------

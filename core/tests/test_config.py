@@ -206,23 +206,23 @@ def test_preload_worker_imports_the_module_that_defines_the_class(
         preload_worker("spare_target:Nope")
 
 
-def test_keep_or_release_asks_the_host_that_runs_it() -> None:
-    """``TransportHost.keep_or_release``: after a rank replacement (``take_over``) the host
-    that took over decides: restarting, it keeps the value for the next incarnation;
-    shutting down, it releases it."""
+def test_keep_asks_the_host_that_runs_it() -> None:
+    """``TransportHost.keep``: after a rank replacement (``_take_over``) the host that took
+    over decides: restarting, it keeps the value for the next incarnation; shutting down, it
+    releases it."""
     from executor_core.backend import TransportHost
 
     config = ExecutorConfig(backend="uni", worker_cls="executor_core.testing:ConformanceWorker")
     for restarting in (True, False):
         released: list[str] = []
         first = TransportHost(config, "test", None)
-        first.keep_or_release("thing", "value", functools.partial(released.append, "thing"))
+        first.keep("thing", "value", functools.partial(released.append, "thing"))
         second = TransportHost(config, "test", None)
-        second.take_over(first)
+        second._take_over(first)
         first.restarting = not restarting  # the replaced host's state no longer counts
         second.restarting = restarting
-        second.release(False)
-        assert second.kept.get("thing", (None,))[0] == ("value" if restarting else None)
+        second._release(False)
+        assert second.take("thing") == ("value" if restarting else None)
         assert released == ([] if restarting else ["thing"])
 
 

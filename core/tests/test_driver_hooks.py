@@ -214,13 +214,13 @@ def test_mp_calls_and_a_killed_worker_are_observed(events: Events) -> None:
 
 
 def test_without_an_implementation_nothing_is_called(monkeypatch: pytest.MonkeyPatch) -> None:
-    from executor_core import _observe
+    from executor_core import _hooks
 
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("an observer hook ran with no implementation")
 
-    monkeypatch.setattr(_observe.CallObserver, "begin", refuse)
-    monkeypatch.setattr(_observe.CallObserver, "finished", refuse)
+    monkeypatch.setattr(_hooks.CallObserver, "started", refuse)
+    monkeypatch.setattr(_hooks.CallObserver, "finished", refuse)
     registry = _registry("uniproc")  # no observer plugin
     with create_executor(conformance_config("uni"), registry) as executor:
         assert executor.collective_rpc("get_rank") == [0]

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from executor_core._calls import Call, CallTable
 from executor_core._errors import ExecutorFailedError
-from executor_core._hangs import HangWatch
+from executor_core._recovery import HangWatch
 
 BOUND_S = 0.2
 
@@ -18,12 +18,16 @@ class _Host:
     ``worker_died``."""
 
     def __init__(self) -> None:
-        self.table = CallTable()
-        self.probe_lock = threading.Lock()
+        self._table = CallTable()
+        self._probe_lock = threading.Lock()
         self.died: list[ExecutorFailedError] = []
         self.declared = threading.Event()
 
-    def node_named(self, ranks: Sequence[int]) -> str | None:
+    @property
+    def table(self) -> CallTable:
+        return self._table
+
+    def _node_named(self, ranks: Sequence[int]) -> str | None:
         return "node-b" if list(ranks) == [1] else None
 
     def worker_died(self, error: ExecutorFailedError) -> None:
@@ -87,12 +91,12 @@ def test_the_host_names_the_node_of_ranks_where_the_job_spans_several() -> None:
     )
     host = TransportHost(config, "test", None)
     host.contexts(["a", "a", "b", "b"], init_method="tcp://127.0.0.1:1")
-    assert host.node_named([3]) == "b"
-    assert host.node_named([2, 3]) == "b"
-    assert host.node_named([1, 2]) is None
+    assert host._node_named([3]) == "b"
+    assert host._node_named([2, 3]) == "b"
+    assert host._node_named([1, 2]) is None
     single = TransportHost(config, "test", None)
     single.contexts(["a"] * 4, init_method="tcp://127.0.0.1:1")
-    assert single.node_named([3]) is None
+    assert single._node_named([3]) is None
 
 
 def test_a_call_that_completes_during_the_probe_declares_nobody() -> None:

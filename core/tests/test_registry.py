@@ -46,6 +46,11 @@ def _plugin(*specs: BackendSpec) -> object:
     return Plugin()
 
 
+def _executor_class(registry: Registry, name: str) -> type[Executor]:
+    """The executor class of backend ``name``, as ``create_executor`` resolves it."""
+    return Executor.get_class(_config(backend=name), registry)
+
+
 def _spec(name: str, *aliases: str, executor: str = "some_module:SomeExecutor") -> BackendSpec:
     return BackendSpec(name=name, aliases=aliases, executor=executor, description=f"{name} test")
 
@@ -91,7 +96,7 @@ def test_executor_class_is_imported_only_when_chosen(lazy_backend_module: str) -
     )
     assert registry.get("lazy").name == "lazy"
     assert lazy_backend_module not in sys.modules
-    cls = registry.executor_class("lazy")
+    cls = _executor_class(registry, "lazy")
     assert cls.__name__ == "LazyExecutor"
     assert issubclass(cls, Executor)
     assert lazy_backend_module in sys.modules
@@ -108,11 +113,11 @@ def test_executor_class_errors(lazy_backend_module: str) -> None:
         "p",
     )
     with pytest.raises(BackendLoadError, match="failed to import 'no_such_module_xyz:Executor'"):
-        registry.executor_class("missing-module")
+        _executor_class(registry, "missing-module")
     with pytest.raises(BackendLoadError, match="is not an Executor subclass"):
-        registry.executor_class("not-executor")
+        _executor_class(registry, "not-executor")
     with pytest.raises(BackendLoadError, match="pip install no-such-distribution-xyz"):
-        registry.executor_class("needs-dist")
+        _executor_class(registry, "needs-dist")
 
 
 def test_conflicts_are_reported_not_resolved() -> None:
@@ -404,9 +409,9 @@ def test_requires_takes_pep508_specifiers(lazy_backend_module: str) -> None:
         ),
         "p",
     )
-    assert registry.executor_class("met").__name__ == "LazyExecutor"
+    assert _executor_class(registry, "met").__name__ == "LazyExecutor"
     with pytest.raises(BackendLoadError) as info:
-        registry.executor_class("unmet")
+        _executor_class(registry, "unmet")
     message = str(info.value)
     installed_pytest = pytest.__version__
     assert f"pytest>=999 ({installed_pytest} installed)" in message
@@ -456,7 +461,7 @@ def test_plugin_for_another_core_is_listed_but_never_used() -> None:
     assert registry.get("uni").plugin == "uniproc"
     assert registry.resolve_name(_config(backend="auto")) == "uni"
     with pytest.raises(BackendLoadError) as info:
-        registry.executor_class("future")
+        _executor_class(registry, "future")
     message = str(info.value)
     for part in ("'future'", "future-plugin", "future-dist 9.0", "executor-core>=99", __version__):
         assert part in message

@@ -9,7 +9,7 @@ import cloudpickle
 import pytest
 
 from executor_core import WorkerBase, WorkerContext, hookimpl
-from executor_core._wire import dumps_method
+from executor_core._wrapper import dumps_method
 from executor_core.backend import Registry, RemoteFailure, WorkerWrapper
 from executor_core.testing import ConformanceWorker
 
@@ -74,7 +74,7 @@ def test_lifecycle_and_hooks(
     assert isinstance(wrapper.worker, ConformanceWorker)
     assert wrapper.run_method("get_tag") == "t"
     assert wrapper.run_method("get_env", ("EXECUTOR_WRAPPER_TEST",)) == "1"
-    ok, failure = wrapper.execute("fail", ("boom",))
+    ok, failure = wrapper.handle("fail", ("boom",))  # type: ignore[misc]  # a failure
     assert not ok
     assert isinstance(failure, RemoteFailure)
     assert failure.rank == 1
@@ -109,7 +109,7 @@ def test_unknown_method_and_uninitialised(observed: tuple[WorkerWrapper, _Observ
     with pytest.raises(RuntimeError, match="not initialised"):
         wrapper.run_method("get_rank")
     wrapper.init_worker()
-    ok, failure = wrapper.execute("nope")
+    ok, failure = wrapper.handle("nope")  # type: ignore[misc]  # a failure
     assert not ok
     assert "no method 'nope'" in failure.message
     error = pickle.loads(pickle.dumps(failure)).to_error()

@@ -1,10 +1,11 @@
-"""The driver's end of the channel, for any backend whose workers run out of process.
+"""The driver's end of the channel: :class:`ChannelTransport`, the base of every backend
+whose workers run out of process (``mp``, ``ray``).
 
-:class:`ChannelDriver` carries a backend's calls and replies: each call is encoded once,
-written into the driver node's rings (its ranks there read it) and sent through the hub to the
-members on other machines; replies come from the reply rings and the hub. A backend's
-``Transport`` makes the rings and the hub, starts its workers however it does (processes,
-Ray actors), and hands ``send``, ``poll`` and ``interrupt`` to this object.
+It carries the calls and replies: each call is encoded once, written into the driver node's
+rings (its ranks there read it) and sent through the hub to the members on other machines;
+replies come from the reply rings and the hub, read by the thread that waits
+(``polls = True``). A subclass starts its workers however it does (processes, Ray actors),
+makes the rings and the hub, and hands them to :meth:`ChannelTransport.attach_channel`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from executor_core import ExecutorClosedError, ExecutorError, ExecutorFailedError
-from executor_core.backend import Call, RemoteFailure, TransportHost
+from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
 from ._codec import KIND_READY, KIND_STOP, copied_whole, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
@@ -30,7 +31,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._hub import Hub  # zmq: imported by multi-node executors only
 
-__all__ = ["ChannelDriver"]
+__all__ = ["ChannelTransport"]
 
 _BROKEN = (
     "a call was interrupted half-way through a transfer that spans several ring slots (or a "
@@ -39,32 +40,23 @@ _BROKEN = (
 )
 
 
-class ChannelDriver:
-    """Sends calls to every rank and reads their replies: ``rings`` for the ranks on this
-    machine, ``hub`` (optional) for the ranks on others."""
+class ChannelTransport(Transport):
+    """Sends calls to every rank and reads their replies: :attr:`rings` for the ranks on this
+    machine, :attr:`hub` for the ranks on others (see the module). A subclass implements
+    ``start`` and ``close`` (and ``probe``, ``kill``, ``replace`` as it declares), and calls
+    :meth:`attach_channel` in ``start`` before it waits for its workers."""
 
-    def __init__(
-        self,
-        host: TransportHost,
-        rings: NodeRings | None,
-        hub: Hub | None = None,
-        reply_bell: Doorbell | None = None,
-    ) -> None:
-        self.host = host
-        self.rings = rings
-        self.hub = hub
-        if rings is not None:
-            self._calls_ring: Ring | None = rings.calls
-            self._reply_rings = rings.replies
-            self._reply_bell = rings.reply_bell
-            self._spinner = rings.spinner
-        else:  # no rank on this machine: the hub's doorbell wakes the driver
-            if reply_bell is None:
-                raise ValueError("without rings, give the reply_bell the hub rings")
-            self._calls_ring = None
-            self._reply_rings = []
-            self._reply_bell = reply_bell
-            self._spinner = Spinner(0.0)
+    polls = True
+
+    def __init__(self, host: TransportHost) -> None:
+        super().__init__(host)
+        #: The rings of the ranks on this machine, and the hub of the ranks on others.
+        self.rings: NodeRings | None = None
+        self.hub: Hub | None = None
+        self._calls_ring: Ring | None = None
+        self._reply_rings: list[Ring] = []
+        self._reply_bell: Doorbell | None = None
+        self._spinner = Spinner(0.0)
         #: Set by :meth:`interrupt`: blocked sends and polls return.
         self.aborted = False
         self._poll_both: select.poll | None = None
@@ -72,15 +64,37 @@ class ChannelDriver:
         #: The first failure reported before every rank was ready: the start raises it.
         self._start_error: ExecutorFailedError | None = None
 
-    def rebind(self, host: TransportHost) -> None:
-        """Rank replacement: carry on for ``host``, the executor's new one (its calls, its
-        failures); :meth:`interrupt` is undone."""
-        self.host = host
+    @property
+    def attached(self) -> bool:
+        """Whether :meth:`attach_channel` was called (the start got that far)."""
+        return self._reply_bell is not None
+
+    def attach_channel(
+        self, rings: NodeRings | None, hub: Hub | None = None, reply_bell: Doorbell | None = None
+    ) -> None:
+        """Carry calls through ``rings`` (this machine's ranks; None when it runs none: then
+        ``reply_bell`` is the doorbell the hub rings) and ``hub`` (set :attr:`hub` later if
+        the members join after)."""
+        self.rings, self.hub = rings, hub
+        if rings is not None:
+            self._calls_ring = rings.calls
+            self._reply_rings = rings.replies
+            self._reply_bell = rings.reply_bell
+            self._spinner = rings.spinner
+        else:  # no rank on this machine: the hub's doorbell wakes the driver
+            if reply_bell is None:
+                raise ValueError("without rings, give the reply_bell the hub rings")
+            self._reply_bell = reply_bell
+
+    def resume(self) -> None:
+        """Rank replacement: :meth:`interrupt` is undone (the core gave this transport its
+        new host already)."""
         self.aborted = False
 
     @property
     def reply_bell(self) -> Doorbell:
         """The doorbell that wakes the driver for replies (the hub rings it too)."""
+        assert self._reply_bell is not None, "attach_channel() first"
         return self._reply_bell
 
     def report_failure(self, error: ExecutorFailedError) -> None:
@@ -129,7 +143,7 @@ class ChannelDriver:
                     f"within startup_timeout={timeout:g} s (backend_options)"
                 )
             # Short naps: a worker that dies before its handshake rings no doorbell.
-            self._reply_bell.wait(min(deadline - now, 0.05))
+            self.reply_bell.wait(min(deadline - now, 0.05))
 
     @property
     def is_ready(self) -> bool:
@@ -232,7 +246,7 @@ class ChannelDriver:
         deliver = self.host.deliver
         abort = self._check_abort
         spinner = self._spinner
-        bell = self._reply_bell
+        bell = self.reply_bell
         remote = self.hub is not None
         sleeper = self._sleeper() if remote else None
         now = time.monotonic()
@@ -274,7 +288,7 @@ class ChannelDriver:
         if self._poll_both is None:
             assert self.hub is not None
             self._poll_both = select.poll()
-            self._poll_both.register(self._reply_bell.fd, select.POLLIN)
+            self._poll_both.register(self.reply_bell.fd, select.POLLIN)
             self._poll_both.register(self.hub.reply_fd, select.POLLIN)
         return self._poll_both
 
@@ -316,7 +330,8 @@ class ChannelDriver:
             self.rings.wake()
         else:
             with contextlib.suppress(OSError):
-                self._reply_bell.ring()
+                if self._reply_bell is not None:
+                    self._reply_bell.ring()
 
     def send_stop(self, grace_s: float) -> bool:
         """Send every rank the stop message (waiting at most ``grace_s`` for a free slot);

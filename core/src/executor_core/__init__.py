@@ -22,7 +22,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from ._config import ExecutorConfig
+    from ._config import ExecutorConfig, ExecutorState, RecoveryPolicy, RecoveryRecord
     from ._errors import (
         BackendConflictError,
         BackendLoadError,
@@ -42,8 +42,7 @@ if TYPE_CHECKING:
         Executor,
         create_executor,
     )
-    from ._hookspecs import hookimpl
-    from ._recovery_policy import ExecutorState, RecoveryPolicy, RecoveryRecord
+    from ._hooks import hookimpl
     from ._version import __version__
     from ._worker import (
         SLEEP_TAGS,
@@ -88,12 +87,12 @@ _LAZY: dict[str, str] = {
     "ExecutorConfig": "._config",
     "ExecutorError": "._errors",
     "ExecutorFailedError": "._errors",
-    "ExecutorState": "._recovery",
+    "ExecutorState": "._config",
     "NodeLostError": "._errors",
     "RPCTimeoutError": "._errors",
     "RecoveringError": "._errors",
-    "RecoveryPolicy": "._recovery",
-    "RecoveryRecord": "._recovery",
+    "RecoveryPolicy": "._config",
+    "RecoveryRecord": "._config",
     "SLEEP_TAGS": "._worker",
     "SleepStateError": "._errors",
     "UnknownBackendError": "._errors",
@@ -103,7 +102,7 @@ _LAZY: dict[str, str] = {
     "WorkerError": "._errors",
     "__version__": "._version",
     "create_executor": "._executor",
-    "hookimpl": "._hookspecs",
+    "hookimpl": "._hooks",
 }
 
 

@@ -16,9 +16,7 @@ from typing import Any
 
 import attrs
 
-from . import _registry_messages as messages
-from ._registry import Registry, default_registry
-from ._registry_messages import IN_TREE_BACKENDS
+from ._registry import IN_TREE_BACKENDS, Registry, default_registry, plugin_problems
 from ._version import __version__
 
 __all__ = ["IN_TREE_COMMANDS", "build_parser", "main"]
@@ -112,7 +110,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print("No backends installed. Install one: pip install executor-plugin-uniproc")
     for name, claimants in payload["conflicts"].items():
         print(f"\nconflict: backend name {name!r} is claimed by {', '.join(claimants)}")
-    problems = messages.plugin_problems(registry)
+    problems = plugin_problems(registry)
     if problems:
         print("\n" + "\n".join(problems))
     known = {n for spec in registry.backends() for n in (spec.name, *spec.aliases)}
@@ -182,7 +180,7 @@ def _unknown_command_message(name: str, registry: Registry) -> str:
             f"The {name!r} command is provided by {dist}, installed ({version}) but its "
             "plugin is not loaded."
         )
-        lines.extend(messages.diagnostics(registry))
+        lines.extend(registry.diagnostics())
     return "\n".join(lines)
 
 
@@ -198,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.version:
         for dist, version in _versions(registry).items():
             print(f"{dist} {version}")
-        for line in messages.plugin_problems(registry):
+        for line in plugin_problems(registry):
             print(line)
         return 0
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)

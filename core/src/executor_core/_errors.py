@@ -1,10 +1,14 @@
-"""The exception hierarchy: every error the SDK raises is an :class:`ExecutorError`."""
+"""The exception hierarchy (every error the SDK raises is an :class:`ExecutorError`), and
+:class:`RemoteFailure`, a worker's exception as it crosses a process boundary."""
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from collections.abc import Sequence
 from typing import Any
+
+import attrs
 
 __all__ = [
     "BackendConflictError",
@@ -13,38 +17,31 @@ __all__ = [
     "ExecutorClosedError",
     "ExecutorError",
     "ExecutorFailedError",
+    "NodeLostError",
     "RPCTimeoutError",
     "RecoveringError",
+    "RemoteFailure",
     "SleepStateError",
     "UnknownBackendError",
     "WorkerDiedError",
     "WorkerError",
-    "describe_exception",
 ]
 
 
-def describe_exception(exc: BaseException) -> tuple[str, str]:
+def _describe(exc: BaseException) -> tuple[str, str]:
     """``(type name, formatted traceback)`` of ``exc``; builtins are named without module."""
     cls = type(exc)
-    name = (
-        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    )
-    return name, "".join(traceback.format_exception(exc))
+    module = "" if cls.__module__ == "builtins" else f"{cls.__module__}."
+    return module + cls.__qualname__, "".join(traceback.format_exception(exc))
 
 
-#: Longest repr of a refused value that an error message quotes.
-_REPR_LIMIT = 200
-
-
-def _short_repr(value: object) -> str:
-    """``repr(value)``, cut to :data:`_REPR_LIMIT` characters; a repr that raises is described."""
+def _short_repr(value: object, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters; a repr that raises is described."""
     try:
         text = repr(value)
     except Exception:  # noqa: BLE001 - any repr may raise; the message must still be built
         return f"<{type(value).__qualname__} object (its repr raised)>"
-    if len(text) > _REPR_LIMIT:
-        return f"{text[:_REPR_LIMIT]}... ({len(text)} characters)"
-    return text
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ExecutorError(Exception):
@@ -55,9 +52,7 @@ class ConfigError(ExecutorError, ValueError):
     """An :class:`~executor_core.ExecutorConfig` field holds a value that is not allowed."""
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
+        self.field, self.value, self.allowed = field, value, allowed
         super().__init__(f"invalid ExecutorConfig.{field}={_short_repr(value)}: {allowed}")
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str]]:
@@ -77,11 +72,9 @@ class BackendLoadError(ExecutorError, ImportError):
 
 
 class WorkerError(ExecutorError):
-    """A worker method raised. Carries the rank and the worker-side traceback text.
-
-    When the original exception could be pickled in the worker and unpickled here, it is
-    chained as ``__cause__`` (and available as :attr:`original`).
-    """
+    """A worker method raised. Carries the rank and the worker-side traceback text; the
+    original exception, where it could be pickled in the worker and unpickled here, is
+    :attr:`original` and chained as ``__cause__``."""
 
     def __init__(
         self,
@@ -92,12 +85,8 @@ class WorkerError(ExecutorError):
         remote_traceback: str,
         original: BaseException | None = None,
     ) -> None:
-        self.rank = rank
-        self.method = method
-        self.exc_type = exc_type
-        self.message = message
-        self.remote_traceback = remote_traceback
-        self.original = original
+        self.rank, self.method, self.exc_type = rank, method, exc_type
+        self.message, self.remote_traceback, self.original = message, remote_traceback, original
         super().__init__(rank, method, exc_type, message, remote_traceback)
         if original is not None:
             self.__cause__ = original
@@ -105,7 +94,7 @@ class WorkerError(ExecutorError):
     @classmethod
     def from_exception(cls, rank: int, method: str, exc: BaseException) -> WorkerError:
         """Wrap ``exc``, raised in-process by ``method`` on ``rank`` (no pickling involved)."""
-        exc_type, text = describe_exception(exc)
+        exc_type, text = _describe(exc)
         return cls(rank, method, exc_type, str(exc), text, exc)
 
     def __str__(self) -> str:
@@ -114,20 +103,9 @@ class WorkerError(ExecutorError):
             f"--- worker traceback (rank {self.rank}) ---\n{self.remote_traceback.rstrip()}"
         )
 
-    def __reduce__(
-        self,
-    ) -> tuple[type[WorkerError], tuple[int, str, str, str, str, BaseException | None]]:
-        return (
-            type(self),
-            (
-                self.rank,
-                self.method,
-                self.exc_type,
-                self.message,
-                self.remote_traceback,
-                self.original,
-            ),
-        )
+    def __reduce__(self) -> tuple[type[WorkerError], tuple[Any, ...]]:
+        args = (self.rank, self.method, self.exc_type, self.message, self.remote_traceback)
+        return (type(self), (*args, self.original))
 
 
 class SleepStateError(ExecutorError, ValueError):
@@ -139,11 +117,9 @@ class ExecutorFailedError(ExecutorError):
 
 
 class WorkerDiedError(ExecutorFailedError):
-    """A worker process or actor is gone. Names the rank and how it ended.
-
-    When a whole node is lost (its agent or its machine), :attr:`ranks` names every rank that
-    was on it and :attr:`node` the node; :attr:`rank` is the lowest of them.
-    """
+    """A worker process or actor is gone. Names the rank and how it ended. When a whole node
+    is lost (its agent or its machine), :attr:`ranks` names every rank that was on it and
+    :attr:`node` the node; :attr:`rank` is the lowest of them."""
 
     def __init__(
         self,
@@ -155,45 +131,27 @@ class WorkerDiedError(ExecutorFailedError):
         ranks: tuple[int, ...] | None = None,
         node: str | None = None,
     ) -> None:
-        self.rank = rank
-        self.exitcode = exitcode
-        self.signal = signal
-        self.detail = detail
+        self.rank, self.exitcode, self.signal, self.detail = rank, exitcode, signal, detail
         #: Every rank lost with this failure (``(rank,)`` for a single worker).
         self.ranks: tuple[int, ...] = tuple(ranks) if ranks else (rank,)
         #: The node the ranks ran on, when the backend knows it.
         self.node = node
-        how: list[str] = []
-        if signal is not None:
-            how.append(f"killed by signal {signal}")
-        if exitcode is not None:
-            how.append(f"exit code {exitcode}")
-        if detail:
-            how.append(detail)
+        how = [f"killed by signal {signal}"] if signal is not None else []
+        how += [f"exit code {exitcode}"] if exitcode is not None else []
+        how += [detail] if detail else []
         suffix = f" ({', '.join(how)})" if how else ""
-        who = f"worker rank {rank}"
-        if len(self.ranks) > 1:
-            who = f"worker ranks {', '.join(map(str, self.ranks))}"
+        many = len(self.ranks) > 1
+        who = f"worker ranks {', '.join(map(str, self.ranks))}" if many else f"worker rank {rank}"
         where = f" on node {node}" if node else ""
-        verb = "died" if len(self.ranks) == 1 else "are gone"
-        super().__init__(f"{who}{where} {verb}{suffix}")
+        super().__init__(f"{who}{where} {'are gone' if many else 'died'}{suffix}")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (
-            _rebuild_worker_died,
-            (type(self), self.rank, self.exitcode, self.signal, self.detail, self.ranks, self.node),
-        )
+        fields = (self.rank, self.exitcode, self.signal, self.detail, self.ranks, self.node)
+        return (_rebuild_worker_died, (type(self), *fields))
 
 
-def _rebuild_worker_died(
-    cls: type[WorkerDiedError],
-    rank: int,
-    exitcode: int | None,
-    signal: int | None,
-    detail: str,
-    ranks: tuple[int, ...],
-    node: str | None,
-) -> WorkerDiedError:
+def _rebuild_worker_died(cls: type[WorkerDiedError], *fields: Any) -> WorkerDiedError:
+    rank, exitcode, signal, detail, ranks, node = fields
     return cls(rank, exitcode, signal, detail, ranks=ranks, node=node)
 
 
@@ -201,27 +159,19 @@ class NodeLostError(ExecutorFailedError):
     """A node the workers need is gone, and no attempt of this executor can bring it back
     (a Ray node whose raylet died; a machine whose node agent did not join again within
     ``startup_timeout``). A backend raises it from ``Transport.start`` or
-    ``Transport.replace``; the recovery then stops at once, without a cycle of attempts that
-    cannot succeed, and the executor fails with it. Names the node, the ranks it held and
-    what to do."""
+    ``Transport.replace``; the recovery then stops at once, and the executor fails with it.
+    Names the node, the ranks it held and what to do."""
 
     def __init__(
         self, node: str, ranks: Sequence[int] = (), detail: str = "", hint: str = ""
     ) -> None:
-        #: The node, as the backend names it (``WorkerContext.node_id``).
-        self.node = node
-        #: The ranks that ran on it.
-        self.ranks = tuple(ranks)
-        self.detail = detail
-        #: What to do about it.
-        self.hint = hint
+        #: The node, as the backend names it (``WorkerContext.node_id``), and its ranks.
+        self.node, self.ranks = node, tuple(ranks)
+        #: What happened, and what to do about it.
+        self.detail, self.hint = detail, hint
         held = f" (it held rank(s) {list(self.ranks)})" if self.ranks else ""
-        text = f"node {node} is gone{held}"
-        if detail:
-            text += f": {detail}"
-        if hint:
-            text += f"; {hint}"
-        super().__init__(text)
+        text = f"node {node} is gone{held}" + (f": {detail}" if detail else "")
+        super().__init__(text + (f"; {hint}" if hint else ""))
 
     def __reduce__(self) -> tuple[type[NodeLostError], tuple[str, tuple[int, ...], str, str]]:
         return (type(self), (self.node, self.ranks, self.detail, self.hint))
@@ -249,25 +199,15 @@ class RecoveringError(ExecutorError):
 
 
 class RPCTimeoutError(ExecutorError, TimeoutError):
-    """A collective call did not complete within its timeout.
-
-    Names the method and the ranks that had not answered. Where another rank had already
-    failed the call (its error is :attr:`failed`, the lowest failing rank's, also chained as
-    ``__cause__``), the message says so: that failure is usually why the others still wait
-    (a rank that cannot host a rendezvous leaves its peers waiting at it).
-    """
+    """A collective call did not complete within its timeout. Names the method and the ranks
+    that had not answered. Where another rank had already failed the call (its error is
+    :attr:`failed`, the lowest failing rank's, also chained as ``__cause__``), the message
+    says so: that failure is usually why the others still wait."""
 
     def __init__(
-        self,
-        method: str,
-        ranks: Sequence[int],
-        timeout: float,
-        failed: ExecutorError | None = None,
+        self, method: str, ranks: Sequence[int], timeout: float, failed: ExecutorError | None = None
     ) -> None:
-        self.method = method
-        self.ranks = tuple(ranks)
-        self.timeout = timeout
-        self.failed = failed
+        self.method, self.ranks, self.timeout, self.failed = method, tuple(ranks), timeout, failed
         text = (
             f"collective_rpc {method!r} timed out after {timeout:g} s; "
             f"ranks that did not answer: {list(self.ranks)}"
@@ -280,7 +220,40 @@ class RPCTimeoutError(ExecutorError, TimeoutError):
             self.__cause__ = failed
         super().__init__(text)
 
-    def __reduce__(
-        self,
-    ) -> tuple[type[RPCTimeoutError], tuple[str, tuple[int, ...], float, ExecutorError | None]]:
+    def __reduce__(self) -> tuple[type[RPCTimeoutError], tuple[Any, ...]]:
         return (type(self), (self.method, self.ranks, self.timeout, self.failed))
+
+
+@attrs.frozen
+class RemoteFailure:
+    """A worker-side exception in a form that survives pickling, whatever the exception is."""
+
+    rank: int
+    method: str
+    exc_type: str
+    message: str
+    traceback_text: str
+    #: The exception pickled in the worker, or ``None`` when it could not be.
+    exc_pickle: bytes | None = None
+
+    @classmethod
+    def capture(cls, rank: int, method: str, exc: BaseException) -> RemoteFailure:
+        """Record ``exc`` (with its traceback) raised by ``method`` on ``rank``."""
+        exc_type, text = _describe(exc)
+        try:
+            exc_pickle: bytes | None = pickle.dumps(exc, protocol=5)
+        except Exception:  # noqa: BLE001 - any pickling failure just means "send text only"
+            exc_pickle = None
+        return cls(rank, method, exc_type, str(exc), text, exc_pickle)
+
+    def to_error(self) -> WorkerError:
+        """The driver-side :class:`WorkerError`, with the original exception chained if it
+        unpickles here."""
+        original: BaseException | None = None
+        if self.exc_pickle is not None:
+            try:
+                original = pickle.loads(self.exc_pickle)
+            except Exception:  # noqa: BLE001 - the class may not exist on the driver; text suffices
+                original = None
+        args = (self.rank, self.method, self.exc_type, self.message, self.traceback_text)
+        return WorkerError(*args, original)

@@ -1,23 +1,92 @@
-"""WorkerWrapper: hosts the user's worker inside a worker process (or in-process)."""
+"""WorkerWrapper: hosts the user's worker in the process that runs it, and runs its calls.
+
+Also what a call's method needs to cross a process boundary (names pass as they are,
+callables are cloudpickled), and the worker's accelerator device made current on every thread
+that runs its methods: CUDA (and torch's other accelerators) keep the current device per
+thread, and backends run calls on threads other than the one that built the worker.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
 import os
+import pickle
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._hothook import HotHook
-from ._qualname import resolve_qualname
-from ._thread_device import ThreadDevice, capture_thread_device
-from ._wire import REJOIN_METHOD, RemoteFailure, loads_method, method_name
+from ._errors import RemoteFailure
+from ._registry import Registry, resolve_qualname
 from ._worker import WorkerBase, WorkerContext
 
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["WorkerWrapper"]
+__all__ = ["REJOIN_METHOD", "WorkerWrapper", "dumps_method", "method_name", "preload_worker"]
+
+#: The call a rank replacement sends every rank, with every rank's new context: a survivor
+#: runs ``WorkerBase.rejoin`` with its own; a new rank (already in that context) only answers.
+REJOIN_METHOD = "__executor_rejoin__"
+
+
+def method_name(method: str | Callable[..., Any] | bytes) -> str:
+    """A readable name for a worker method: its name, or a callable's qualified name."""
+    if isinstance(method, str):
+        return method
+    if isinstance(method, bytes):
+        return "<pickled callable>"
+    return getattr(method, "__qualname__", None) or repr(method)
+
+
+def dumps_method(method: str | Callable[..., Any]) -> str | bytes:
+    """A method ready for another process: a name as it is, a callable cloudpickled (which
+    serialises lambdas and closures by value, as plain pickle cannot)."""
+    if isinstance(method, str):
+        return method
+    if not callable(method):
+        raise TypeError(
+            f"method must be a worker method name or a callable taking the worker, "
+            f"not {type(method).__name__}"
+        )
+    import cloudpickle  # deferred: only needed when a callable crosses a process boundary
+
+    data: bytes = cloudpickle.dumps(method)
+    return data
+
+
+def preload_worker(worker_cls: type | str) -> None:
+    """Import the module that defines ``worker_cls`` (a class, or its ``"module:Class"``
+    name): what a warm spare, a process that waits to be handed a rank, does ahead, so that
+    the hand-over pays no import. Raises what the import raises."""
+    if isinstance(worker_cls, str):
+        resolve_qualname(worker_cls)
+    else:
+        importlib.import_module(worker_cls.__module__)
+
+
+def _device_setter() -> Callable[[], Any] | None:
+    """A call that makes this thread's current accelerator device current on another thread,
+    or None when this process has not initialised one (torch is never imported here)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return functools.partial(torch.cuda.set_device, torch.cuda.current_device())
+    # Other accelerators (XPU, out-of-tree NPUs) through torch.accelerator, where it exists;
+    # asking for the type does not initialise the device.
+    accelerator = getattr(torch, "accelerator", None)
+    device = accelerator.current_accelerator() if accelerator is not None else None
+    if device is None or device.type == "cuda":
+        return None
+    module = torch.get_device_module(device.type)
+    is_initialized = getattr(module, "is_initialized", None)
+    if is_initialized is None or not is_initialized():
+        return None
+    return functools.partial(module.set_device, module.current_device())
 
 
 class WorkerWrapper:
@@ -44,30 +113,29 @@ class WorkerWrapper:
         self.env = dict(env or {})
         self._hooks = hooks
         self.worker: WorkerBase | None = None
-        self._thread_device: ThreadDevice | None = None
-        self._observers: HotHook | None = None
+        #: Makes the worker's device current on a thread (None: no accelerator), and the
+        #: threads on which it did.
+        self._set_device: Callable[[], Any] | None = None
+        self._bound = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
         # The hook relay belongs to the driver's registry: a worker process loads its own.
         state = self.__dict__.copy()
-        state["_hooks"] = None
-        state["worker"] = None
-        state["_thread_device"] = None
-        state["_observers"] = None
+        state.update(_hooks=None, worker=None, _set_device=None, _bound=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _bound=threading.local())
 
     def portable(self) -> WorkerWrapper:
         """A copy to hand to another process (forked ones included): without this process's
         hook relay, so that the worker's process loads its own plugins."""
-        clone = copy.copy(self)  # goes through __getstate__
-        return clone
+        return copy.copy(self)  # goes through __getstate__
 
     @property
     def hooks(self) -> pluggy.HookRelay:
         """The worker-side hook relay (a registry is loaded in this process if none was given)."""
         if self._hooks is None:
-            from ._registry import Registry  # deferred: only needed in a fresh worker process
-
             self._hooks = Registry.from_entry_points().hook
         return self._hooks
 
@@ -83,33 +151,36 @@ class WorkerWrapper:
         self.worker = cls(context=self.context, **self.worker_kwargs)
         self.worker.init_device()
         self.worker.load_model()
-        # The device the worker made current is current on every thread that runs its
-        # methods (see _thread_device): backends run calls on threads other than this one.
-        self._thread_device = capture_thread_device()
+        self._capture_device()
         self.hooks.executor_worker_ready(worker=self.worker, context=self.context)
+
+    def _capture_device(self) -> None:
+        """The device current now is made current on every other thread before its first call."""
+        self._set_device = _device_setter()
+        self._bound = threading.local()
+        self._bound.done = True
 
     def _resolve(self, method: str | bytes | Callable[..., Any]) -> Callable[..., Any]:
         worker = self.worker
         if worker is None:
             raise RuntimeError(f"worker rank {self.context.rank} was not initialised")
-        loaded = loads_method(method)
-        if isinstance(loaded, str):
-            func = getattr(worker, loaded, None)
-            if func is None and loaded == REJOIN_METHOD:
-                return self._rejoin
-            if func is None or not callable(func):
-                raise AttributeError(
-                    f"{type(worker).__name__} has no method {loaded!r} "
-                    f"(collective_rpc takes a worker method name or a callable(worker, ...))"
-                )
-            bound: Callable[..., Any] = func
-            return bound
-        fn = loaded
-
-        def call_with_worker(*args: Any, **kwargs: Any) -> Any:
-            return fn(worker, *args, **kwargs)
-
-        return call_with_worker
+        loaded: str | Callable[..., Any] = (
+            pickle.loads(method) if isinstance(method, bytes) else method
+        )
+        if not isinstance(loaded, str):
+            fn = loaded
+            return lambda *args, **kwargs: fn(worker, *args, **kwargs)
+        method = loaded
+        func = getattr(worker, method, None)
+        if func is None and method == REJOIN_METHOD:
+            return self._rejoin
+        if func is None or not callable(func):
+            raise AttributeError(
+                f"{type(worker).__name__} has no method {method!r} "
+                f"(collective_rpc takes a worker method name or a callable(worker, ...))"
+            )
+        bound: Callable[..., Any] = func
+        return bound
 
     def _rejoin(self, contexts: Sequence[WorkerContext]) -> None:
         """The rejoin call of a rank replacement: a survivor (its context differs from its new
@@ -119,13 +190,10 @@ class WorkerWrapper:
             raise ValueError(f"rank {self.context.rank} was sent the context of {context.rank}")
         if context == self.context:
             return
-        worker = self.worker
-        assert worker is not None  # _resolve checked
-        worker.rejoin(context)
+        assert self.worker is not None  # _resolve checked
+        self.worker.rejoin(context)
         self.context = context
-        # The device the rejoin made current (a new process group binds it) is current on
-        # every thread that runs this worker's methods, as after init_worker.
-        self._thread_device = capture_thread_device()
+        self._capture_device()  # a new process group may have made another device current
 
     def run_method(
         self,
@@ -134,21 +202,16 @@ class WorkerWrapper:
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         """Run ``method`` (a name, a callable taking the worker, or a cloudpickled callable)."""
-        if self._thread_device is not None:
-            self._thread_device.bind()
-        # A worker method's name, the common case, resolved here rather than in _resolve
-        # (which gives the errors and the other forms): this runs once per call and rank.
-        if type(method) is str:
-            func = getattr(self.worker, method, None)
-            if func is None or not callable(func):
-                func = self._resolve(method)
-        else:
+        if self._set_device is not None and not getattr(self._bound, "done", False):
+            self._set_device()
+            self._bound.done = True
+        # The common case, a worker method's name, is looked up here (_resolve gives the
+        # errors and the other forms).
+        func = getattr(self.worker, method, None) if type(method) is str else None
+        if func is None or not callable(func):
             func = self._resolve(method)
-        observers = self._observers
-        if observers is None:
-            observers = self._observers = HotHook(self.hooks.executor_worker_rpc_finished)
-        observe = observers.current()
-        if observe is None:  # nobody observes RPCs: no timing, no hook call
+        observe = self.hooks.executor_worker_rpc_finished
+        if not observe.get_hookimpls():  # nobody observes RPCs: no timing, no hook call
             return func(*args, **kwargs) if kwargs else func(*args)
         start = time.perf_counter()
         error: BaseException | None = None
@@ -158,24 +221,10 @@ class WorkerWrapper:
             error = exc
             raise
         finally:
-            # In the specification's order: context, method, duration_s, error.
-            name = method if type(method) is str else method_name(method)
-            observe(self.context, name, time.perf_counter() - start, error)
-
-    def execute(
-        self,
-        method: str | bytes | Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[bool, Any]:
-        """Like :meth:`run_method`, but returns ``(True, result)`` or ``(False, RemoteFailure)``.
-
-        For backends that ship results across a process boundary.
-        """
-        try:
-            return True, self.run_method(method, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - every worker error is shipped to the driver
-            return False, RemoteFailure.capture(self.context.rank, method_name(method), exc)
+            duration = time.perf_counter() - start
+            observe(
+                context=self.context, method=method_name(method), duration_s=duration, error=error
+            )
 
     def handle(
         self,
@@ -204,8 +253,8 @@ class WorkerWrapper:
     def shutdown(self) -> None:
         """Call the stopping hook and the worker's ``shutdown`` (once)."""
         worker, self.worker = self.worker, None
-        if self._thread_device is not None:
-            self._thread_device.bind()
+        if self._set_device is not None:
+            self._set_device()
         self.hooks.executor_worker_stopping(worker=worker, context=self.context)
         if worker is not None:
             worker.shutdown()

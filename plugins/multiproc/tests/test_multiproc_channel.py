@@ -396,7 +396,7 @@ def test_idle_workers_use_no_cpu(executor: Executor) -> None:
 def test_no_names_no_sockets_private_memory(executor: Executor) -> None:
     # The segment's name is unlinked as soon as it is created: nothing to guess or leak.
     assert our_shm_names() == set()
-    segment_fd = executor.transport._driver.rings.segment.fd  # type: ignore[attr-defined]
+    segment_fd = executor.transport.rings.segment.fd  # type: ignore[attr-defined]
     assert stat.S_IMODE(os.fstat(segment_fd).st_mode) == 0o600
     # No listening socket anywhere: not in the driver, not in the workers.
     pids = [os.getpid(), *executor.collective_rpc("get_pid")]

@@ -391,7 +391,7 @@ def test_send_interrupted_mid_transfer_fails_the_executor() -> None:
 
         # 1 MiB is 16 slots of 64 KiB: two go out, then the send waits for room, and is
         # interrupted with part of the message published.
-        executor.transport._driver._while_sending = interrupt  # type: ignore[attr-defined]
+        executor.transport._while_sending = interrupt  # type: ignore[attr-defined]
         with pytest.raises(KeyboardInterrupt):
             executor.collective_rpc("payload_size", args=(b"x" * (1 << 20),))
         assert executor.is_failed

@@ -364,7 +364,7 @@ class TestNodes:
 
             caller = threading.Thread(target=calls)
             caller.start()
-            listener = executor.transport._driver.hub._listener  # type: ignore[attr-defined]
+            listener = executor.transport.hub._listener  # type: ignore[attr-defined]
             sent = throw_garbage(f"tcp://127.0.0.1:{port}", gate_token(listener), 10_000)
             _wait_for_drops(listener, 10_000)
             stop.set()

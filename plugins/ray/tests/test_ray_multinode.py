@@ -142,7 +142,7 @@ def test_garbage_at_the_hub_is_dropped_and_calls_go_on(ray_cluster: Cluster) -> 
 
     executor = make(placement_strategy="SPREAD")
     try:
-        hub = executor.transport._driver.hub  # type: ignore[union-attr]  # set: workers elsewhere
+        hub = executor.transport.hub  # type: ignore[union-attr]  # set: workers elsewhere
         assert hub is not None
         address = hub._listener.address
         stop = threading.Event()
@@ -190,7 +190,7 @@ def test_unfinished_messages_at_the_hub_hold_bounded_memory(ray_cluster: Cluster
 
     executor = make(placement_strategy="SPREAD")
     try:
-        hub = executor.transport._driver.hub  # type: ignore[union-attr]  # set: workers elsewhere
+        hub = executor.transport.hub  # type: ignore[union-attr]  # set: workers elsewhere
         assert hub is not None
         assert executor.collective_rpc("get_rank") == [0, 1]
         baseline = peak = rss_bytes()

@@ -61,7 +61,7 @@ DRIVER = textwrap.dedent(
         "outcome": outcome,
         "failure": type(failure).__name__,
         "node": getattr(failure, "node", None),
-        "pids": [p.pid for p in mine],
+        "pids": {p.pid: " ".join(p.cmdline()[:3]) for p in mine if p.is_running()},
     }), flush=True)
     """
 )
@@ -94,5 +94,6 @@ def test_a_dead_raylet_on_the_drivers_node_ends_the_recovery_at_once() -> None:
     assert "restart the driver process" in report["outcome"], report
     assert report["node"], report
     assert "startup_timeout" not in report["outcome"], report
-    left = pids_alive(report["pids"], 15.0)
-    assert not left, f"processes of the driver's Ray session still run: {left}"
+    left = pids_alive([int(pid) for pid in report["pids"]], 15.0)
+    named = {pid: report["pids"][str(pid)] for pid in left}
+    assert not left, f"processes of the driver's Ray session still run: {named}"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from executor_core import ConfigError, create_executor
+from executor_core import ConfigError, Executor, create_executor
 from executor_core.backend import Registry
 from executor_core.testing import conformance_config
 from executor_plugin_ray import _cluster
@@ -25,7 +25,7 @@ def test_backend_is_registered_with_its_capabilities() -> None:
     assert (caps.pipeline_parallel, caps.multi_node, caps.devices) == (True, True, ("cpu", "cuda"))
     # Dead ranks on the driver's node get new actors; the survivors keep theirs.
     assert (caps.recovery, caps.liveness_probe) == ("replace", True)
-    cls = registry.executor_class("ray")
+    cls = Executor.get_class(conformance_config("ray"), registry)
     assert cls.__name__ == "RayExecutor"
 
 

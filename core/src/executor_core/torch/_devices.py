@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .._errors import ConfigError
-from .._worker import WorkerContext
+
+if TYPE_CHECKING:
+    from .._worker import WorkerContext
 
 __all__ = ["check_gpu_per_local_rank", "select_device", "visible_gpu_count"]
 

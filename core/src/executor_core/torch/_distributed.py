@@ -8,13 +8,16 @@ import os
 import random
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .._worker import WorkerContext
 from ._devices import _check_reused_backend, _dist_backend, select_device
 from ._leave import leave_process_group
+
+if TYPE_CHECKING:
+    from .._worker import WorkerContext
 
 __all__ = [
     "ParallelState",

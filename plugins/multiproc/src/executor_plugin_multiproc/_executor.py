@@ -35,11 +35,12 @@ class MultiprocExecutor(Executor):
     #: someone else (:class:`~executor_plugin_multiproc.launcher.ManualPlacement`).
     placement_cls: ClassVar[type[Placement]] = ManualPlacement
 
-    def _create_transport(self, host: TransportHost) -> Transport:
-        options_cls = self.options_cls
+    @classmethod
+    def _create_transport(cls, host: TransportHost) -> Transport:
+        options_cls = cls.options_cls
         if not issubclass(options_cls, MultiprocOptions):
             raise TypeError(
-                f"{type(self).__qualname__}.options_cls must subclass MultiprocOptions (the "
+                f"{cls.__qualname__}.options_cls must subclass MultiprocOptions (the "
                 f"transport reads mp's keys from it), not {options_cls.__qualname__}"
             )
-        return MultiprocTransport(host, self.placement_cls, options_cls)
+        return MultiprocTransport(host, cls.placement_cls, options_cls)

@@ -43,7 +43,7 @@ def placement_for(
     cleanup, the incarnation's last (registered first), keeps it for the next incarnation
     while the executor restarts, and closes it otherwise."""
     placement: Placement = host.take(_KEPT) or placement_cls(host.config, options)
-    host.keep_or_release(_KEPT, placement, placement.close)
+    host.keep(_KEPT, placement, placement.close)
     return placement
 
 

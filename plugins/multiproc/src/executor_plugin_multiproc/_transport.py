@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
-from typing import ClassVar
 
 import attrs
 
-from executor_channel.driver import ChannelDriver
+from executor_channel.driver import ChannelTransport
 from executor_channel.shm import Doorbell, NodeRings
 from executor_core import (
     ConfigError,
@@ -23,7 +22,7 @@ from executor_core import (
     WorkerContext,
     WorkerDiedError,
 )
-from executor_core.backend import Call, Transport, TransportHost, tcp_init_method
+from executor_core.backend import TransportHost, tcp_init_method
 
 from ._group import WorkerGroup
 from ._local import WorkerLaunch, check_devices, replace_workers, start_workers
@@ -37,7 +36,7 @@ from .launcher import ManualPlacement, Placement
 __all__ = ["MultiprocTransport"]
 
 
-class MultiprocTransport(Transport):
+class MultiprocTransport(ChannelTransport):
     """One worker process per rank on this machine, fed through shared-memory rings.
 
     A call is written once into a broadcast ring that every worker reads; each worker answers
@@ -45,8 +44,6 @@ class MultiprocTransport(Transport):
     idle processes use no CPU. A monitor thread (:class:`WorkerGroup`) reports a worker's
     death to the core, which fails every call in flight and every later one.
     """
-
-    polls: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -59,8 +56,6 @@ class MultiprocTransport(Transport):
         #: The executor's options class: mp's, or a backend's subclass with keys of its own.
         self._options_cls = options_cls
         self._options: MultiprocOptions | None = None
-        #: Carries calls and replies: this node's rings, and the hub of the other nodes.
-        self._driver: ChannelDriver | None = None
         self._group: WorkerGroup | None = None
         #: Ranks on this node (0 .. _local - 1); 0 where the driver runs no ranks.
         self._local = 0
@@ -85,19 +80,19 @@ class MultiprocTransport(Transport):
         if local:
             check_devices(options, config.device, per_node, host.worker_env)
             channel: NodeRings | None = NodeRings(per_node, options.ring_sizes, host.add_cleanup)
-            self._driver = ChannelDriver(host, channel)
+            self.attach_channel(channel)
         else:  # every rank on placed nodes: the hub's doorbell wakes the driver
             channel = None
             bell = Doorbell()
             host.add_cleanup(bell.close)
-            self._driver = ChannelDriver(host, None, reply_bell=bell)
+            self.attach_channel(None, reply_bell=bell)
         self._local = local
         nodes = None
         if placement is None:
             contexts = host.contexts()
         else:
             nodes = join_nodes(
-                host, placement, options, self._driver.reply_bell, self._remote_failure, local
+                host, placement, options, self.reply_bell, self._remote_failure, local
             )
             members = nodes.nodes
             node_ids = [placement.node_id()] * bool(local) + [node.node_id for node in members]
@@ -151,13 +146,11 @@ class MultiprocTransport(Transport):
                 ranks = range(first_rank, first_rank + per_node)
                 nodes.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
             nodes.start()
-            self._driver.hub = nodes
-        self._driver.wait_until_ready(
-            range(config.world_size), options.startup_timeout, self._check_start
-        )
+            self.hub = nodes
+        self.wait_until_ready(range(config.world_size), options.startup_timeout, self._check_start)
         if group is not None:
             group.armed = True
-        self._driver.ready()
+        self.ready()
         if group is not None:
             group.start_spares()
         if placement is not None:
@@ -181,24 +174,14 @@ class MultiprocTransport(Transport):
                 raise worker_died_error(rank, code, "during start-up; its stderr has the details")
 
     def _channel_rings(self) -> NodeRings:
-        assert self._driver is not None
-        assert self._driver.rings is not None  # the driver's node always runs ranks
-        return self._driver.rings
+        assert self.rings is not None  # the driver's node always runs ranks
+        return self.rings
 
     # --- calls -------------------------------------------------------------------------
 
-    def send(self, call: Call) -> bool:
-        assert self._driver is not None
-        return self._driver.send(call)
-
-    def poll(self, timeout: float | None) -> None:
-        assert self._driver is not None
-        self._driver.poll(timeout)
-
     def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
         # The remote ranks' agents are asked first, and answer while the local ranks are.
-        assert self._driver is not None
-        hub, group = self._driver.hub, self._group
+        hub, group = self.hub, self._group
         remote = [rank for rank in ranks if rank >= self._local]
         wait_remote = hub.probe(remote, timeout) if hub is not None and remote else None
         local = [rank for rank in ranks if rank < self._local]
@@ -206,21 +189,19 @@ class MultiprocTransport(Transport):
         return silent | (wait_remote() if wait_remote is not None else set())
 
     def kill(self, ranks: Sequence[int]) -> None:
-        assert self._driver is not None
         self._killed.update(ranks)
         if self._group is not None:
             self._group.kill([rank for rank in ranks if rank < self._local])
         remote = [rank for rank in ranks if rank >= self._local]
-        if self._driver.hub is not None and remote:
-            self._driver.hub.end(remote)
+        if self.hub is not None and remote:
+            self.hub.end(remote)
 
     # --- rank replacement ------------------------------------------------------------------
 
     def replace(
         self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
     ) -> None:
-        driver, group, options = self._driver, self._group, self._options
-        assert driver is not None
+        driver, group, options = self, self._group, self._options
         assert options is not None
         if group is None:
             # The rendezvous is on node 0's agent, at the port it chose for the first one:
@@ -228,7 +209,7 @@ class MultiprocTransport(Transport):
             raise NotImplementedError("the driver runs no ranks: every rank is restarted")
         host = self.host
         config = host.config
-        driver.rebind(host)
+        driver.resume()
         # A new rendezvous on this host, as at start (the driver's node hosts it).
         init_method = host.rendezvous()
         contexts = [
@@ -268,7 +249,7 @@ class MultiprocTransport(Transport):
 
     def _agent_lost(self, node_rank: int, detail: str) -> None:
         """``Placement.agent_lost``: the scheduler ended that node's agent."""
-        hub = self._driver.hub if self._driver is not None else None
+        hub = self.hub
         for node in hub.nodes if hub is not None else []:
             if node.node_rank == node_rank:
                 hub.lose(node, detail)  # type: ignore[union-attr]  # not None here
@@ -279,8 +260,7 @@ class MultiprocTransport(Transport):
         ranks = getattr(error, "ranks", None)
         if isinstance(error, WorkerDiedError) and ranks and set(ranks) <= self._killed:
             return
-        assert self._driver is not None
-        self._driver.report_failure(error)
+        self.report_failure(error)
 
     def _on_worker_death(self, rank: int, exitcode: int) -> None:
         """Monitor thread: a worker ended while the executor was running."""
@@ -293,13 +273,9 @@ class MultiprocTransport(Transport):
             # restart stops them).
             group.terminate(options.shutdown_grace_s)
 
-    def interrupt(self) -> None:
-        if self._driver is not None:
-            self._driver.interrupt()
-
     def close(self, graceful: bool) -> None:
-        group, options, driver = self._group, self._options, self._driver
-        if options is None or driver is None:
+        group, options, driver = self._group, self._options, self
+        if options is None or not driver.attached:
             return  # start-up failed before any process was made
         if self._placement is not None:
             self._placement._report_lost = None

@@ -31,7 +31,8 @@ class RayExecutor(Executor):
 
     @property
     def transport(self) -> RayTransport:
-        transport = self._transport
+        """The Ray transport."""
+        transport = super().transport
         assert isinstance(transport, RayTransport)
         return transport
 

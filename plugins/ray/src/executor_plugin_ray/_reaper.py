@@ -3,8 +3,10 @@
 Ray fate-shares most of its processes with the driver that started it, but not all: after
 the driver is killed, its dashboard and runtime-env agents can linger as orphans. The backend
 starts this small process next to each local instance with the instance's process ids on the
-command line and a pipe on stdin. When stdin reaches end of file (the driver shut Ray down,
-or died), it waits a moment for the processes to exit by themselves, kills the survivors and
+command line and a pipe on stdin; once a second it adds the processes those started since
+(the workers a raylet starts, which a raylet's death orphans). When stdin reaches end of file
+(the driver shut Ray down, or died), it waits a moment for the processes to exit by
+themselves, kills the survivors and
 removes the instance's temp directory and the POSIX semaphores that Ray's object stores
 (raylets) leave in /dev/shm when killed (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``, created for
 compiled-graph channels). It imports only psutil, so it starts fast.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import sys
 from collections.abc import Iterable
@@ -95,13 +98,31 @@ def remove_orphan_semaphores(
     return removed
 
 
+def _with_descendants(pids: set[tuple[int, float]]) -> set[tuple[int, float]]:
+    """``pids`` and the processes they started since (a raylet starts its workers later)."""
+    found = set(pids)
+    for pid, created in pids:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) >= 0.01:
+                continue
+            found.update((child.pid, child.create_time()) for child in proc.children(True))
+        except psutil.Error:
+            continue
+    return found
+
+
 def main(argv: list[str]) -> int:
-    """Block until stdin closes, then :func:`reap`."""
+    """Until stdin closes, look once a second for the processes Ray's started since (a worker
+    orphaned by a raylet that died must still be reaped); then :func:`reap`."""
     spec = json.loads(argv[1])
-    # Blocks without spinning; returns at EOF, i.e. when the driver closes the pipe or dies.
-    sys.stdin.buffer.read()
-    pids = [(int(pid), float(created)) for pid, created in spec["pids"]]
-    reap(pids, spec["temp_dir"], float(spec["grace_s"]))
+    pids = {(int(pid), float(created)) for pid, created in spec["pids"]}
+    stdin = sys.stdin.fileno()
+    while True:  # at EOF, the driver closed the pipe or died
+        if select.select([stdin], [], [], 1.0)[0] and not os.read(stdin, 4096):
+            break
+        pids = _with_descendants(pids)
+    reap(sorted(pids), spec["temp_dir"], float(spec["grace_s"]))
     return 0
 
 

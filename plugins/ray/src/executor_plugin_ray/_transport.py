@@ -7,7 +7,7 @@ call from the driver's shared-memory rings (their descriptors handed over a Unix
 authenticated TCP (``executor_channel.member``), as ``mp``'s node agents do. So a call is
 encoded once (pickle 5, tensors out of band), one wake-up each way on the driver's node, and
 every rule of a call is the core's. The driver's side is a
-:class:`~executor_channel.driver.ChannelDriver`; this module starts the actors and connects
+:class:`~executor_channel.driver.ChannelTransport`; this module starts the actors and connects
 them to it.
 """
 
@@ -27,10 +27,10 @@ from typing import Any
 import attrs
 import ray
 
-from executor_channel.driver import ChannelDriver
+from executor_channel.driver import ChannelTransport
 from executor_channel.shm import Doorbell, NodeRings
 from executor_core import ExecutorClosedError, NodeLostError, WorkerContext, WorkerDiedError
-from executor_core.backend import Call, Transport, TransportHost, WorkerWrapper, tcp_init_method
+from executor_core.backend import TransportHost, WorkerWrapper, tcp_init_method
 
 from ._cluster import acquire_ray
 from ._launch import (
@@ -61,10 +61,8 @@ logger = logging.getLogger("executor_plugin_ray")
 _GRACEFUL_S = 5.0
 
 
-class RayTransport(Transport):
+class RayTransport(ChannelTransport):
     """Starts one Ray actor per rank in a placement group and connects each to the channel."""
-
-    polls = True
 
     def __init__(self, host: TransportHost) -> None:
         super().__init__(host)
@@ -75,7 +73,6 @@ class RayTransport(Transport):
         self.actors: list[Any] = []
         self.placements: list[WorkerPlacement] = []
         self._monitor: DeathMonitor | None = None
-        self._driver: ChannelDriver | None = None
         self._stopped = threading.Event()
         #: The ranks on the driver's node (served from its rings) and on others (the hub).
         self.ranks_on_rings: tuple[int, ...] = ()
@@ -95,7 +92,7 @@ class RayTransport(Transport):
         # A recovery's restart hands the Ray connection over (host.kept): releasing the
         # executor's last lease would shut down the Ray instance this process started.
         lease = host.take("ray_lease") or acquire_ray(options, world_size=config.world_size)
-        host.keep_or_release("ray_lease", lease, lease.release)
+        host.keep("ray_lease", lease, lease.release)
         # Where the previous incarnation's ranks ran (a recovery's restart): if one of those
         # nodes is dead and this start fails, no later attempt can do better.
         before: dict[int, str] = host.take("ray_nodes") or {}
@@ -115,9 +112,7 @@ class RayTransport(Transport):
                         "elsewhere), then call recover() or create a new executor",
                     ) from exc
             raise
-        host.keep_or_release(
-            "ray_nodes", {p.rank: p.node_id for p in self.placements}, lambda: None
-        )
+        host.keep("ray_nodes", {p.rank: p.node_id for p in self.placements}, lambda: None)
 
     def _check_driver_node(self, ranks: Sequence[int]) -> None:
         """Raise :class:`NodeLostError` if this process's own Ray node is dead (its raylet
@@ -144,7 +139,7 @@ class RayTransport(Transport):
         group = host.take("ray_group")
         if group is None:
             group, _bundles = reserve_placement_group(options, config.device, config.world_size)
-        host.keep_or_release("ray_group", group, functools.partial(remove_group, group))
+        host.keep("ray_group", group, functools.partial(remove_group, group))
         actors = create_actors(group, options, config)
         host.add_cleanup(functools.partial(kill_actors, actors))
         startup = Startup(options, self._check_running)
@@ -187,8 +182,8 @@ class RayTransport(Transport):
         remote = [p.rank for p in placements if p.rank not in local]
         self.ranks_on_rings, self.ranks_on_hub = tuple(local), tuple(remote)
         rings = self._attach_local(local, startup, deadline) if local else None
-        driver = ChannelDriver(host, rings, None, None if rings is not None else _new_bell(host))
-        self._driver = driver
+        self.attach_channel(rings, None, None if rings is not None else _new_bell(host))
+        driver = self
         if remote:
             driver.hub = self._join_remote(remote, driver, startup, deadline)
         remaining = max(0.0, deadline - time.monotonic())
@@ -240,7 +235,7 @@ class RayTransport(Transport):
         raise_failures(startup.gather(refs, "attach_rings", deadline, ranks))
 
     def _join_remote(
-        self, ranks: list[int], driver: ChannelDriver, startup: Startup, deadline: float
+        self, ranks: list[int], driver: ChannelTransport, startup: Startup, deadline: float
     ) -> Hub:
         """The hub that the ranks on other nodes join, over TCP at this node's IP."""
         from executor_channel import Listener, Secret  # zmq: only with workers elsewhere
@@ -296,34 +291,19 @@ class RayTransport(Transport):
         """Raise if the executor failed or is closing (ends a wait at start)."""
         if self._stopped.is_set():
             host = self.host
-            raise (
-                host.failure
-                or host.closed_error
-                or ExecutorClosedError("the executor was shut down")
-            )
+            raise (host.closed_error or ExecutorClosedError("the executor was shut down"))
 
     def _check_start(self, pending: set[int]) -> None:
         self._check_running()
 
     # --- calls -----------------------------------------------------------------------------
 
-    def send(self, call: Call) -> bool:
-        driver = self._driver
-        assert driver is not None
-        return driver.send(call)
-
-    def poll(self, timeout: float | None) -> None:
-        driver = self._driver
-        assert driver is not None
-        driver.poll(timeout)
-
     # --- rank replacement ------------------------------------------------------------------
 
     def replace(
         self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
     ) -> None:
-        driver, monitor, slots = self._driver, self._monitor, self._slots
-        assert driver is not None
+        driver, monitor, slots = self, self._monitor, self._slots
         assert monitor is not None
         assert slots is not None
         rings, ranks = driver.rings, list(ranks)
@@ -337,7 +317,7 @@ class RayTransport(Transport):
         host, options = self.host, self.options
         self._check_driver_node(ranks)
         self._stopped.clear()  # undo interrupt()
-        driver.rebind(host)
+        driver.resume()
         if host.closed_error is not None:  # shut down before interrupt() was undone
             raise host.closed_error
         startup = Startup(options, self._check_running)
@@ -380,7 +360,7 @@ class RayTransport(Transport):
         placement = placements[rank] if 0 <= rank < len(placements) else None
         died = WorkerDiedError(rank, detail=death_detail(placement, error))
         self.host.worker_died(died)
-        if self.host.failure is died:
+        if self.host.closed_error is died:
             logger.error("%s", died)
 
     def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
@@ -407,8 +387,7 @@ class RayTransport(Transport):
 
     def interrupt(self) -> None:
         self._stopped.set()
-        if self._driver is not None:
-            self._driver.interrupt()
+        super().interrupt()
 
     # --- close -----------------------------------------------------------------------------
 
@@ -420,12 +399,11 @@ class RayTransport(Transport):
         monitor = self._monitor
         if monitor is not None:
             monitor.stop()
-        driver = self._driver
-        graceful = graceful and driver is not None and not driver.aborted
-        if driver is not None:
+        graceful = graceful and self.attached and not self.aborted
+        if self.attached:
             if graceful:
-                driver.send_stop(_GRACEFUL_S)
-            driver.stop_hub(graceful, _GRACEFUL_S)
+                self.send_stop(_GRACEFUL_S)
+            self.stop_hub(graceful, _GRACEFUL_S)
         actors = self.actors
         if graceful and actors and ray.is_initialized():
             try:

@@ -1,0 +1,172 @@
+"""The pluggy hook specifications (each documented in docs/hooks.md; a test checks it), and
+:class:`CallObserver`, which calls the driver-side observer hooks of one executor."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import argparse
+
+    from ._config import ExecutorConfig
+    from ._errors import WorkerDiedError
+    from ._registry import BackendSpec
+    from ._worker import WorkerBase, WorkerContext
+
+__all__ = ["PROJECT_NAME", "CallObserver", "hookimpl", "hookspec"]
+
+#: The one pluggy project name: spec marker, impl marker and plugin manager all use it.
+PROJECT_NAME = "executor"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+#: Decorate a plugin module's functions with this to implement a hook.
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: Call ids: unique in the process, so that a plugin pairs start and end with the id alone.
+_call_ids = itertools.count(1)
+
+
+class CallObserver:
+    """The observer hooks of one executor's calls and sleep state. With no implementation a
+    call pays one look at the hooks' implementations; an implementation that raises is
+    logged, and the call goes on."""
+
+    def __init__(self, hooks: pluggy.HookRelay, backend: str, world_size: int) -> None:
+        self._hooks, self._backend, self._world_size = hooks, backend, world_size
+
+    def active(self) -> bool:
+        """Whether a plugin observes calls now."""
+        hooks = self._hooks
+        return bool(
+            hooks.executor_call_started.get_hookimpls()
+            or hooks.executor_call_finished.get_hookimpls()
+        )
+
+    def started(self, method: str, non_block: bool) -> int:
+        """Call the started hook; return the call's id."""
+        call_id = next(_call_ids)
+        self._call(
+            "executor_call_started",
+            method=method,
+            call_id=call_id,
+            world_size=self._world_size,
+            non_block=non_block,
+        )
+        return call_id
+
+    def finished(
+        self, method: str, call_id: int, start: float, error: BaseException | None
+    ) -> None:
+        """Call the finished hook of a call started at ``start`` (``time.perf_counter``)."""
+        duration = time.perf_counter() - start
+        self._call(
+            "executor_call_finished",
+            method=method,
+            call_id=call_id,
+            duration_s=duration,
+            error=error,
+        )
+
+    def sleep_changed(self, tags: frozenset[str]) -> None:
+        """Call ``executor_sleep_changed`` (what is asleep now)."""
+        self._call("executor_sleep_changed", sleeping=bool(tags), tags=tags)
+
+    def _call(self, hook: str, **kwargs: Any) -> None:
+        try:
+            getattr(self._hooks, hook)(backend=self._backend, **kwargs)
+        except Exception:
+            import logging
+
+            logging.getLogger("executor_core").exception("an implementation of %s raised", hook)
+
+
+# --- the specifications (docs/hooks.md says each in full) ---------------------------------
+
+
+@hookspec
+def executor_register_backends() -> Sequence[BackendSpec]:
+    """Declare the backends this plugin provides (:class:`~executor_core.BackendSpec` objects,
+    each naming its executor class by qualname, imported only when chosen)."""
+    raise NotImplementedError  # pragma: no cover - specs are never called
+
+
+@hookspec(firstresult=True)
+def executor_select_backend(config: ExecutorConfig, available: Sequence[str]) -> str | None:
+    """Choose the backend for ``backend="auto"`` among ``available``, or return ``None`` to
+    let others decide (the core's built-in rule runs last)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@hookspec
+def executor_register_commands(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add subcommands to the ``executor`` command line (``commands.add_parser``, with
+    ``set_defaults(func=handler)``); import heavy code in the handler, not here."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@hookspec
+def executor_call_started(
+    backend: str, method: str, call_id: int, world_size: int, non_block: bool
+) -> None:
+    """A valid call is about to reach the workers (:func:`executor_call_finished` follows
+    once, with the same ``call_id``). On the hot path: keep it cheap."""
+
+
+@hookspec
+def executor_call_finished(
+    backend: str, method: str, call_id: int, duration_s: float, error: BaseException | None
+) -> None:
+    """The call ``call_id`` completed (``error`` is what the caller gets, or ``None``); in the
+    caller's thread, or for ``non_block`` in the thread that completes it."""
+
+
+@hookspec
+def executor_worker_died(
+    backend: str, ranks: tuple[int, ...], node: str | None, error: WorkerDiedError
+) -> None:
+    """Workers died (one rank, or the ranks of a lost ``node``): once per death, before the
+    calls in flight raise it."""
+
+
+@hookspec
+def executor_recovery_started(backend: str, ranks: tuple[int, ...], error: WorkerDiedError) -> None:
+    """The executor starts to recover from the death of ``ranks`` (from the recovery thread)."""
+
+
+@hookspec
+def executor_recovered(backend: str, ranks: tuple[int, ...], duration_s: float) -> None:
+    """The executor is back after the death of ``ranks``, ``duration_s`` seconds later."""
+
+
+@hookspec
+def executor_sleep_changed(backend: str, sleeping: bool, tags: frozenset[str]) -> None:
+    """``sleep`` or ``wake_up`` changed what is asleep: ``tags`` is what is asleep now."""
+
+
+@hookspec
+def executor_worker_process_started(context: WorkerContext) -> None:
+    """In a worker's process, before the worker is built and ``init_device`` runs (a device
+    plugin sets up its device here)."""
+
+
+@hookspec
+def executor_worker_ready(worker: WorkerBase, context: WorkerContext) -> None:
+    """In a worker's process: ``init_device`` and ``load_model`` have run."""
+
+
+@hookspec
+def executor_worker_rpc_finished(
+    context: WorkerContext, method: str, duration_s: float, error: BaseException | None
+) -> None:
+    """In a worker's process: a call finished (``error`` is ``None`` when it returned). On
+    the worker's hot path: keep it cheap."""
+
+
+@hookspec
+def executor_worker_stopping(worker: WorkerBase | None, context: WorkerContext) -> None:
+    """In a worker's process: the worker shuts down (``None`` if it was never built)."""
