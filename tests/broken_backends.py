@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
+import os
 import queue
 import shutil
 import tempfile
@@ -19,6 +21,9 @@ from typing import Any, ClassVar
 from executor_core import Executor, WorkerContext, WorkerDiedError, WorkerError
 from executor_core.backend import Call, Transport, TransportHost, WorkerWrapper
 from executor_threads._executor import Queue, ThreadExecutor, ThreadTransport
+
+#: Name prefix of the /dev/shm segments the leaking backends make (a test removes them).
+LEAK_PREFIX = "executor-kit-test-leak-"
 
 
 class _Variant(ThreadTransport):
@@ -36,6 +41,12 @@ class _Variant(ThreadTransport):
 
     def close(self, graceful: bool) -> None:
         if self.defect == "never_stop":
+            return
+        if self.defect == "unbounded_shutdown":  # waits for ever on a rank hung in a call
+            for calls in self.queues:
+                calls.put(None)
+            for thread in self.threads:
+                thread.join()
             return
         if self.defect in ("skip_wrapper_shutdown", "worker_shutdown_directly"):
             for thread_wrapper in getattr(self, "wrappers", []):
@@ -166,6 +177,78 @@ class _MislabelledReplies(_Variant):
                 host.deliver(seq, world_size - 1 - rank if swap else 0, ok, value)
 
         self.host = Host(host, host.wrapper)  # type: ignore[assignment]
+        super().start()
+
+
+class _RepliesByArrival(_Variant):
+    """Labels replies by their order of arrival (it reads them from one queue and forgot
+    which rank's each is): the first reply to a call is rank 0's. Ranks that answer as fast
+    as each other often answer in rank order: the defect shows for sure only where a
+    higher rank answers first."""
+
+    def start(self) -> None:
+        host, arrived, lock = self.host, dict[int, int](), threading.Lock()
+
+        class Host(_WrapperHost):
+            def deliver(self, seq: int, rank: int, ok: bool, value: Any) -> None:
+                with lock:
+                    label = arrived[seq] = arrived.get(seq, -1) + 1
+                host.deliver(seq, label, ok, value)
+
+        self.host = Host(host, host.wrapper)  # type: ignore[assignment]
+        super().start()
+
+
+class _RacySends(_RepliesByArrival):
+    """:class:`_RepliesByArrival` that sends to each rank from a thread of its own (one outbox
+    per rank), so that the ranks' replies arrive in either order."""
+
+    def start(self) -> None:
+        super().start()
+        self.outboxes: list[queue.SimpleQueue[Call | None]] = []
+        self.senders = []
+        for calls in self.queues:
+            self.outboxes.append(queue.SimpleQueue())
+            self.senders.append(threading.Thread(target=_forward, args=(self.outboxes[-1], calls)))
+            self.senders[-1].start()
+
+    def send(self, call: Call) -> bool:
+        for outbox in self.outboxes:
+            outbox.put(call)
+        return True
+
+    def close(self, graceful: bool) -> None:
+        for outbox in getattr(self, "outboxes", []):
+            outbox.put(None)
+        for sender in getattr(self, "senders", []):
+            sender.join(2.0)
+        super().close(graceful)
+
+
+def _forward(outbox: queue.SimpleQueue[Call | None], calls: Queue) -> None:
+    while (call := outbox.get()) is not None:
+        calls.put(call)
+
+
+def _leak_shm_segment(name: str) -> mmap.mmap:
+    """Create and map ``/dev/shm/<LEAK_PREFIX><name>``, and never unmap or unlink it (the test
+    that plants it removes it afterwards)."""
+    fd = os.open(f"/dev/shm/{LEAK_PREFIX}{name}", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        return mmap.mmap(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+_LEAKED: list[Any] = []  # what the leaking backends keep alive
+
+
+class _LeavesShm(_Variant):
+    """Maps a named shared-memory segment for its workers and never unmaps or unlinks it."""
+
+    def start(self) -> None:
+        _LEAKED.append(_leak_shm_segment(f"{os.getpid()}-{id(self)}"))
         super().start()
 
 
@@ -342,17 +425,23 @@ BROKEN: dict[str, tuple[type[ThreadExecutor], str]] = {
         _executor(_SendIgnoresDeadline),
         "a call that cannot be sent fails by its deadline",
     ),
+    "racy_sends": (_executor(_RacySends), "replies carry the rank they came from"),
+    "replies_by_arrival": (_executor(_RepliesByArrival), "replies carry the rank they came from"),
+    "unbounded_shutdown": (
+        _executor(_variant("unbounded_shutdown")),
+        "shutdown() with a rank hung",
+    ),
+    "leaves_shm_segment": (_executor(_LeavesShm), "left behind after shutdown()"),
 }
 
-#: Rules of the kit that no variant of ``threads`` can break, and why.
+#: Rules of the kit that no variant of ``threads`` can break, and why (``BROKEN_PROCESSES``
+#: breaks them on a backend of worker processes).
 NOT_EXPRESSIBLE: dict[str, str] = {
-    "test_killed_worker_fails_the_call_in_flight": (
-        "its workers are threads of the driver's process: there is no worker process to kill, "
-        "so the kit skips the rule (workers_are_processes is False)"
+    "test_a_death_is_reported_once_as_a_death": (
+        "its workers are threads of the driver's process (they report the driver's pid): "
+        "there is no worker process to kill"
     ),
 }
-
-_ = Queue
 
 
 # --- a backend of worker processes, for the recovery rules ----------------------------------
@@ -364,7 +453,7 @@ def _answer_probes(probe: Any) -> None:
             probe.send(probe.recv())
 
 
-def _serve_pipe(portable: bytes, conn: Any, probe: Any) -> None:
+def _serve_pipe(portable: bytes, conn: Any, probe: Any, defect: str) -> None:
     """A worker process: start the worker, say ready, run each call, answer; a thread
     answers the liveness probe."""
     import pickle
@@ -372,12 +461,14 @@ def _serve_pipe(portable: bytes, conn: Any, probe: Any) -> None:
     from executor_core.backend import RemoteFailure
 
     threading.Thread(target=_answer_probes, args=(probe,), daemon=True).start()
+    if defect == "worker_leaks_shm":
+        _LEAKED.append(_leak_shm_segment(f"worker-{os.getpid()}"))
 
     wrapper = pickle.loads(portable)
     try:
         wrapper.init_worker()
     except Exception as exc:  # noqa: BLE001 - shipped to the driver as the start's error
-        conn.send(("ready", False, RemoteFailure.capture(wrapper.rank, "init_worker", exc)))
+        conn.send(("ready", False, RemoteFailure.capture(wrapper.context.rank, "init_worker", exc)))
         return
     conn.send(("ready", True, None))
     while True:
@@ -397,11 +488,10 @@ class _Processes(Transport):
     defect: ClassVar[str] = ""
     incarnations: ClassVar[int] = 0
 
-    def interrupt(self) -> None:
-        self.interrupted.set()
-
     def start(self) -> None:
         self.interrupted = threading.Event()
+        if self.defect == "leaks_per_restart":  # keeps every incarnation's host alive
+            _LEAKED.append(self.host)
         _Processes.incarnations += 1
         nodes = None
         if self.defect == "renames_nodes":  # each incarnation on "another node"
@@ -433,7 +523,8 @@ class _Processes(Transport):
         parent, child = spawn.Pipe()
         ours, theirs = spawn.Pipe()
         portable = pickle.dumps(self.host.wrapper(context).portable())
-        process = spawn.Process(target=_serve_pipe, args=(portable, child, theirs), daemon=True)
+        args = (portable, child, theirs, self.defect)
+        process = spawn.Process(target=_serve_pipe, args=args, daemon=True)
         process.start()
         child.close()
         theirs.close()
@@ -459,6 +550,8 @@ class _Processes(Transport):
                 process = self.procs[rank]
                 process.join(1.0)
                 code = process.exitcode
+                if self.defect == "death_unreported":
+                    return
                 if code is not None and self.host.closed_error is None:
                     signal_ = -code if code < 0 else None
                     exit_ = code if code >= 0 else None
@@ -494,6 +587,9 @@ class _Processes(Transport):
             if not answered:
                 silent.add(rank)
         return silent
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
 
     def kill(self, ranks: Sequence[int]) -> None:
         if self.defect == "kill_forgets":
@@ -559,8 +655,8 @@ def _processes(defect: str, base: type[_Processes] = _Processes) -> type[Executo
     return type(f"_ProcessExecutor_{defect}", (_ProcessExecutor,), {"transport_cls": transport})
 
 
-#: Broken recovery: process backends (their workers can be killed), run with
-#: ``workers_are_processes = True``; the words the kit's failure must contain.
+#: Broken recovery: process backends (their workers can be killed); the words the kit's
+#: failure must contain.
 BROKEN_RECOVERY: dict[str, tuple[type[Executor], str]] = {
     "leaves_survivors": (
         _processes("leaves_survivors"),
@@ -572,17 +668,34 @@ BROKEN_RECOVERY: dict[str, tuple[type[Executor], str]] = {
     ),
     "replace_forgets_rejoin": (
         _processes("replace_forgets_rejoin", _ReplacingProcesses),
-        "a rank replacement keeps the survivors' processes",
+        "a rank replacement keeps the survivors' pids",
+    ),
+    "leaks_per_restart": (
+        _processes("leaks_per_restart"),
+        "recoveries leave the driver as one executor left it",
     ),
 }
 
-#: Broken hang bounds: process backends with a liveness probe, run with
-#: ``workers_are_processes = True``; the words the kit's failure must contain.
+#: Broken lifecycles of a process backend, which sets no flag: the kit finds its worker
+#: processes from the pids they report; the words the kit's failure must contain.
+BROKEN_PROCESSES: dict[str, tuple[type[Executor], str]] = {
+    "death_unreported": (
+        _processes("death_unreported"),
+        "a worker's death fails the call in flight",
+    ),
+    "worker_leaks_shm": (_processes("worker_leaks_shm"), "left behind after shutdown()"),
+}
+
+#: Broken hang bounds: process backends with a liveness probe; the words the kit's failure
+#: must contain.
 BROKEN_HANGS: dict[str, tuple[type[Executor], str]] = {
     "probe_blind": (
         _processes("probe_blind"),
         "a frozen rank is declared dead within about the hang bound",
     ),
-    "probe_blames_busy": (_processes("probe_blames_busy"), "the frozen rank 1 alone"),
+    "probe_blames_busy": (
+        _processes("probe_blames_busy"),
+        "a long call in workers that answer the probe completes",
+    ),
     "kill_forgets": (_processes("kill_forgets"), "a rank declared hung is killed"),
 }

@@ -59,7 +59,7 @@ MAX_MODULE_LINES = 400
 #: channel 3,500, multiproc 1,800, ray 1,300, slurm 600, otel 450, uniproc 250.
 LINE_BUDGETS = {
     "core": 4_700,
-    "core/testing": 2_750,
+    "core/testing": 2_000,
     "core/torch": 1_200,
     "channel": 7_900,
     "plugins/uniproc": 300,

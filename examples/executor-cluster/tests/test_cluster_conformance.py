@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 
 from executor_core.testing import ExecutorConformanceTests
@@ -18,6 +16,3 @@ class TestClusterConformance(ExecutorConformanceTests):
     backend = "cluster"
     world_size = 2
     num_nodes = 2
-    workers_are_processes: ClassVar[bool] = True
-    #: Each restart starts two agents: a few kills in a row keep the test short.
-    recovery_kills = 5

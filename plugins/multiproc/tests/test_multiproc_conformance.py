@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from executor_core.testing import ExecutorConformanceTests, layout_variant
 
 
 class TestMultiprocConformance(ExecutorConformanceTests):
     """Two tensor-parallel workers."""
-
-    #: A process per worker: the kit kills one and checks its death is reported.
-    workers_are_processes: ClassVar[bool] = True
 
     backend = "mp"
     world_size = 2
@@ -27,4 +22,3 @@ class TestMultiprocPipelineConformance(ExecutorConformanceTests):
     backend = "multiproc"
     world_size = 2
     pipeline_parallel_size = 2
-    workers_are_processes: ClassVar[bool] = True

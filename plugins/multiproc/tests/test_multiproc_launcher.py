@@ -23,7 +23,7 @@ from executor_core import (
     WorkerDiedError,
 )
 from executor_core.testing import conformance_config
-from executor_core.testing._recovering import gloo_sum  # the kit's own gloo check
+from executor_core.testing._recovery import gloo_sum  # the kit's own gloo check
 from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
 from executor_plugin_multiproc.launcher import AgentLaunch, Placement
 

@@ -31,8 +31,12 @@ from executor_core import (
     create_executor,
 )
 from executor_core.backend import Registry, find_free_port
-from executor_core.testing import ExecutorConformanceTests, conformance_config, layout_variant
-from executor_core.testing._base import ExecutorFactory
+from executor_core.testing import (
+    ExecutorConformanceTests,
+    ExecutorFactory,
+    conformance_config,
+    layout_variant,
+)
 
 __all__ = ["agents", "node_secret"]  # fixtures, imported for the tests below
 
@@ -45,8 +49,6 @@ class _TwoNodes(ExecutorConformanceTests):
 
     backend = "mp"
     world_size = 2
-    # The kit kills the highest rank: a worker of the agent, on the other node.
-    workers_are_processes = True
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -65,11 +67,7 @@ class _TwoNodes(ExecutorConformanceTests):
 
 
 class TestTwoNodeConformance(_TwoNodes):
-    """One tensor-parallel rank on each node."""
-
-    #: Twenty kills in a row are TestMultiprocConformance's (one node); a few here, where
-    #: each restart waits for the agent to rejoin, keep CI short.
-    recovery_kills = 5
+    """One tensor-parallel rank on each node (the kit kills the highest: the agent's)."""
 
 
 @layout_variant

@@ -21,8 +21,6 @@ class _RayKit(ExecutorConformanceTests):
     #: The process's Ray connection outlives each executor (the tests share one session) and
     #: opens sockets of its own on first use, so descriptors are not the executor's alone.
     check_fds = False
-    #: Every worker is an actor process: the kit kills one and checks its death is reported.
-    workers_are_processes = True
     #: Ray starts and stops actors in seconds.
     time_limit_s = 120.0
     #: Whether the workers of the class's executors are on the driver's node.
@@ -50,12 +48,6 @@ class _LocalKit(_RayKit):
 class TestRayConformance(_LocalKit):
     """Two tensor-parallel workers on the driver's node."""
 
-    #: Kills in a row: the twenty of the kit's default are TestMultiprocConformance's (the
-    #: core's recovery, on the fast set); here ten of Ray's restarts (every actor anew, the
-    #: placement group kept), each taking seconds. Threads and /dev/shm entries may not grow
-    #: at all after the first, so one restart's leak shows from the second kill on.
-    recovery_kills = 10
-
 
 @layout_variant
 class TestRayPipelineConformance(_LocalKit):
@@ -69,8 +61,6 @@ class TestRayClusterConformance(_RayKit):
     """Two workers on the other nodes of a simulated cluster: every call crosses the hub."""
 
     on_rings = False
-    #: Ten kills in a row are TestRayConformance's; a few here keep CI short.
-    recovery_kills = 5
     #: Every rank is a member of the hub here, and a lost member is not admitted again yet:
     #: ray replaces only the ranks on the driver's node, so these deaths restart the group.
     replaces_ranks = False

@@ -24,7 +24,7 @@ from executor_core import (
     create_executor,
 )
 from executor_core.testing import conformance_config
-from executor_core.testing._hangs import freeze  # the kit's own
+from executor_core.testing._guard import freeze  # the kit's own
 from executor_plugin_ray._executor import RayExecutor
 from executor_plugin_ray._placement import PlacementTimeoutError
 

@@ -5,7 +5,6 @@ node in a step of its own (srun), and releases the job at shutdown."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar
 
 import pytest
 from slurm_cluster import SlurmCluster
@@ -23,7 +22,6 @@ class TestSlurmConformance(ExecutorConformanceTests):
     backend = "slurm"
     world_size = 2
     num_nodes = 2
-    workers_are_processes: ClassVar[bool] = True
     #: Each restart is two new steps in the job: a few kills in a row keep it short.
     recovery_kills = 3
 

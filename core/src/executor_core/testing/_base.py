@@ -1,33 +1,38 @@
-"""What every area of the conformance kit shares: the backend under test, its configs, the
-fixtures that build executors, and the time guard around each test."""
+"""What every area of the kit shares: the backend under test, its configs, the fixtures that
+build executors, the time guard around each test, and the worker processes it may kill."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from .._config import ExecutorConfig
-from .._errors import RPCTimeoutError
-from .._executor import Executor, create_executor
-from .._registry import BackendSpec, Registry, default_registry
-from ._guard import time_limit
-from ._workers import ConformanceWorker
+from executor_core import (
+    Executor,
+    ExecutorConfig,
+    ExecutorState,
+    RPCTimeoutError,
+    WorkerDiedError,
+    create_executor,
+)
+from executor_core.backend import BackendSpec, Registry, default_registry
 
-__all__ = ["ExecutorFactory", "KitBase", "check_reply_ranks", "conformance_config"]
+from ._guard import process_identity, time_limit, wait_until
+from ._workers import ConformanceWorker
 
 #: Builds a started executor: ``make(registry=None, **config_overrides)``.
 ExecutorFactory = Callable[..., Executor]
 
 
 def conformance_config(backend: str | type, **overrides: Any) -> ExecutorConfig:
-    """An ExecutorConfig that runs :class:`ConformanceWorker` on ``backend``.
-
-    ``world_size=N`` is accepted as a shorthand for ``tensor_parallel_size=N`` (divided by
-    ``pipeline_parallel_size`` when that is given).
-    """
+    """An ExecutorConfig that runs :class:`ConformanceWorker` on ``backend``; ``world_size``
+    stands for ``tensor_parallel_size`` times ``pipeline_parallel_size``."""
     world_size = overrides.pop("world_size", None)
     if world_size is not None and "tensor_parallel_size" not in overrides:
         overrides["tensor_parallel_size"] = world_size // overrides.get("pipeline_parallel_size", 1)
@@ -35,32 +40,31 @@ def conformance_config(backend: str | type, **overrides: Any) -> ExecutorConfig:
     return ExecutorConfig(backend=backend, **overrides)
 
 
-def check_reply_ranks(executor: Executor, timeout: float) -> None:
-    """Fail, naming the rule, unless every rank's reply comes back labelled with its rank.
-
-    Each worker returns its own rank (``get_rank``), so a reply delivered under another
-    rank's number shows as a result out of place; one whose true rank never answers would
-    leave the call waiting: the call has a ``timeout`` so that this fails at once, saying
-    why, rather than as a hang in a later test.
-    """
+def check_reply_ranks(executor: Executor, timeout: float, step_s: float = 0.0) -> None:
+    """Fail unless every rank's reply comes labelled with its rank within ``timeout``; with
+    ``step_s`` the highest rank answers first (labels by order of arrival show)."""
+    method, args = ("rank_in_reverse", (step_s,)) if step_s else ("get_rank", ())
     try:
-        ranks = executor.collective_rpc("get_rank", timeout=timeout)
+        ranks = executor.collective_rpc(method, args=args, timeout=timeout)
     except RPCTimeoutError as exc:
         raise AssertionError(
             f"rule broken: replies carry the rank they came from; ranks {list(exc.ranks)} "
-            f"never answered get_rank as themselves within {timeout:g} s (a reply delivered "
-            "with another rank's number is not that rank's: deliver(seq, rank, ...) with the "
-            "rank that ran the call)"
+            f"never answered as themselves within {timeout:g} s"
         ) from exc
-    wrong = [
-        f"the reply in rank {rank}'s place came from rank {got}"
-        for rank, got in enumerate(ranks)
-        if got != rank
-    ]
-    assert not wrong, (
-        f"rule broken: replies carry the rank they came from: {'; '.join(wrong)} (deliver "
-        "each reply with the rank that ran the call)"
+    assert ranks == list(range(executor.world_size)), (
+        f"rule broken: replies carry the rank they came from, one per rank in rank order, "
+        f"whatever order they arrive in: got {ranks}"
     )
+
+
+def in_threads(count: int, target: Callable[[int], object]) -> None:
+    """Run ``target(i)`` on ``count`` threads at once; fail if one raises or takes 2 minutes."""
+    pool = ThreadPoolExecutor(count)
+    try:
+        for future in [pool.submit(target, i) for i in range(count)]:
+            future.result(timeout=120)
+    finally:
+        pool.shutdown(wait=False)
 
 
 class KitBase:
@@ -73,38 +77,25 @@ class KitBase:
     world_size: ClassVar[int] = 2
     #: Pipeline stages of the shared executor (world_size must be a multiple).
     pipeline_parallel_size: ClassVar[int] = 1
-    #: Nodes of every executor whose world size is a multiple of it (the others run on
-    #: one): a backend that places its own nodes (``mp``'s launcher contract, say) runs the
-    #: whole kit across several with ``num_nodes = 2``.
+    #: Nodes of every executor whose world size is a multiple of it (the others run on one).
     num_nodes: ClassVar[int] = 1
     #: ``backend_options`` of every executor the kit builds.
     backend_options: ClassVar[dict[str, Any]] = {}
-    #: Seconds one test may take, start-up and shutdown included: past it the test fails
-    #: (a hang is a failure, not a long wait for an outer timeout).
+    #: Seconds one test may take, start-up and shutdown included: past it the test fails.
     time_limit_s: ClassVar[float] = 60.0
     #: Seconds workers, threads and descriptors get to go after shutdown or a drop.
     settle_s: ClassVar[float] = 10.0
     #: Seconds a slow call sleeps in the timeout tests; the timeout is a fraction of it.
     slow_call_s: ClassVar[float] = 1.0
-    #: Name prefixes of threads the backend keeps for its session across executors (a
-    #: cluster client's); any other thread left after shutdown is a leak.
+    #: Name prefixes of threads the backend keeps for its session across executors.
     session_threads: ClassVar[tuple[str, ...]] = ()
-    #: False if the backend's session keeps descriptors across executors (a cluster
-    #: client's sockets), so that descriptors cannot be attributed to one executor.
+    #: False if the backend's session keeps descriptors across executors (a cluster client).
     check_fds: ClassVar[bool] = True
-    #: True if every worker runs in a process of its own (not the driver's), so that the kit
-    #: may kill one by the pid it reports (``ConformanceWorker.get_pid``) and check that its
-    #: death is reported. Process backends set it; thread and in-process backends leave it.
-    workers_are_processes: ClassVar[bool] = False
-    #: Seconds ``shutdown()`` may take with a rank hung in a call: the backend's own grace
-    #: periods before it stops the rank by force.
+    #: Seconds ``shutdown()`` may take with a rank hung (its grace before force).
     shutdown_s: ClassVar[float] = 30.0
-    #: Bytes of a call that no queue or ring of the backend holds whole (``mp``'s broadcast
-    #: ring holds 64 MiB at its defaults): with a rank hung, such a call cannot be sent, and
-    #: must still fail by its deadline. Raise it if your backend buffers more.
+    #: Bytes of a call that no queue or ring of the backend holds whole (``mp``'s: 64 MiB).
     large_call_bytes: ClassVar[int] = 80 << 20
-    #: Name prefixes of entries in ``tempfile.gettempdir()`` that outlive an executor on
-    #: purpose (a cluster client's session directory); any other is a leak.
+    #: Name prefixes of ``tempfile.gettempdir()`` entries the backend's session keeps.
     session_temp_files: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -115,33 +106,17 @@ class KitBase:
                 f"{cls.__name__} must set backend = '<your backend name>' (or override "
                 "the executor_factory fixture)"
             )
-        pp = overrides.pop("pipeline_parallel_size", cls.pipeline_parallel_size)
-        world_size = overrides.pop("world_size", cls.world_size)
-        if "num_nodes" not in overrides and world_size % cls.num_nodes == 0:
+        overrides.setdefault("pipeline_parallel_size", cls.pipeline_parallel_size)
+        overrides.setdefault("world_size", cls.world_size)
+        if "num_nodes" not in overrides and overrides["world_size"] % cls.num_nodes == 0:
             overrides["num_nodes"] = cls.num_nodes
         options = {**cls.backend_options, **overrides.pop("backend_options", {})}
-        return conformance_config(
-            cls.backend,
-            world_size=world_size,
-            pipeline_parallel_size=pp,
-            backend_options=options,
-            **overrides,
-        )
+        return conformance_config(cls.backend, backend_options=options, **overrides)
 
     @classmethod
     def reply_probe_s(cls) -> float:
         """Seconds the kit gives a trivial call (``get_rank``) on a new executor."""
         return min(30.0, cls.time_limit_s / 4)
-
-    def assert_prompt_shutdown(self, executor: Executor, when: str) -> None:
-        """Shut ``executor`` down; fail unless it returned within :attr:`shutdown_s`."""
-        start = time.monotonic()
-        executor.shutdown()
-        took = time.monotonic() - start
-        assert took < self.shutdown_s, (
-            f"rule broken: shutdown() {when} returns within {self.shutdown_s:g} s "
-            f"(took {took:.1f} s)"
-        )
 
     @classmethod
     def spec(cls) -> BackendSpec | None:
@@ -150,6 +125,86 @@ class KitBase:
         if isinstance(backend, str) and backend and ":" not in backend:
             return default_registry().get(backend)
         return None
+
+    def worker_processes(self, executor: Executor) -> list[int | None]:
+        """Each rank's pid where it runs in a process of its own on this machine (the same
+        ``process_identity`` seen from here), else None: the ones the kit may kill."""
+        found = executor.collective_rpc("get_process", timeout=self.reply_probe_s())
+        mine = os.getpid()
+        return [p if p != mine and who and who == process_identity(p) else None for p, who in found]
+
+    def victim(self, pids: list[int | None], avoid: Iterable[int | None] = ()) -> tuple[int, int]:
+        """``(rank, pid)`` of the highest rank of ``pids`` with a process (not in ``avoid``);
+        the test is skipped where there is none."""
+        avoid = set(avoid)
+        found = [(r, pid) for r, pid in enumerate(pids) if pid is not None and pid not in avoid]
+        if not found:
+            pytest.skip("no rank runs in a worker process of its own on this machine")
+        return found[-1]
+
+    def died(
+        self, future: Future[Any], victim: int, rule: str, within_s: float = 0
+    ) -> WorkerDiedError:
+        """``future``'s ``WorkerDiedError`` naming ``victim``, within ``within_s`` or
+        ``settle_s``."""
+        within_s = within_s or self.settle_s
+        try:
+            error = future.exception(timeout=within_s)
+        except TimeoutError:
+            pytest.fail(f"rule broken: {rule}; the call still waits after {within_s:g} s")
+        assert isinstance(error, WorkerDiedError), f"rule broken: {rule} (not {error!r})"
+        assert victim in error.ranks, f"rule broken: {rule} (naming {error.ranks}, not {victim})"
+        return error
+
+    def wait_running(self, executor: Executor, what: str, within_s: float) -> float:
+        """Seconds until ``executor`` runs again; fail if it failed, or took over ``within_s``."""
+        start, ends = time.monotonic(), (ExecutorState.RUNNING, ExecutorState.FAILED)
+        wait_until(lambda: executor.state in ends, within_s, 0.02)
+        state, took = executor.state, time.monotonic() - start
+        assert state is not ExecutorState.FAILED, (
+            f"rule broken: {what}: the executor failed instead of recovering: {executor.failure!r}"
+        )
+        assert state is ExecutorState.RUNNING, (
+            f"rule broken: {what}: the executor is back within {within_s:g} s (state {state} "
+            f"after {took:.1f} s)"
+        )
+        return took
+
+    def hold_last_rank(self, executor: Executor, release: Path) -> Future[list[Any]]:
+        """Hold the highest rank in a call until the file ``release`` exists."""
+        hold = (str(release), executor.world_size - 1, self.time_limit_s)
+        return executor.collective_rpc("hold", args=hold, non_block=True)
+
+    def assert_prompt_shutdown(
+        self, executor: Executor, when: str, release: Path | None = None
+    ) -> None:
+        """Shut ``executor`` down within :attr:`shutdown_s` (a rank held until ``release`` is
+        let go then)."""
+        timer = threading.Timer(self.shutdown_s, release.touch if release else lambda: None)
+        start = time.monotonic()
+        timer.start()
+        try:
+            executor.shutdown()
+        finally:
+            took = time.monotonic() - start
+            timer.cancel()
+            if release:
+                release.touch()
+        assert took < self.shutdown_s, (
+            f"rule broken: shutdown() {when} returns within {self.shutdown_s:g} s (took "
+            f"{took:.1f} s{'; it waited for the hung rank' if release else ''})"
+        )
+
+    @classmethod
+    def _shared(cls, factory: ExecutorFactory, **overrides: Any) -> Iterator[Executor]:
+        with time_limit(cls.time_limit_s, "creating the executor"):
+            executor = factory(**overrides)
+        try:
+            check_reply_ranks(executor, cls.reply_probe_s(), step_s=0.05)
+            yield executor
+        finally:
+            with time_limit(cls.time_limit_s, "shutdown()"):
+                executor.shutdown()
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -165,14 +220,7 @@ class KitBase:
     @classmethod
     def executor(cls, executor_factory: ExecutorFactory) -> Iterator[Executor]:
         """One executor shared by the tests that do not break it."""
-        with time_limit(cls.time_limit_s, "creating the executor"):
-            executor = executor_factory()
-        try:
-            check_reply_ranks(executor, cls.reply_probe_s())
-            yield executor
-        finally:
-            with time_limit(cls.time_limit_s, "shutdown()"):
-                executor.shutdown()
+        yield from cls._shared(executor_factory)
 
     @pytest.fixture
     def fresh_executor(self, executor_factory: ExecutorFactory) -> Iterator[ExecutorFactory]:

@@ -1,33 +1,25 @@
-"""What keeps the conformance kit honest about time and leftovers: a time limit that turns a
-hang into a failure naming the rule, and snapshots of threads, descriptors and shared memory.
-"""
+"""Time and leftovers: a time limit that fails a hang naming the rule; which processes are an
+executor's workers; what the driver and they hold (Linux's /proc), to check that what the
+executor made, and only that, is gone after it."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing.util
 import os
-import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import FrameType
+from unittest import mock
 
 import attrs
 
-__all__ = [
-    "ConformanceTimeout",
-    "Snapshot",
-    "grown",
-    "pids_alive",
-    "private_tempdir",
-    "resources",
-    "temp_leftovers",
-    "time_limit",
-]
+SHM = "/dev/shm/"
 
 
 class ConformanceTimeout(AssertionError):
@@ -36,15 +28,9 @@ class ConformanceTimeout(AssertionError):
 
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str) -> Iterator[None]:
-    """Fail with :class:`ConformanceTimeout` if the block runs past ``seconds``.
-
-    Uses SIGALRM in the main thread (where pytest runs tests); elsewhere, or without
-    ``setitimer``, the block runs unguarded. A timer already set (pytest-timeout's) is put
-    back afterwards, less the time spent here.
-    """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "setitimer"
-    ):
+    """Fail with :class:`ConformanceTimeout` if the block runs past ``seconds`` (SIGALRM, in
+    the main thread; a timer already set is put back after)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -55,8 +41,7 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
         )
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    outer_s, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
-    started = time.monotonic()
+    outer_s, started = signal.setitimer(signal.ITIMER_REAL, seconds)[0], time.monotonic()
     try:
         yield
     finally:
@@ -67,161 +52,157 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
 
 
-def _fds() -> set[str]:
-    try:
-        return set(os.listdir("/proc/self/fd"))
-    except OSError:  # not Linux: descriptors are not checked
-        return set()
+def wait_until(condition: Callable[[], object], within_s: float, every_s: float = 0.01) -> bool:
+    """Whether ``condition()`` came true within ``within_s`` (polled every ``every_s``)."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return bool(condition())
 
 
-def _fd_target(fd: str) -> str:
+def _read(path: str | Path) -> str:
+    """A file's text ("" where it cannot be read: gone, not ours, or not Linux)."""
     try:
-        return os.readlink(f"/proc/self/fd/{fd}")
+        return Path(path).read_text()
     except OSError:
-        return "?"
+        return ""
 
 
-def _shm() -> set[str]:
+def _listdir(path: str | Path) -> list[str]:
     try:
-        return set(os.listdir("/dev/shm"))
+        return os.listdir(path)
     except OSError:
-        return set()
+        return []
 
 
-@attrs.frozen
-class Snapshot:
-    """Threads, file descriptors and /dev/shm entries of this process at one moment."""
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: state first ([] if gone)."""
+    return _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
 
-    threads: frozenset[int]
-    fds: frozenset[str]
-    shm: frozenset[str]
 
-    @classmethod
-    def take(cls) -> Snapshot:
-        """The state now."""
-        return cls(
-            frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
-            frozenset(_fds()),
-            frozenset(_shm()),
-        )
+def process_identity(pid: int | str = "self") -> str:
+    """Process ``pid``'s machine (boot id), pid namespace and start time ("" where unknown):
+    a pid a worker reports is that process only where its own identity is the same."""
+    try:
+        namespace, started = os.readlink(f"/proc/{pid}/ns/pid"), _stat(pid)[19]
+    except (OSError, IndexError):
+        return ""
+    return f"{_read('/proc/sys/kernel/random/boot_id').strip()} {namespace} {started}"
 
-    def leftovers(
-        self, *, session_threads: Iterable[str] = (), check_fds: bool = True
-    ) -> list[str]:
-        """What exists now and did not at the snapshot (threads whose name starts with one
-        of ``session_threads`` are the backend's session, not the executor's, and allowed)."""
-        prefixes = tuple(session_threads)
-        found = [
-            f"thread {t.name!r}"
-            for t in threading.enumerate()
-            if t.ident not in self.threads and t.is_alive() and not t.name.startswith(prefixes)
-        ]
-        if check_fds:
-            found += [f"fd {fd} -> {_fd_target(fd)}" for fd in sorted(_fds() - self.fds)]
-            found = [f for f in found if "/proc/" not in f]  # the listing's own descriptor
-        found += [f"/dev/shm/{name}" for name in sorted(_shm() - self.shm)]
-        return found
 
-    def wait_clean(
-        self, within_s: float, *, session_threads: Iterable[str] = (), check_fds: bool = True
-    ) -> list[str]:
-        """:meth:`leftovers`, polled until none are left or ``within_s`` passed."""
-        deadline = time.monotonic() + within_s
-        while True:
-            left = self.leftovers(session_threads=session_threads, check_fds=check_fds)
-            if not left or time.monotonic() >= deadline:
-                return left
-            time.sleep(0.05)
+def freeze(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (the signal lands asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = wait_until(lambda: _stat(pid)[:1] in (["T"], ["t"]), within_s, 0.001)
+    assert stopped, f"process {pid} not stopped {within_s:g} s after SIGSTOP"
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has: it runs no code)."""
+    return _stat(pid)[:1] in ([], ["Z"], ["X"])
 
 
 def pids_alive(pids: Iterable[int], within_s: float) -> list[int]:
-    """The processes among ``pids`` still running after up to ``within_s`` (zombies count as
-    ended: they run no code)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [pid for pid in pids if _running(pid)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.05)
+    """Those of ``pids`` still running after up to ``within_s``."""
+    pids = list(pids)
+    wait_until(lambda: all(ended(pid) for pid in pids), within_s, 0.05)
+    return [pid for pid in pids if not ended(pid)]
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-    return "\nState:\tZ" not in status
+def _fds(pid: int | str = "self") -> dict[str, str]:
+    """Process ``pid``'s open descriptors and what each points at."""
+    found = {}
+    for fd in _listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return found
+
+
+def _shm_maps(pid: int | str = "self") -> dict[str, str]:
+    """The /dev/shm files process ``pid`` maps: inode -> path (``(deleted)`` once unlinked)."""
+    fields = (line.split(maxsplit=5) for line in _read(f"/proc/{pid}/maps").splitlines())
+    return {f[4]: f[5] for f in fields if len(f) == 6 and f[5].startswith(SHM)}
+
+
+def shm_held(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm names (not unlinked) that processes ``pids`` hold open or mapped."""
+    paths = {p for pid in pids for p in (*_fds(pid).values(), *_shm_maps(pid).values())}
+    return {p for p in paths if p.startswith(SHM) and not p.endswith(" (deleted)")}
+
+
+@attrs.define
+class Footprint:
+    """The driver's threads, descriptors and /dev/shm mappings now, and the /dev/shm names
+    (new since) that it and an executor's worker processes were seen to hold: what must be
+    gone after the executor (but threads named ``session_threads*``)."""
+
+    session_threads: tuple[str, ...]
+    check_fds: bool
+    threads: frozenset[int | None] = attrs.field(
+        factory=lambda: frozenset(t.ident for t in threading.enumerate())
+    )
+    fds: frozenset[str] = attrs.field(factory=lambda: frozenset(_fds()))
+    maps: frozenset[str] = attrs.field(factory=lambda: frozenset(_shm_maps()))
+    shm: frozenset[str] = attrs.field(factory=lambda: frozenset(SHM + n for n in _listdir(SHM)))
+    held: set[str] = attrs.field(factory=set)
+
+    def note(self, pids: Iterable[int | None]) -> None:
+        """Record the /dev/shm names the driver and worker processes ``pids`` hold now."""
+        self.held |= shm_held([os.getpid(), *(p for p in pids if p)]) - self.shm
+
+    def leftovers(self, within_s: float) -> list[str]:
+        """What the executor made that is still here after up to ``within_s``."""
+
+        def left() -> list[str]:
+            found = [
+                f"thread {t.name!r}"
+                for t in threading.enumerate()
+                if t.ident not in self.threads and not t.name.startswith(self.session_threads)
+            ]
+            fds = _fds() if self.check_fds else {}
+            new = {fd: to for fd, to in fds.items() if fd not in self.fds and "/proc/" not in to}
+            found += [f"fd {fd} -> {to}" for fd, to in new.items()]
+            maps = _shm_maps()
+            found += [f"a mapping of {maps[inode]}" for inode in set(maps) - self.maps]
+            return found + [name for name in self.held if os.path.exists(name)]
+
+        wait_until(lambda: not left(), within_s, 0.05)
+        return sorted(left())
+
+
+def resources() -> dict[str, int]:
+    """The driver's threads, descriptors, /dev/shm mappings, RSS, and objects of ``executor_*``
+    classes (but errors, which a log handler, pytest's say, may keep)."""
+    gc.collect()
+    kept = [str(t.__module__) for t in map(type, gc.get_objects()) if not issubclass(t, Exception)]
+    pages = int((_read("/proc/self/statm").split() or ["0", "0"])[1])
+    return {
+        "threads": threading.active_count(),
+        "fds": len(_fds()),
+        "shm mappings": len(_shm_maps()),
+        "objects": sum(1 for module in kept if module.startswith("executor_")),
+        "rss": pages * os.sysconf("SC_PAGE_SIZE"),
+    }
 
 
 @contextlib.contextmanager
 def private_tempdir() -> Iterator[Path]:
-    """Point ``tempfile.gettempdir()`` at a fresh, empty directory for the block, in this
-    process (``tempfile.tempdir``) and in the processes it starts (``TMPDIR``), so that what
-    a backend leaves in the temporary directory can be told from what other programs put
-    there. Removed afterwards, with whatever is left in it.
-
-    This process's ``multiprocessing`` directory (``pymp-*``, kept until the process exits)
-    is made first, in the real temporary directory, so that it never lands here.
-    """
-    multiprocessing.util.get_temp_dir()
-    saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
-    path = Path(tempfile.mkdtemp(prefix="executor-kit-tmp-"))
-    tempfile.tempdir = str(path)
-    os.environ["TMPDIR"] = str(path)
-    try:
-        yield path
-    finally:
-        tempfile.tempdir = saved_dir
-        if saved_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved_env
-        shutil.rmtree(path, ignore_errors=True)
+    """Point ``tempfile.gettempdir()`` (and ``TMPDIR``) at a fresh, empty directory for the
+    block, so that what a backend leaves there is told from what other programs leave."""
+    multiprocessing.util.get_temp_dir()  # this process's own, made in the real one
+    with (
+        tempfile.TemporaryDirectory(prefix="executor-kit-tmp-", ignore_cleanup_errors=True) as tmp,
+        mock.patch.dict(os.environ, TMPDIR=tmp),
+        mock.patch.object(tempfile, "tempdir", tmp),
+    ):
+        yield Path(tmp)
 
 
 def temp_leftovers(path: Path, within_s: float, allowed: Iterable[str] = ()) -> list[str]:
-    """The entries of ``path`` (but those whose name starts with one of ``allowed``) still
-    there after up to ``within_s``."""
-    prefixes = tuple(allowed)
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            left = sorted(p.name for p in path.iterdir() if not p.name.startswith(prefixes))
-        except OSError:
-            left = []
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
+    """The entries of ``path`` (but those named ``allowed*``) still there after ``within_s``."""
 
+    def left() -> list[str]:
+        return sorted(name for name in _listdir(path) if not name.startswith(tuple(allowed)))
 
-#: RSS a run of recoveries may add to the driver (allocator noise, not a leak).
-_RSS_SLACK = 32 << 20
-
-
-def resources() -> dict[str, int]:
-    """The driver's thread count, descriptor count, /dev/shm entries and RSS now."""
-    try:
-        fds = len(os.listdir("/proc/self/fd"))
-        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: only threads are checked
-        fds = rss = 0
-    try:
-        shm = len(os.listdir("/dev/shm"))
-    except OSError:
-        shm = 0
-    return {"threads": threading.active_count(), "fds": fds, "shm": shm, "rss": rss}
-
-
-def grown(before: dict[str, int], now: dict[str, int], *, check_fds: bool) -> dict[str, str]:
-    limits = {"threads": 0, "fds": 0 if check_fds else None, "shm": 0, "rss": _RSS_SLACK}
-    return {
-        key: f"{before[key]} -> {now[key]}"
-        for key, slack in limits.items()
-        if slack is not None and now[key] > before[key] + slack
-    }
+    wait_until(lambda: not left(), within_s, 0.05)
+    return left()

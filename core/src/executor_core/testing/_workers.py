@@ -1,4 +1,6 @@
-"""The worker the conformance kit drives. Importable by qualname in any worker process."""
+"""The workers the conformance kit drives (importable by qualname in any worker process):
+:class:`ConformanceWorker`, and :class:`DeviceProbeWorker`, which stands in for
+``torch.cuda``'s per-thread current device (no GPU here) and reports what each call sees."""
 
 from __future__ import annotations
 
@@ -9,44 +11,30 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from .._worker import SLEEP_TAGS, WorkerBase, WorkerContext
+from executor_core import SLEEP_TAGS, WorkerBase, WorkerContext
 
-__all__ = ["ConformanceWorker", "UnpicklableError"]
+from ._guard import process_identity
 
 
 class UnpicklableError(Exception):
     """An exception that cannot cross a process boundary by pickle."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.handle = lambda: None  # lambdas do not pickle
-
     def __reduce__(self) -> Any:
         raise TypeError("UnpicklableError cannot be pickled")
 
 
-def _called_by_the_wrapper() -> bool:
-    """True if the caller of our caller is ``WorkerWrapper.shutdown`` (which runs the
-    ``executor_worker_stopping`` hook just before it calls the worker's ``shutdown``)."""
-    from .._wrapper import WorkerWrapper
-
-    frame = sys._getframe(2)
-    return frame.f_code is WorkerWrapper.shutdown.__code__
-
-
 class ConformanceWorker(WorkerBase):
-    """A worker with small, observable methods for the conformance kit.
+    """A worker with small, observable methods for the conformance kit: ``get_rank``,
+    ``get_context``, ``get_env``, ``get_pid``, ``get_tag`` and ``is_ready`` return what they
+    name, ``echo`` the rank with its arguments, ``payload_size`` the length of its bytes,
+    ``execute_model`` the rank with the batch; ``sleep``, ``wake_up`` and ``sleep_state`` keep
+    sleep tags, ``set_healthy`` the health that ``check_health`` reports.
 
-    ``marker_dir``: a directory where :meth:`shutdown` leaves ``shutdown-<rank>`` (with
-    ``wrapper`` in it when the core's wrapper called it, so the stopping hook ran too), and
-    :meth:`load_model` ``load-<rank>-<pid>`` as it starts (the recovery tests find the
-    processes of a restart there). ``load_s``: seconds :meth:`load_model` takes.
-    ``preload``: modules :meth:`load_model` imports (so that a test's first call does not
-    import them: the hang tests' calls are watched). ``gloo``: :meth:`init_device` joins a
-    gloo process group at the context's rendezvous, as a real model's workers do (a new rank
-    then waits there for the survivors of a rank replacement).
+    ``marker_dir``: where :meth:`shutdown` and :meth:`load_model` leave markers. ``load_s``:
+    seconds :meth:`load_model` takes; ``preload``: modules it imports. ``gloo``:
+    :meth:`init_device` joins a gloo group at the context's rendezvous, as a model's does.
     """
 
     def __init__(
@@ -61,19 +49,11 @@ class ConformanceWorker(WorkerBase):
         gloo: bool = False,
     ) -> None:
         super().__init__(context=context)
-        self.gloo = gloo
-        self.group: Any = None
-        self.load_s = load_s
-        self.preload = preload
-        self.tag = tag
-        self.fail_init_on_rank = fail_init_on_rank
-        self.marker_dir = marker_dir
+        self.tag, self.fail_init_on_rank, self.marker_dir = tag, fail_init_on_rank, marker_dir
+        self.load_s, self.preload, self.gloo = load_s, preload, gloo
         self.recorded: list[Any] = []
         self.asleep: set[str] = set()
-        self.sleep_level = 0
-        self.healthy = True
-        self.initialised = False
-        self.loaded = False
+        self.healthy, self.initialised, self.loaded = True, False, False
 
     def init_device(self) -> None:
         """Fail on purpose on ``fail_init_on_rank``; otherwise mark the device ready."""
@@ -86,43 +66,42 @@ class ConformanceWorker(WorkerBase):
         self.initialised = True
 
     def load_model(self) -> None:
-        """Mark the model loaded (after ``load_s`` seconds; see the class docstring)."""
+        """Mark the model loaded (see the class docstring)."""
         if self.marker_dir:
-            marker = os.path.join(self.marker_dir, f"load-{self.rank}-{os.getpid()}")
-            with open(marker, "w"):
-                pass
-        if self.load_s:
-            time.sleep(self.load_s)
+            Path(self.marker_dir, f"load-{self.rank}-{os.getpid()}").touch()
+        time.sleep(self.load_s)
         for module in self.preload:
             importlib.import_module(module)
         self.loaded = True
 
     def get_rank(self) -> int:
-        """This worker's rank."""
+        return self.rank
+
+    def rank_in_reverse(self, step_s: float) -> int:
+        """This worker's rank, after ``(world_size - 1 - rank) * step_s``."""
+        time.sleep((self.world_size - 1 - self.rank) * step_s)
         return self.rank
 
     def get_context(self) -> WorkerContext:
-        """This worker's WorkerContext."""
         return self.context
 
     def get_env(self, name: str) -> str | None:
-        """An environment variable as this worker's process sees it."""
         return os.environ.get(name)
 
     def get_pid(self) -> int:
-        """The pid of the process hosting this worker."""
         return os.getpid()
 
+    def get_process(self) -> tuple[int, str]:
+        """This process's pid and ``process_identity`` (machine, pid namespace, start)."""
+        return os.getpid(), process_identity()
+
     def get_tag(self) -> str:
-        """The ``tag`` worker kwarg."""
         return self.tag
 
     def is_ready(self) -> bool:
-        """True once init_device and load_model have run."""
         return self.initialised and self.loaded
 
     def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
-        """Return the rank with the arguments received."""
         return self.rank, args, kwargs
 
     def slow(self, seconds: float, value: Any = None) -> tuple[int, Any]:
@@ -130,10 +109,11 @@ class ConformanceWorker(WorkerBase):
         time.sleep(seconds)
         return self.rank, value
 
-    def hang(self, seconds: float, on_rank: int) -> int:
-        """On ``on_rank``, sleep ``seconds`` (a rank hung in a call); return the rank."""
-        if self.rank == on_rank:
-            time.sleep(seconds)
+    def hold(self, release: str, on_rank: int, max_s: float) -> int:
+        """On ``on_rank``, wait until the file ``release`` exists (at most ``max_s``)."""
+        deadline = time.monotonic() + max_s
+        while self.rank == on_rank and not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return self.rank
 
     def fail(self, message: str, on_rank: int | None = None) -> int:
@@ -143,8 +123,7 @@ class ConformanceWorker(WorkerBase):
         return self.rank
 
     def fail_later_on_lower_ranks(self, delay_s: float) -> None:
-        """Raise on every rank; the lower the rank, the later (rank r waits ``(n-1-r) *
-        delay_s``), so the highest rank's failure arrives first."""
+        """Raise on every rank, rank r after ``(world_size - 1 - r) * delay_s``."""
         time.sleep((self.world_size - 1 - self.rank) * delay_s)
         raise ValueError(f"failed on rank {self.rank}")
 
@@ -152,69 +131,119 @@ class ConformanceWorker(WorkerBase):
         """Raise an exception that cannot be pickled."""
         raise UnpicklableError(message)
 
-    def record(self, item: Any) -> int:
-        """Append ``item`` to this worker's record; return the record's length."""
+    def record(self, item: Any, seconds: float = 0.0) -> int:
+        """Append ``item`` to the record, sleep ``seconds``; return the record's length."""
         self.recorded.append(item)
+        time.sleep(seconds)
         return len(self.recorded)
 
-    def record_slowly(self, item: Any, seconds: float) -> int:
-        """:meth:`record` ``item``, then sleep ``seconds`` (a call that is seen to have run
-        even when its caller stopped waiting for it)."""
-        length = self.record(item)
-        time.sleep(seconds)
-        return length
-
-    def get_recorded(self) -> list[Any]:
-        """What :meth:`record` has seen, in order."""
-        return list(self.recorded)
-
-    def clear_recorded(self) -> None:
-        """Empty the record."""
-        self.recorded.clear()
+    def get_recorded(self, clear: bool = False) -> list[Any]:
+        """What :meth:`record` has seen, in order (and forget it, with ``clear``)."""
+        recorded, self.recorded = self.recorded, [] if clear else list(self.recorded)
+        return recorded
 
     def payload_size(self, data: bytes) -> int:
-        """The length of ``data`` (checks large arguments arrive whole)."""
         return len(data)
 
     def make_bytes(self, size: int, on_rank: int | None = None) -> bytes | None:
         """``size`` bytes of this rank's number (``None`` on ranks other than ``on_rank``)."""
-        if on_rank is not None and on_rank != self.rank:
-            return None
-        return bytes([self.rank % 256]) * size
+        return None if on_rank not in (None, self.rank) else bytes([self.rank % 256]) * size
 
     def execute_model(self, batch: Any) -> dict[str, Any]:
-        """Return the rank and the batch."""
         return {"rank": self.rank, "batch": batch}
 
     def sleep(self, level: int = 1) -> None:
-        """Mark every sleep tag asleep."""
         self.asleep = set(SLEEP_TAGS)
-        self.sleep_level = level
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Wake ``tags`` (all when ``None``)."""
         self.asleep.difference_update(SLEEP_TAGS if tags is None else tags)
 
     def sleep_state(self) -> list[str]:
-        """The tags asleep, sorted."""
         return sorted(self.asleep)
 
     def set_healthy(self, healthy: bool, on_rank: int | None = None) -> None:
-        """Set health (on every rank, or only on ``on_rank``)."""
-        if on_rank is None or on_rank == self.rank:
+        if on_rank in (None, self.rank):
             self.healthy = healthy
 
     def check_health(self) -> None:
-        """Raise RuntimeError while unhealthy."""
         if not self.healthy:
             raise RuntimeError(f"rank {self.rank} is unhealthy")
 
-    def thread_name(self) -> str:
-        """The name of the thread running this call."""
-        return threading.current_thread().name
+    def shutdown(self) -> None:
+        """Leave ``shutdown-<rank>`` in ``marker_dir``: ``wrapper`` if our caller is
+        ``WorkerWrapper.shutdown`` (which runs the stopping hook just before)."""
+        from executor_core.backend import WorkerWrapper
+
+        if self.marker_dir:
+            wrapped = sys._getframe(1).f_code is WorkerWrapper.shutdown.__code__
+            marker = Path(self.marker_dir, f"shutdown-{self.rank}")
+            marker.write_text("wrapper" if wrapped else "direct")
+
+
+_REPLACED = ("is_initialized", "current_device", "set_device")
+
+
+class _StandIn:
+    """``torch.cuda``'s current device, per thread, while a probe worker lives in the process."""
+
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    users: ClassVar[int] = 0
+    saved: ClassVar[dict[str, Any]] = {}
+    local: ClassVar[threading.local] = threading.local()
+
+    is_initialized = staticmethod(lambda: True)
+
+    @classmethod
+    def current_device(cls) -> int:
+        return int(getattr(cls.local, "index", 0))
+
+    @classmethod
+    def set_device(cls, device: Any) -> None:
+        cls.local.index = getattr(device, "index", device)
+
+    @classmethod
+    def use(cls, add: int) -> None:
+        """Count a probe worker in (``add=1``) or out (``-1``); install or put back."""
+        import torch
+
+        with cls.lock:
+            if cls.users == 0 and add > 0:
+                cls.local = threading.local()
+                cls.saved = {name: getattr(torch.cuda, name) for name in _REPLACED}
+                for name in _REPLACED:
+                    setattr(torch.cuda, name, getattr(cls, name))
+            cls.users += add
+            if cls.users == 0 and add < 0:
+                for name, function in cls.saved.items():
+                    setattr(torch.cuda, name, function)
+
+
+class DeviceProbeWorker(ConformanceWorker):
+    """A :class:`ConformanceWorker` whose process has a per-thread CUDA device stand-in; the
+    real functions come back when the process's last probe worker shuts down."""
+
+    def init_device(self) -> None:
+        """Install the stand-in and make device ``local_rank + 1`` current on this thread."""
+        import torch
+
+        _StandIn.use(1)
+        self.__dict__["_installed"] = True
+        torch.cuda.set_device(self.local_rank + 1)
+        super().init_device()
+
+    def probe(self) -> tuple[str, int, int]:
+        """``(thread name, current device, expected device)`` as this call sees them."""
+        import torch
+
+        current = torch.cuda.current_device()
+        return threading.current_thread().name, current, self.local_rank + 1
+
+    def execute_model(self, batch: Any) -> Any:
+        """The probe, from the path the backend takes for ``execute_model``."""
+        return self.probe()
 
     def shutdown(self) -> None:
-        """Leave ``shutdown-<rank>`` in ``marker_dir`` (saying whether the wrapper called)."""
-        if self.marker_dir:
-            text = "wrapper" if _called_by_the_wrapper() else "direct"
-            Path(self.marker_dir, f"shutdown-{self.rank}").write_text(text)
+        """Put the real ``torch.cuda`` functions back (with the process's last probe)."""
+        if self.__dict__.pop("_installed", False):
+            _StandIn.use(-1)
+        super().shutdown()
