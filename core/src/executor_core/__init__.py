@@ -38,17 +38,10 @@ if TYPE_CHECKING:
         WorkerDiedError,
         WorkerError,
     )
-    from ._executor import (
-        Executor,
-        create_executor,
-    )
+    from ._executor import Executor, create_executor
     from ._hooks import hookimpl
     from ._version import __version__
-    from ._worker import (
-        SLEEP_TAGS,
-        WorkerBase,
-        WorkerContext,
-    )
+    from ._worker import SLEEP_TAGS, WorkerBase, WorkerContext
 
 __all__ = [
     "SLEEP_TAGS",
@@ -79,30 +72,18 @@ __all__ = [
 
 #: Where each public name lives; a test keeps this table and __all__ equal.
 _LAZY: dict[str, str] = {
-    "BackendConflictError": "._errors",
-    "BackendLoadError": "._errors",
-    "ConfigError": "._errors",
-    "Executor": "._executor",
-    "ExecutorClosedError": "._errors",
-    "ExecutorConfig": "._config",
-    "ExecutorError": "._errors",
-    "ExecutorFailedError": "._errors",
-    "ExecutorState": "._config",
-    "NodeLostError": "._errors",
-    "RPCTimeoutError": "._errors",
-    "RecoveringError": "._errors",
-    "RecoveryPolicy": "._config",
-    "RecoveryRecord": "._config",
-    "SLEEP_TAGS": "._worker",
-    "SleepStateError": "._errors",
-    "UnknownBackendError": "._errors",
-    "WorkerBase": "._worker",
-    "WorkerContext": "._worker",
-    "WorkerDiedError": "._errors",
-    "WorkerError": "._errors",
-    "__version__": "._version",
-    "create_executor": "._executor",
-    "hookimpl": "._hooks",
+    name: module
+    for module, names in {
+        "._config": "ExecutorConfig ExecutorState RecoveryPolicy RecoveryRecord",
+        "._errors": "BackendConflictError BackendLoadError ConfigError ExecutorClosedError "
+        "ExecutorError ExecutorFailedError NodeLostError RPCTimeoutError RecoveringError "
+        "SleepStateError UnknownBackendError WorkerDiedError WorkerError",
+        "._executor": "Executor create_executor",
+        "._hooks": "hookimpl",
+        "._version": "__version__",
+        "._worker": "SLEEP_TAGS WorkerBase WorkerContext",
+    }.items()
+    for name in names.split()
 }
 
 
