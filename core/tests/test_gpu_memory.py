@@ -32,7 +32,6 @@ from executor_core.torch import (
     pinned_host_bytes,
     release_pinned_host_memory,
 )
-from executor_core.torch._memory import device_memory_bytes
 
 CUDA = torch.device("cuda", 1)
 
@@ -179,9 +178,6 @@ def test_cuda_memory_is_the_allocators_reserved_bytes_and_the_devices_used_bytes
         reserved_bytes=500, allocated_bytes=200, used_bytes=700, total_bytes=1000
     )
     assert {device for _name, device in asked} == {CUDA}
-    # What the worker reports as device_bytes: reserved (cached blocks included), not only
-    # the bytes in live tensors, which stay low while the cache holds the device's memory.
-    assert device_memory_bytes(CUDA) == 500
 
 
 def test_cpu_memory_is_the_process_and_the_host() -> None:
@@ -189,7 +185,6 @@ def test_cpu_memory_is_the_process_and_the_host() -> None:
     assert memory.reserved_bytes == memory.allocated_bytes
     assert 0 < memory.reserved_bytes <= memory.used_bytes <= memory.total_bytes
     assert memory.reserved_bytes == pytest.approx(host_memory_bytes(), rel=0.2)
-    assert device_memory_bytes(torch.device("cpu")) == pytest.approx(host_memory_bytes(), rel=0.2)
 
 
 def test_pinned_host_bytes_come_from_torchs_pinned_allocator(

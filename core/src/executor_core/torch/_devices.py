@@ -32,12 +32,8 @@ def _visible_entries(value: str) -> int:
 
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """GPUs a worker process started with ``env`` (added to this process's environment) will
-    see on this node.
-
-    Counted without initialising CUDA in this process, so that it may still fork. When
-    ``env`` sets ``CUDA_VISIBLE_DEVICES``, its entries are counted (each names a device the
-    worker must find; a wrong one fails in the worker's ``select_device``).
-    """
+    see on this node, counted without initialising CUDA here (so that it may still fork):
+    ``env``'s ``CUDA_VISIBLE_DEVICES`` entries, if it sets them."""
     if not torch.cuda.is_available():
         return 0
     visible = (env or {}).get("CUDA_VISIBLE_DEVICES")
@@ -56,15 +52,10 @@ def check_gpu_per_local_rank(local_ranks: int, env: Mapping[str, str] | None = N
     count = visible_gpu_count(env)
     if count >= local_ranks:
         return
-    where = (
-        f"CUDA_VISIBLE_DEVICES={(env or {})['CUDA_VISIBLE_DEVICES']!r} in config.env"
-        if "CUDA_VISIBLE_DEVICES" in (env or {})
-        else (
-            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}"
-            if "CUDA_VISIBLE_DEVICES" in os.environ
-            else f"torch {torch.__version__}"
-        )
-    )
+    where = f"torch {torch.__version__}"
+    for values, source in ((os.environ, ""), (env or {}, " in config.env")):  # env wins
+        if "CUDA_VISIBLE_DEVICES" in values:
+            where = f"CUDA_VISIBLE_DEVICES={values['CUDA_VISIBLE_DEVICES']!r}{source}"
     raise ConfigError(
         "device",
         "cuda",
@@ -73,17 +64,6 @@ def check_gpu_per_local_rank(local_ranks: int, env: Mapping[str, str] | None = N
         f"{'is' if count == 1 else 'are'} visible ({where}); lower tensor_parallel_size * "
         "pipeline_parallel_size, make more GPUs visible, or use device='cpu'",
     )
-
-
-#: The collective backend for each device type; other device types ask torch.
-_DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
-
-
-def _one_gpu_per_process() -> bool:
-    """True when ``CUDA_VISIBLE_DEVICES`` names one device: the launcher gave this process
-    a GPU of its own (Slurm's ``--gpus-per-task=1``, say)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return len([entry for entry in visible.split(",") if entry.strip()]) == 1
 
 
 def select_device(context: WorkerContext) -> torch.device:
@@ -102,7 +82,10 @@ def select_device(context: WorkerContext) -> torch.device:
                 f"(torch {torch.__version__}); use device='cpu' or install a CUDA build"
             )
         count = torch.cuda.device_count()
-        narrowed = count == 1 and _one_gpu_per_process()
+        # CUDA_VISIBLE_DEVICES naming one device: the launcher gave this process a GPU of its
+        # own (Slurm's --gpus-per-task=1, say).
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        narrowed = count == 1 and len([entry for entry in visible if entry.strip()]) == 1
         index = 0 if narrowed else context.local_rank
         if index >= count:
             raise RuntimeError(
@@ -117,7 +100,7 @@ def select_device(context: WorkerContext) -> torch.device:
 
 
 def _dist_backend(device: torch.device) -> str:
-    known = _DIST_BACKENDS.get(device.type)
+    known = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)  # else torch knows
     if known is not None:
         return known
     lookup = getattr(dist, "get_default_backend_for_device", None)  # torch 2.6 and later

@@ -28,12 +28,6 @@ __all__ = [
 _log = logging.getLogger("executor_core")
 
 
-def _available_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's (if loaded) and torch's generators, on every device."""
     random.seed(seed)
@@ -197,37 +191,26 @@ class ParallelState:
     ) -> ParallelState:
         """Leave this rank's broken process group and join the new one at ``context``.
 
-        For rank replacement: some ranks died and got new processes, while this rank's
-        process (and its memory) survived. ``context`` is its new context: the same place in
-        the job (rank, world size, TP and PP sizes) with a new ``distributed_init_method``,
-        where the new ranks (which run :func:`init_distributed`) and the other survivors
-        meet. Returns the new state; this one is left without groups (its :meth:`destroy`
-        does nothing).
+        For rank replacement: some ranks died and got new processes, while this one survived.
+        ``context`` keeps its place in the job (rank, world size, TP and PP sizes) with a new
+        ``distributed_init_method``, where the new ranks (running :func:`init_distributed`)
+        and the other survivors meet. Returns the new state; this one is left without groups.
 
-        Sends still in flight are dropped, not waited for: their receiver may be dead, and
-        a wait on a dead peer can block. The process group is left with
-        :func:`leave_process_group` (on gloo, a rank still blocked on it in a call with this
-        one, a receive from it say, sees its call fail at once: survivors free each other).
-        ``seed``, ``timeout_s`` and ``cpu_threads`` are :func:`init_distributed`'s.
-
-        Raises ``ValueError`` if ``context`` puts this worker elsewhere (another rank, world
-        size or parallel layout: a replacement keeps every survivor's place), and
-        ``RuntimeError`` if the process group is not this state's own (the user's script
-        made it, and only the script knows how to make it again).
+        Sends in flight are dropped, not waited for (their receiver may be dead), and the
+        process group is left with :func:`leave_process_group`. ``seed``, ``timeout_s`` and
+        ``cpu_threads`` are :func:`init_distributed`'s. Raises ``ValueError`` if ``context``
+        moves this worker, and ``RuntimeError`` if the process group is the user's script's
+        (only the script knows how to make it again).
         """
-        old, new = self.context, context
-        if (old.rank, old.world_size, old.tensor_parallel_size, old.pipeline_parallel_size) != (
-            new.rank,
-            new.world_size,
-            new.tensor_parallel_size,
-            new.pipeline_parallel_size,
-        ):
+
+        def place(c: WorkerContext) -> str:
+            tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
+            return f"rank {c.rank} of {c.world_size} (tp={tp}, pp={pp})"
+
+        if place(self.context) != place(context):
             raise ValueError(
-                "rejoin keeps a surviving rank's place, but this worker is rank "
-                f"{old.rank} of {old.world_size} (tp={old.tensor_parallel_size}, "
-                f"pp={old.pipeline_parallel_size}) and the new context says rank {new.rank} "
-                f"of {new.world_size} (tp={new.tensor_parallel_size}, "
-                f"pp={new.pipeline_parallel_size})"
+                f"rejoin keeps a surviving rank's place, but this worker is {place(self.context)} "
+                f"and the new context says {place(context)}"
             )
         if self.world_size > 1 and not self._owns_process_group:
             raise RuntimeError(
@@ -257,27 +240,24 @@ def init_distributed(
 ) -> ParallelState:
     """Set up torch.distributed for the worker described by ``context``.
 
-    Picks the device (CPU, or the GPU of ``context.local_rank``), joins the process group at
+    Picks the device (:func:`select_device`), joins the process group at
     ``context.distributed_init_method`` (``tcp://host:port`` from the executor, or ``env://``
-    under torchrun) with gloo on CPU and nccl on CUDA, and creates the tensor-parallel groups
-    (the ranks of one stage) and pipeline-parallel groups (one TP rank across stages). A
-    world of one rank needs no process group and gets none. If this process already joined a
-    process group of the same size (e.g. the user's script did), it is reused and kept.
+    under torchrun) with gloo on CPU and nccl on CUDA (bound to the worker's GPU), and
+    creates the tensor-parallel groups (the ranks of one stage) and pipeline-parallel groups
+    (one TP rank across stages). A world of one rank gets no process group. One this process
+    already joined with the same size (the user's script's) is reused and kept, unless its
+    backend cannot carry CUDA tensors (gloo) and the device is CUDA.
 
     On CPU, with several workers on this node, torch's intra-op threads are limited to
-    ``cpu_threads`` (default: the available CPUs divided among the node's workers) so that
-    the workers do not oversubscribe the cores. ``timeout_s`` bounds the rendezvous and
-    every collective. ``seed`` (if given) seeds every generator, the same on every rank.
-
-    Before returning it runs one collective on every group and one send between pipeline
-    stages, so that communicators (NCCL's are made lazily) form now: a set-up fault raises
-    here, naming the rank, instead of in the first step. On CUDA the process group is bound
-    to the worker's GPU (``device_id``), and a process group the user made with a backend
-    that cannot carry CUDA tensors (gloo) is refused.
+    ``cpu_threads`` (default: the available CPUs divided among the node's workers).
+    ``timeout_s`` bounds the rendezvous and every collective. ``seed`` (if given) seeds every
+    generator, the same on every rank. A warm-up collective on every group forms the
+    communicators now: a set-up fault raises here, naming the rank, not in the first step.
     """
     device = select_device(context)
     if device.type == "cpu" and (cpu_threads is not None or context.local_world_size > 1):
-        threads = cpu_threads or max(1, _available_cpus() // max(1, context.local_world_size))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = cpu_threads or max(1, (cpus or 1) // max(1, context.local_world_size))
         torch.set_num_threads(threads)
     if seed is not None:
         seed_everything(seed)
@@ -363,14 +343,9 @@ def init_distributed(
 
 def _warm_up(state: ParallelState) -> None:
     """One collective on every group this rank is in and one hop between pipeline stages,
-    waited for: communicators form now, at start-up.
-
-    NCCL forms a communicator at its first collective and a point-to-point one at the first
-    send between two ranks; without this, a duplicate GPU, a bad interface or a P2P fault
-    would appear in the first step (or hang it) instead of in ``create_executor``. Every rank
-    runs the same sequence (world, its TP group, its PP group, the stage chain), so no
-    rank waits on one that is waiting elsewhere.
-    """
+    waited for: NCCL forms its communicators lazily, so a duplicate GPU, a bad interface or a
+    P2P fault would otherwise appear in the first step (or hang it). Every rank runs the same
+    sequence (world, its TP group, its PP group, the stage chain): none waits on another."""
     probe = torch.zeros(1, device=state.device)
     dist.all_reduce(probe)
     for group in (state.tp_group, state.pp_group):

@@ -18,23 +18,17 @@ def leave_process_group() -> None:
     one; a no-op otherwise.
 
     For a rank whose peers may have died: unlike ``torch.distributed.destroy_process_group``
-    alone it does not raise for a group a dead peer broke (it logs the error), since that
-    group is being thrown away. On NCCL the communicators are aborted rather than destroyed,
-    as a communicator in error can hang a destroy. On gloo, a rank still blocked on the group
-    in a call with this one (a receive from it, say) sees its call fail at once, as this
-    rank closes its connections: survivors that leave free each other.
-
-    Raises ``RuntimeError`` only if the process is still in a process group afterwards
-    (neither teardown got it out), as joining a new one would then fail.
+    it logs, not raises, the error of a group a dead peer broke. On NCCL the communicators
+    are aborted, as a communicator in error can hang a destroy. On gloo, a rank still blocked
+    on the group in a call with this one sees its call fail at once: survivors that leave
+    free each other. Raises ``RuntimeError`` only if the process is still in a process group
+    afterwards, as joining a new one would then fail.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
     backend = str(dist.get_backend())
-    # A private torch function (torch.distributed.distributed_c10d): the only way torch
-    # offers to tear down NCCL communicators without a collective handshake, which a
-    # communicator in error (a peer died) may never complete. Private and newer than torch
-    # 2.4, so a release may lack it: looked up, not assumed; without it the teardown is
-    # destroy_process_group's.
+    # Private (and newer than torch 2.4, so looked up): torch's only teardown of NCCL
+    # communicators without a collective handshake, which one in error may never complete.
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if "nccl" in backend and abort is not None:
         _leave_with("aborting", abort)

@@ -9,6 +9,7 @@ import functools
 import math
 import mmap
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
@@ -17,7 +18,6 @@ import torch
 __all__ = [
     "DeviceMemory",
     "device_memory",
-    "device_memory_bytes",
     "host_memory_bytes",
     "mapped_zeros",
     "pinned_host_bytes",
@@ -31,24 +31,17 @@ def host_memory_bytes() -> int:
     not available."""
     process = psutil.Process()
     try:
-        uss: int = process.memory_full_info().uss
-        return uss
+        return int(process.memory_full_info().uss)
     except (psutil.AccessDenied, AttributeError):
-        rss: int = process.memory_info().rss
-        return rss
+        return int(process.memory_info().rss)
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    func = getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc only
-    if func is None:
-        return None
-    func.argtypes = [ctypes.c_size_t]
-    func.restype = ctypes.c_int
-    trim: Callable[[int], int] = func
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None  # glibc only
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]  # it returns an int, ctypes' default restype
     return trim
 
 
@@ -67,27 +60,20 @@ def trim_host_memory() -> bool:
 
 @attrs.frozen(kw_only=True)
 class DeviceMemory:
-    """A device's memory as one process sees it (see :func:`device_memory`).
-
-    Two views, for two questions. ``reserved_bytes`` is what this process's torch holds on
-    the device, the figure that sleep should bring down and wake bring back. ``used_bytes``
-    is what the whole device has in use, by every process, which is what decides whether
-    something else fits next to this worker.
-    """
+    """A device's memory as one process sees it (see :func:`device_memory`): what this
+    process's torch holds (what sleep should bring down) and what the whole device has in use
+    (what decides whether something else fits next to this worker)."""
 
     #: Bytes torch's caching allocator holds on the device for this process
-    #: (``torch.cuda.memory_reserved``): live tensors plus the blocks it keeps for reuse, which
-    #: ``torch.cuda.empty_cache`` gives back to the driver. It leaves out what torch's
-    #: allocator does not hand out: the CUDA context, NCCL's buffers, other libraries' own
-    #: allocations; those show in ``used_bytes`` only. On the CPU: the process's memory
-    #: (:func:`host_memory_bytes`).
+    #: (``torch.cuda.memory_reserved``): live tensors plus its cache for reuse, not the CUDA
+    #: context, NCCL's buffers or other libraries' allocations (those show in ``used_bytes``
+    #: only). On the CPU: the process's memory (:func:`host_memory_bytes`).
     reserved_bytes: int
-    #: Of ``reserved_bytes``, the bytes in live tensors (``torch.cuda.memory_allocated``); the
-    #: rest is the allocator's cache. On the CPU, the same as ``reserved_bytes``.
+    #: Of ``reserved_bytes``, the bytes in live tensors (``torch.cuda.memory_allocated``). On
+    #: the CPU, the same as ``reserved_bytes``.
     allocated_bytes: int
-    #: Bytes in use on the whole device, by every process and the driver (total less free,
-    #: from ``torch.cuda.mem_get_info``). On the CPU: the host's memory less what is
-    #: available.
+    #: Bytes in use on the whole device, by every process and the driver (total less free).
+    #: On the CPU: the host's memory less what is available.
     used_bytes: int
     #: The device's memory (the host's on the CPU).
     total_bytes: int
@@ -100,14 +86,6 @@ def device_memory(device: torch.device) -> DeviceMemory:
     On CUDA nothing is synchronised: allocations and frees are accounted for when they
     return, whatever kernels are still queued.
     """
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return DeviceMemory(
-            reserved_bytes=int(torch.cuda.memory_reserved(device)),
-            allocated_bytes=int(torch.cuda.memory_allocated(device)),
-            used_bytes=int(total) - int(free),
-            total_bytes=int(total),
-        )
     if device.type == "cpu":
         process = host_memory_bytes()
         host = psutil.virtual_memory()
@@ -117,33 +95,24 @@ def device_memory(device: torch.device) -> DeviceMemory:
             used_bytes=int(host.total) - int(host.available),
             total_bytes=int(host.total),
         )
-    # Other accelerators through torch's device-generic API, where this torch has it.
-    accelerator = getattr(torch, "accelerator", None)
-    reserved = getattr(accelerator, "memory_reserved", None)
-    allocated = getattr(accelerator, "memory_allocated", None)
-    info = getattr(accelerator, "get_memory_info", None)
+    # torch.cuda's calls, or for other accelerators torch's device-generic ones (if any).
+    api: Any = torch.cuda if device.type == "cuda" else getattr(torch, "accelerator", None)
+    where = device if device.type == "cuda" else device.index
+    info_name = "mem_get_info" if device.type == "cuda" else "get_memory_info"
+    reserved, allocated, info = (
+        getattr(api, name, None) for name in ("memory_reserved", "memory_allocated", info_name)
+    )
     if reserved is None or allocated is None or info is None:
         raise ValueError(
             f"cannot measure the memory of {device.type!r} devices with torch {torch.__version__}"
         )
-    free, total = info(device.index)
+    free, total = info(where)
     return DeviceMemory(
-        reserved_bytes=int(reserved(device.index)),
-        allocated_bytes=int(allocated(device.index)),
+        reserved_bytes=int(reserved(where)),
+        allocated_bytes=int(allocated(where)),
         used_bytes=int(total) - int(free),
         total_bytes=int(total),
     )
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """Bytes this process holds on ``device``: what torch's allocator reserved on a GPU
-    (:attr:`DeviceMemory.reserved_bytes`: live tensors and cached blocks, which is what
-    sleep gives back), else the process's host memory (see :func:`host_memory_bytes`)."""
-    if device.type == "cuda":
-        return int(torch.cuda.memory_reserved(device))
-    if device.type == "cpu":
-        return host_memory_bytes()
-    return device_memory(device).reserved_bytes
 
 
 def _cuda_initialized() -> bool:
@@ -172,15 +141,6 @@ def pinned_host_bytes() -> int | None:
     return None if value is None else int(value)
 
 
-def _host_cache_emptier() -> Callable[[], None] | None:
-    accelerator = getattr(torch, "accelerator", None)
-    empty: Callable[[], None] | None = getattr(accelerator, "empty_host_cache", None)
-    if empty is None:
-        # torch before torch.accelerator.empty_host_cache: the same call, private.
-        empty = getattr(torch._C, "_host_emptyCache", None)
-    return empty
-
-
 def release_pinned_host_memory() -> bool:
     """Give the pinned host memory that torch's pinned allocator caches, and no tensor uses,
     back to the OS. False where there was nothing to do (CUDA not initialised) or this torch
@@ -194,7 +154,8 @@ def release_pinned_host_memory() -> bool:
     """
     if not _cuda_initialized():
         return False
-    empty = _host_cache_emptier()
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    empty = empty or getattr(torch._C, "_host_emptyCache", None)  # before torch 2.12, private
     if empty is None:
         return False
     empty()

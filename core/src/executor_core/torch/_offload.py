@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import io
 import itertools
+import math
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
@@ -17,22 +18,15 @@ from ._memory import release_pinned_host_memory
 
 __all__ = ["TensorOffloader"]
 
-# Pinned memory comes from torch's pinned allocator (torch.empty(pin_memory=True)), emptied
-# after each restore, rather than from a mapping of our own pinned with cudaHostRegister
-# through torch.cuda.cudart(). When pinning fails, torch clears the CUDA error before it
-# raises; the cudart binding returns the error and leaves it as the runtime's last error,
-# which torch's next kernel launch check would raise, so a worker whose sleep failed could
-# not run a step afterwards. torch also tracks the copies still using each buffer, and the
-# public torch.accelerator.empty_host_cache gives the memory back. What that costs is the
-# allocator's rounding, which the buffer sizes below avoid, and the cache, which
-# release_pinned_host_memory empties.
+# Pinned memory comes from torch's pinned allocator (emptied after each restore), not from
+# cudaHostRegister through torch.cuda.cudart(): a failed registration leaves its error as the
+# runtime's last error, which torch's next kernel launch check would raise, so a worker whose
+# sleep failed could not run a step afterwards. torch also tracks the copies using a buffer.
 
 #: The size of the host buffers that hold offloaded tensors. A power of two because torch's
-#: pinned allocator rounds every request up to the next power of two and pins all of it: one
-#: buffer per tensor, or one for all of them, can pin almost twice the bytes offloaded, in
-#: pages that cannot be swapped out. Buffers of exactly this size are pinned as asked. Large
-#: enough that pinning one (a call that locks every page) costs little next to copying it;
-#: bounded so that no single request asks the driver for one huge page-locked range.
+#: pinned allocator rounds every request up to one (and pins all of it): one buffer per
+#: tensor, or one for all, can pin almost twice the bytes offloaded. Large enough that pinning
+#: one costs little next to copying it; bounded so that no request pins one huge range.
 _BUFFER_BYTES = 1 << 28
 #: Below one buffer, the rest goes in power-of-two buffers down to this size and one last
 #: buffer for what is left under it: at most this many bytes are pinned beyond the tensors'.
@@ -44,10 +38,9 @@ _Index = dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (valid while the tensor lives)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
+    if tensor.nbytes == 0:
         return memoryview(bytearray())  # an empty tensor may have no storage address
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,22 +67,17 @@ def _buffer_sizes(total: int) -> list[int]:
     sizes: list[int] = []
     left = total
     while left > 0:
-        if left >= _BUFFER_BYTES:
-            size = _BUFFER_BYTES
-        elif left > _MIN_BUFFER_BYTES:
-            size = 1 << (left.bit_length() - 1)  # the largest power of two <= left
-        else:
-            size = left
+        size = min(_BUFFER_BYTES, 1 << (left.bit_length() - 1))  # a power of two <= left
+        size = left if left <= _MIN_BUFFER_BYTES else size
         sizes.append(size)
         left -= size
     return sizes
 
 
-def _pieces(
-    start: int, length: int, starts: Sequence[int], sizes: Sequence[int]
-) -> Iterator[tuple[int, int, int, int]]:
+def _pieces(start: int, length: int, sizes: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
     """Where bytes ``start .. start + length`` of the buffers' concatenation lie: ``(buffer,
     offset in it, offset in the range, bytes)`` for each buffer the range crosses."""
+    starts = list(itertools.accumulate(sizes, initial=0))
     done = 0
     index = bisect.bisect_right(starts, start) - 1
     while done < length:
@@ -103,18 +91,15 @@ def _pieces(
 class TensorOffloader:
     """Moves named tensors out of a worker's device memory and back.
 
-    ``storage`` says where they go. ``"file"`` (the default on the CPU): an anonymous
-    temporary file in ``directory``, outside the process's resident memory; it is unlinked on
-    creation, so it disappears with the process however that ends. ``"host"`` (the default
-    on an accelerator, and the only choice there): host memory, pinned on CUDA so that the
-    copies run asynchronously at full speed. Pinned memory is given back to the OS as soon as
-    :meth:`restore` has copied the tensors back (torch would otherwise keep it pinned in its
-    cache for reuse); see :func:`~executor_core.torch.release_pinned_host_memory`.
+    ``storage`` says where they go: ``"file"`` (the default on the CPU), an anonymous
+    temporary file in ``directory``, unlinked on creation so that it goes with the process
+    however that ends; or ``"host"`` (the default, and the only choice, on an accelerator),
+    host memory, pinned on CUDA so that the copies run asynchronously. Pinned memory goes
+    back to the OS as soon as :meth:`restore` has copied the tensors back.
 
-    A failed :meth:`offload` (a pinned allocation refused part-way, a full disk) holds
-    nothing afterwards and leaves the caller's tensors untouched, so the caller can go on
-    with them and offload again later. A failed :meth:`restore` (no device memory) keeps
-    everything offloaded, so it can be retried.
+    A failed :meth:`offload` (a pinned allocation refused, a full disk) holds nothing and
+    leaves the caller's tensors untouched, to go on with and offload later; a failed
+    :meth:`restore` (no device memory) keeps everything offloaded, so it can be retried.
     """
 
     def __init__(
@@ -139,12 +124,11 @@ class TensorOffloader:
         self._file: io.FileIO | None = None
         self._index: _Index = {}
         self._buffers: list[torch.Tensor] = []
-        self._starts: list[int] = []
 
     @property
     def offloaded_bytes(self) -> int:
         """Bytes of the tensors held now."""
-        return sum(_nbytes(dtype, shape) for _offset, dtype, shape in self._index.values())
+        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self._index.values())
 
     @property
     def buffer_bytes(self) -> int:
@@ -185,7 +169,7 @@ class TensorOffloader:
     def close(self) -> None:
         """Drop everything held and close the file. Idempotent."""
         self._index = {}
-        self._drop_buffers()
+        self._drop_buffers(self._buffers)
         file, self._file = self._file, None
         if file is not None:
             file.close()
@@ -211,7 +195,7 @@ class TensorOffloader:
                 data = tensor.detach().contiguous()
                 _write_all(file, _byte_view(data))
                 index[name] = (offset, data.dtype, tuple(data.shape))
-                offset += data.numel() * data.element_size()
+                offset += data.nbytes
         except BaseException:
             # Whatever the write left in the file (it may not even truncate now), closing it
             # gives its blocks back, since it has no name; the next offload opens a new one.
@@ -249,18 +233,14 @@ class TensorOffloader:
         if self._pinned:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _drop_buffers(self, buffers: list[torch.Tensor] | None = None) -> None:
-        """Drop the host buffers (``buffers``, else the held ones) and give pinned memory back
-        to the OS. The caller has waited for the copies that use them, or a failure came
-        first: a buffer still in a copy would stay pinned in torch's cache."""
-        held = buffers if buffers is not None else self._buffers
-        if not held:
-            return
-        held.clear()  # the list is the only reference to each buffer: they are freed now
-        if buffers is None:
-            self._starts = []
-        if self._pinned:
-            release_pinned_host_memory()
+    def _drop_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Drop the host ``buffers`` and give pinned memory back to the OS. The caller has
+        waited for the copies that use them, or a failure came first: a buffer still in a copy
+        would stay pinned in torch's cache."""
+        if buffers:
+            buffers.clear()  # the list is the only reference to each buffer: they are freed now
+            if self._pinned:
+                release_pinned_host_memory()
 
     def _offload_to_host(self, tensors: Mapping[str, torch.Tensor]) -> None:
         # The tensors' bytes end to end, in buffers of _buffer_sizes(): a tensor may straddle
@@ -269,9 +249,8 @@ class TensorOffloader:
         total = 0
         for name, tensor in tensors.items():
             index[name] = (total, tensor.dtype, tuple(tensor.shape))
-            total += tensor.numel() * tensor.element_size()
+            total += tensor.nbytes
         sizes = _buffer_sizes(total)
-        starts = list(itertools.accumulate(sizes, initial=0))[:-1]
         buffers: list[torch.Tensor] = []
         try:
             # Every buffer before any copy: a refused allocation then finds nothing in flight.
@@ -279,23 +258,20 @@ class TensorOffloader:
                 buffers.append(torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned))
             for name, tensor in tensors.items():
                 source = _flat_bytes(tensor)
-                for at, offset, done, count in _pieces(
-                    index[name][0], source.numel(), starts, sizes
-                ):
+                for at, offset, done, count in _pieces(index[name][0], source.numel(), sizes):
                     buffers[at][offset : offset + count].copy_(
                         source[done : done + count], non_blocking=self._pinned
                     )
             self._wait_for_copies()
         except BaseException:
             # Roll back: nothing held, the caller's tensors untouched (they were only read).
-            # Wait for the copies already queued, so that their buffers are free to go back
-            # to the OS; if the device cannot even do that, the original error is the one
-            # to report.
+            # Wait for the copies queued, so that their buffers can go back to the OS; if the
+            # device cannot even do that, the original error is the one to report.
             with contextlib.suppress(Exception):
                 self._wait_for_copies()
             self._drop_buffers(buffers)
             raise
-        self._buffers, self._starts, self._index = buffers, starts, index
+        self._buffers, self._index = buffers, index
 
     def _restore_from_host(self) -> dict[str, torch.Tensor]:
         sizes = [buffer.numel() for buffer in self._buffers]
@@ -304,7 +280,7 @@ class TensorOffloader:
             for name, (start, dtype, shape) in self._index.items():
                 tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 target = _flat_bytes(tensor)  # a view: a fresh tensor is contiguous
-                for at, offset, done, count in _pieces(start, target.numel(), self._starts, sizes):
+                for at, offset, done, count in _pieces(start, target.numel(), sizes):
                     target[done : done + count].copy_(
                         self._buffers[at][offset : offset + count], non_blocking=self._pinned
                     )
@@ -315,12 +291,5 @@ class TensorOffloader:
             restored.clear()  # the buffers are kept: a later restore starts again
             raise
         self._index = {}
-        self._drop_buffers()
+        self._drop_buffers(self._buffers)
         return restored
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count * dtype.itemsize
