@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Before and after in one sitting: the same benchmark scripts (this tree's) run on the code of
+# Before and after in one sitting: `executor bench` (this tree's harness) run on the code of
 # an earlier revision and on this tree's, alternating, so that the machine's noise hits both.
 #
 #   bash benchmarks/before_after.sh REV [OUT_DIR]
@@ -31,13 +31,12 @@ run() { # name side args...
     "$py" "$@" >"$out/$name-$side.md"
   fi
 }
-for side in old new; do
-  run core "$side" -m executor_core bench --no-progress --workloads imports,overhead \
-    --output-dir "$out/core-$side"
+# `executor bench`'s call rows on mp and uni, twice (each order once), then the reference model.
+for order in "old new" "new old"; do
+  for side in $order; do
+    run "bench-${order%% *}-first" "$side" -m executor_core bench --no-progress --backends mp,uni \
+      --workloads imports,overhead,hot,cold,payload --output-dir "$out/bench-${order%% *}-first-$side"
+  done
 done
-for side in old new; do run mp "$side" benchmarks/bench_multiproc.py --workers 1 2 --startup-repeats 2 --blocks 6; done
-for side in new old; do run mp2 "$side" benchmarks/bench_multiproc.py --workers 1 2 --startup-repeats 2 --blocks 6; done
-for side in old new; do run ray "$side" benchmarks/bench_ray.py --rounds 10 --calls 20 --phases 6; done
 for side in old new; do run ref "$side" benchmarks/bench_reference.py --requests 16; done
-for side in new old; do run after-large "$side" benchmarks/bench_small_after_large.py; done
 echo "results in $out/" >&2

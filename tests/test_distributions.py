@@ -69,7 +69,7 @@ LINE_BUDGETS = {
     "plugins/otel": 600,
     "examples/executor-threads": 150,
     "examples/executor-cluster": 150,
-    "bench": 3_200,
+    "bench": 3_050,
     "reference": 2_150,
     "plugins/vllm": 800,
 }

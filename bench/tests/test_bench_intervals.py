@@ -112,11 +112,8 @@ def test_the_interval_covers_the_true_ratio_at_about_its_rate() -> None:
     assert 0.85 <= covered / trials <= 0.99
 
 
-def test_interleave_keeps_the_rounds() -> None:
-    by_round: dict[str, list[list[float]]] = {}
-    flat = interleave({"a": lambda: None, "b": lambda: None}, 3, 4, by_round=by_round)
-    assert {name: [len(r) for r in rounds] for name, rounds in by_round.items()} == {
-        "a": [4, 4, 4],
-        "b": [4, 4, 4],
-    }
-    assert flat == {name: [x for r in rounds for x in r] for name, rounds in by_round.items()}
+def test_interleave_rotates_the_sides() -> None:
+    order: list[str] = []
+    flat = interleave({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3, 2)
+    assert order == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    assert {name: len(samples) for name, samples in flat.items()} == {"a": 6, "b": 6}

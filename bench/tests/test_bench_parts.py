@@ -134,7 +134,7 @@ def test_import_vllm_says_why_not(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tcp_host", [None, "127.0.0.1"])
 def test_the_zmq_baseline_answers_over_ipc_and_tcp(tcp_host: str | None) -> None:
-    from executor_bench import ZmqSide
+    from executor_bench._baseline_zmq import ZmqSide
 
     side = ZmqSide(2, tcp_host=tcp_host)
     try:

@@ -338,7 +338,7 @@ def test_the_vllm_baseline_lays_out_a_remote_reader_as_vllm_does(tmp_path: Path)
     reply queues' reader (the driver); the calls still reach every rank."""
     fake = make_fake_vllm(tmp_path)
     script = (
-        "import executor_bench as b\n"
+        "from executor_bench import _baseline_vllm as b\n"
         f"b.import_vllm({str(fake)!r})\n"
         "s = b.VllmQueueSide(2, own_replies=True, remote_ranks=(1,), remote_ip='127.0.0.2')\n"
         "print(s.call('size_of', (b'x' * 5000,)), s._queue.layout,"

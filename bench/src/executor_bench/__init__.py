@@ -6,8 +6,8 @@ imported here (a ``multiprocessing.Pipe`` round trip, raw Ray actors, vLLM's sha
 
 This module is the plugin the registry imports in every process that loads plugins: it only
 adds the subcommand. The benchmark's code is imported when the command runs, or when a
-script in ``benchmarks/`` composes its public pieces below (sides, baselines, the timing
-loop, summaries), which load on first use.
+script in ``benchmarks/`` composes the few public pieces below (a backend as a side, the
+worker, a call observer, the scripts' timing loop and summaries), which load on first use.
 """
 
 from __future__ import annotations
@@ -22,34 +22,20 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-    from ._baseline_pipe import PipeSide
-    from ._baseline_ray import RayActorsSide
-    from ._baseline_vllm import VllmQueueSide, import_vllm
-    from ._baseline_zmq import ZmqSide
-    from ._nodes import TwoNodeSide
     from ._overhead import CallObserver, import_ms, per_call_us
-    from ._ray_session import RaySession
     from ._sides import BackendSide
     from ._worker import BenchWorker
-    from ._workloads import format_time, interleave, make_payload, markdown_table, percentile
+    from ._workloads import format_time, interleave, markdown_table, percentile
 
 __all__ = [
     "BackendSide",
     "BenchWorker",
     "CallObserver",
-    "PipeSide",
-    "RayActorsSide",
-    "RaySession",
-    "TwoNodeSide",
-    "VllmQueueSide",
-    "ZmqSide",
     "__version__",
     "executor_register_commands",
     "format_time",
     "import_ms",
-    "import_vllm",
     "interleave",
-    "make_payload",
     "markdown_table",
     "per_call_us",
     "percentile",
@@ -60,17 +46,9 @@ _LAZY: dict[str, str] = {
     "BackendSide": "._sides",
     "BenchWorker": "._worker",
     "CallObserver": "._overhead",
-    "PipeSide": "._baseline_pipe",
-    "RayActorsSide": "._baseline_ray",
-    "RaySession": "._ray_session",
-    "TwoNodeSide": "._nodes",
-    "VllmQueueSide": "._baseline_vllm",
-    "ZmqSide": "._baseline_zmq",
     "format_time": "._workloads",
     "import_ms": "._overhead",
-    "import_vllm": "._baseline_vllm",
     "interleave": "._workloads",
-    "make_payload": "._workloads",
     "markdown_table": "._workloads",
     "per_call_us": "._overhead",
     "percentile": "._workloads",

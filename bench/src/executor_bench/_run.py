@@ -3,10 +3,10 @@
 Each phase runs the timing loop (``_timing.py``) over its sides. First every side that does
 not need Ray, with no Ray process on the machine; then Ray is started and the sides that need
 it are measured in the same way. Ray's own processes (raylet, GCS, each actor's core-worker
-threads) take the CPU from whatever runs beside them, far more often than the machine alone
-does (``benchmarks/machine_noise.py``): measured beside them, a backend that never uses Ray
-would be timed with a cost its users never pay. A ratio between sides of different phases
-compares each side in the conditions it brings.
+threads) take the CPU from whatever runs beside them, more often than the machine alone does
+(on a 2-core VM, a busy process lost its core half as often again): measured beside them, a
+backend that never uses Ray would be timed with a cost its users never pay. A ratio between
+sides of different phases compares each side in the conditions it brings.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ._sides import SideSpec, select_backends
 from ._timing import TimingLoop
 from ._workloads import Plan, make_payload
 
-__all__ = ["Bench", "run"]
+__all__ = ["Bench"]
 
 
 class Bench(TimingLoop):
@@ -153,8 +153,3 @@ class Bench(TimingLoop):
         result = measure_overhead(calls=2_000 if quick else 20_000, rounds=3 if quick else 7)
         self.facts["overhead"] = f"{time.perf_counter() - began:.0f} s, in this process"
         return result
-
-
-def run(config: BenchConfig) -> BenchResult:
-    """Measure what ``config`` selects: ``Bench(config).measure()``."""
-    return Bench(config).measure()

@@ -1,4 +1,4 @@
-"""What every side's workers do: nothing (``noop``), return their argument's size, or a result.
+"""What every side's workers do: nothing (``noop``), or return their argument's size.
 
 Imported by every worker process, Ray actor and baseline reader, so it imports nothing heavy:
 a tensor argument brings torch in through unpickling, not through this module.
@@ -6,17 +6,15 @@ a tensor argument brings torch in through unpickling, not through this module.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from executor_core import WorkerBase
 
-__all__ = ["BenchWorker", "answer", "make", "size_of"]
+__all__ = ["BenchWorker", "answer", "size_of"]
 
 #: The methods a side is called with.
 NOOP = "noop"
 SIZE_OF = "size_of"
-MAKE = "make"
 
 
 def size_of(payload: Any) -> int:
@@ -26,19 +24,12 @@ def size_of(payload: Any) -> int:
     return int(payload.numel() * payload.element_size())
 
 
-def make(rank: int, nbytes: int, on_rank: int) -> bytes | None:
-    """``nbytes`` bytes from rank ``on_rank``, None from the others: a large result."""
-    return b"r" * nbytes if rank == on_rank else None
-
-
 def answer(method: str, args: tuple[Any, ...], rank: int = 0) -> Any:
     """What a baseline's reader of ``rank`` replies to ``method``: as :class:`BenchWorker`."""
     if method == SIZE_OF:
         return size_of(args[0])
     if method == NOOP:
         return None
-    if method == MAKE:
-        return make(rank, *args)
     if method == "execute_model":
         return args[0]
     raise ValueError(f"unknown method {method!r}")
@@ -54,14 +45,6 @@ class BenchWorker(WorkerBase):
     def size_of(self, payload: Any) -> int:
         """Receive ``payload`` and return its size, so only the argument travels far."""
         return size_of(payload)
-
-    def make(self, nbytes: int, on_rank: int) -> bytes | None:
-        """``nbytes`` bytes from rank ``on_rank``, None from the others."""
-        return make(self.rank, nbytes, on_rank)
-
-    def pid(self) -> int:
-        """The worker's process id."""
-        return os.getpid()
 
     def execute_model(self, batch: Any) -> Any:
         """Return ``batch``: a model step that costs nothing (the ``overhead`` workload)."""

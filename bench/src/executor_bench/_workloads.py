@@ -177,44 +177,27 @@ class Summary:
 
 
 def interleave(
-    sides: Mapping[str, Callable[[], Any]],
-    rounds: int,
-    calls: int,
-    *,
-    warmup: int = 0,
-    pause_s: float = 0.0,
-    settle_s: Mapping[str, float] | None = None,
-    by_round: dict[str, list[list[float]]] | None = None,
+    sides: Mapping[str, Callable[[], Any]], rounds: int, calls: int, *, warmup: int = 0
 ) -> dict[str, list[float]]:
     """Seconds per call of each side: ``warmup`` untimed calls each, then ``rounds`` rounds
     in which every side makes ``calls`` timed calls, which side goes first rotating, so that
-    the machine's noise falls on all of them alike. ``pause_s``: untimed sleep before each
-    call (every process idle, as between model steps); ``settle_s``: seconds to sleep after
-    a side's block (a side whose workers busy-wait for a while after a call); ``by_round``:
-    filled with the same samples kept by round (each side's list of ``rounds`` lists), for
-    figures paired round by round."""
-    settle = settle_s or {}
-    for name, call in sides.items():
+    the machine's noise falls on all of them alike (the scripts' loop; ``executor bench``'s
+    is :mod:`executor_bench._timing`)."""
+    for call in sides.values():
         for _ in range(warmup):
             call()
-        time.sleep(settle.get(name, 0.0))
-    kept = by_round if by_round is not None else {}
-    kept.update({name: [] for name in sides})
+    out: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
     clock = time.perf_counter
     for turn in range(rounds):
         shift = turn % len(names)
         for name in names[shift:] + names[:shift]:
-            call, out = sides[name], list[float]()
+            call = sides[name]
             for _ in range(calls):
-                if pause_s:
-                    time.sleep(pause_s)
                 start = clock()
                 call()
-                out.append(clock() - start)
-            kept[name].append(out)
-            time.sleep(settle.get(name, 0.0))
-    return {name: [x for one in kept[name] for x in one] for name in sides}
+                out[name].append(clock() - start)
+    return out
 
 
 def format_time(seconds: float) -> str:
