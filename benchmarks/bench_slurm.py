@@ -38,9 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import call_options, rows
-
-from executor_bench import BackendSide, format_time, interleave, markdown_table
+from executor_bench import BackendSide, format_time, interleave, markdown_table, percentile
 from executor_channel import ENV_SECRET
 from executor_core.backend import find_free_port
 
@@ -48,6 +46,30 @@ MB = 1 << 20
 PAYLOAD = (b"x" * MB,)
 MP = "mp, 2 nodes"
 TESTS = Path(__file__).resolve().parents[1] / "plugins" / "slurm" / "tests"
+
+
+def rows(case: str, samples: dict[str, list[float]], base: str) -> list[list[Any]]:
+    """One row per side: its calls, median, p99 and ratio to ``base``'s median."""
+    raw = statistics.median(samples[base])
+    return [
+        [
+            case,
+            name,
+            len(s),
+            format_time(statistics.median(s)),
+            format_time(percentile(s, 0.99)),
+            f"{statistics.median(s) / raw:.2f}x",
+        ]
+        for name, s in samples.items()
+    ]
+
+
+def call_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the timed calls."""
+    parser.add_argument("--noop-calls", type=int, default=300, help="timed no-op calls a side")
+    parser.add_argument("--mb-calls", type=int, default=100, help="timed 1 MiB calls a side")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=30, help="untimed calls a side first")
 
 
 def start_agent(port: int, log: Any, session: bool = False) -> subprocess.Popen[bytes]:

@@ -1,6 +1,6 @@
 """What the driver keeps on the shared local Ray instance: no descriptor or thread per executor
 past the first (the one socket and thread that stay are Ray's: see
-``benchmarks/ray_leak_cycles.py``), and no large reply's memory once idle."""
+docs/benchmarks.md, "ray"), and no large reply's memory once idle."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from ._options import RayOptions
     from ._placement import PlacementTimeoutError
     from ._ranks import WorkerPlacement
-    from ._reaper import remove_orphan_semaphores
 
 __all__ = [
     "PlacementTimeoutError",
@@ -31,7 +30,6 @@ __all__ = [
     "__version__",
     "acquire_ray",
     "executor_register_backends",
-    "remove_orphan_semaphores",
 ]
 
 #: The plugin's user-facing names, imported on first use: the registry imports this module
@@ -43,8 +41,6 @@ _LAZY: dict[str, str] = {
     "WorkerPlacement": "._ranks",
     #: A lease on this process's Ray connection, made as the backend makes it (benchmarks).
     "acquire_ray": "._cluster",
-    #: Unlink the object-store semaphores that killed Ray processes left in /dev/shm.
-    "remove_orphan_semaphores": "._reaper",
 }
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
