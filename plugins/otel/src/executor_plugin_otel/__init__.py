@@ -2,22 +2,24 @@
 
 This module is the plugin the registry imports (in the driver and in every worker process):
 it only declares hook implementations. prometheus_client is imported on the first observed
-call in the driver, OpenTelemetry only if the application uses it (see :mod:`._traces`), so
-importing this module costs next to nothing.
+call in the driver, OpenTelemetry only once spans have somewhere to go (a provider given to
+:func:`configure`, or a global ``TracerProvider`` the application set), so importing this
+module costs next to nothing.
 
 Metrics (driver, ``prometheus_client``): ``executor_call_duration_seconds{backend,method}``,
 ``executor_calls_in_flight{backend}``, ``executor_call_errors_total{backend,method,error}``,
 ``executor_worker_deaths_total{backend}``, ``executor_sleeping{backend}``.
 
-Spans (OpenTelemetry, through the global ``TracerProvider`` or the one given to
-:func:`configure`): one per call in the driver, and one per rank and call in each worker
-process. Configure with ``EXECUTOR_OTEL_METRICS`` and ``EXECUTOR_OTEL_TRACES`` (``0`` turns
-one off), or :func:`configure`.
+Spans: one per call in the driver (the current span while a blocking call runs), and one per
+rank and call in each worker process. Configure with ``EXECUTOR_OTEL_METRICS`` and
+``EXECUTOR_OTEL_TRACES`` (``0`` turns one off), or :func:`configure`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 from executor_core import hookimpl
 
@@ -25,13 +27,17 @@ from executor_core import hookimpl
 # constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from opentelemetry.trace import TracerProvider
+    from contextvars import Token
+    from types import ModuleType
+    from typing import Any
+
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span, Tracer, TracerProvider
     from prometheus_client import CollectorRegistry
 
     from executor_core import WorkerContext, WorkerDiedError
 
     from ._metrics import Metrics
-    from ._traces import Traces
 
 __all__ = [
     "__version__",
@@ -46,22 +52,20 @@ __all__ = [
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
-#: ``0`` (or ``false``, ``no``, ``off``) turns the Prometheus metrics off.
-_METRICS_ENV_VAR = "EXECUTOR_OTEL_METRICS"
-#: ``0`` (or ``false``, ``no``, ``off``) turns the OpenTelemetry spans off.
-_TRACES_ENV_VAR = "EXECUTOR_OTEL_TRACES"
-
-_OFF = ("0", "false", "no", "off")
+#: ``0`` (or ``false``, ``no``, ``off``) turns the Prometheus metrics, or the spans, off.
+_METRICS_ENV_VAR, _TRACES_ENV_VAR = "EXECUTOR_OTEL_METRICS", "EXECUTOR_OTEL_TRACES"
+#: OpenTelemetry's variable naming a provider to load on first use.
+_PROVIDER_ENV_VAR = "OTEL_PYTHON_TRACER_PROVIDER"
+#: The instrumentation scope of the spans.
+_TRACER_NAME = "executor_plugin_otel"
 
 
 def _enabled(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in _OFF
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class _Plugin:
     """What the hooks use in this process; built on the first hook call (or by configure)."""
-
-    __slots__ = ("_metrics_on", "_registry", "metrics", "traces")
 
     def __init__(
         self,
@@ -70,15 +74,18 @@ class _Plugin:
         registry: CollectorRegistry | None,
         tracer_provider: TracerProvider | None,
     ) -> None:
-        self._metrics_on = metrics
-        self._registry = registry
+        self._metrics_on, self._traces_on = metrics, traces
+        self._registry, self._provider = registry, tracer_provider
+        self._env_provider = _PROVIDER_ENV_VAR in os.environ
         #: Built by the first driver-side hook (worker processes never import prometheus).
         self.metrics: Metrics | None = None
-        self.traces: Traces | None = None
-        if traces:
-            from ._traces import Traces  # light: OpenTelemetry is imported only when used
-
-            self.traces = Traces(tracer_provider, __version__)
+        #: Taken once spans have somewhere to go, with opentelemetry.context and .trace.
+        self.tracer: Tracer | None = None
+        self.context: ModuleType
+        self.trace: ModuleType
+        #: Driver spans of calls in flight, by call id, with the context token of a blocking
+        #: call's span (made current in the caller's thread until the call finishes).
+        self.spans: dict[int, tuple[Span, Token[Context] | None]] = {}
 
     def load_metrics(self) -> Metrics | None:
         if not self._metrics_on:
@@ -88,18 +95,36 @@ class _Plugin:
         self.metrics = metrics = metrics_for(self._registry)
         return metrics
 
+    def load_tracer(self) -> Tracer | None:
+        """The tracer, or None while spans are off or nothing would receive them."""
+        if not self._traces_on:
+            return None
+        provider = self._provider
+        if provider is None:
+            api = sys.modules.get("opentelemetry.trace")
+            if api is None:  # the application does not use OpenTelemetry
+                return None
+            # No global provider yet: the API's own variable, read without its os.environ
+            # look-up (a few hundred ns per call); where it is not there, ask the API.
+            if getattr(api, "_TRACER_PROVIDER", False) is None and not self._env_provider:
+                return None
+            provider = api.get_tracer_provider()
+            if isinstance(provider, api.ProxyTracerProvider):  # no provider set (yet)
+                return None
+        from opentelemetry import context, trace
+
+        self.context, self.trace = context, trace
+        self.tracer = tracer = provider.get_tracer(_TRACER_NAME, __version__)
+        return tracer
+
 
 _plugin: _Plugin | None = None
 
 
 def _start() -> _Plugin:
     global _plugin
-    plugin = _plugin
-    if plugin is None:
-        plugin = _plugin = _Plugin(
-            _enabled(_METRICS_ENV_VAR), _enabled(_TRACES_ENV_VAR), None, None
-        )
-    return plugin
+    _plugin = _Plugin(_enabled(_METRICS_ENV_VAR), _enabled(_TRACES_ENV_VAR), None, None)
+    return _plugin
 
 
 def configure(
@@ -109,14 +134,11 @@ def configure(
     registry: CollectorRegistry | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> None:
-    """Set up (again) what this process exports; every argument left out takes its default.
+    """Set up (again) what this process exports; calls in flight then may be missed.
 
     ``metrics`` and ``traces`` default to the environment (``EXECUTOR_OTEL_METRICS``,
-    ``EXECUTOR_OTEL_TRACES``; on unless ``0``). ``registry``: the Prometheus
-    ``CollectorRegistry`` to record in (default ``prometheus_client.REGISTRY``).
-    ``tracer_provider``: the OpenTelemetry provider to take the tracer from (default: the
-    global one, as soon as the application sets one). Calls in flight when it is called may
-    be missed by the new set-up.
+    ``EXECUTOR_OTEL_TRACES``; on unless ``0``); ``registry`` to ``prometheus_client.REGISTRY``;
+    ``tracer_provider`` to the global one, as soon as the application sets one.
     """
     global _plugin
     _plugin = _Plugin(
@@ -125,6 +147,15 @@ def configure(
         registry,
         tracer_provider,
     )
+
+
+def _record_error(span: Span, error: BaseException) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    kind = type(error).__qualname__
+    span.set_attribute("error.type", kind)
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, f"{kind}: {error}"))
 
 
 # --- driver side -----------------------------------------------------------------------------
@@ -139,9 +170,25 @@ def executor_call_started(
     metrics = plugin.metrics or plugin.load_metrics()
     if metrics is not None:
         metrics.started(backend)
-    traces = plugin.traces
-    if traces is not None:
-        traces.call_started(backend, method, call_id, world_size, non_block)
+    tracer = plugin.tracer or plugin.load_tracer()
+    if tracer is None:
+        return
+    trace = plugin.trace
+    span = tracer.start_span(
+        f"executor {method}",
+        kind=trace.SpanKind.CLIENT,
+        attributes={
+            "executor.backend": backend,
+            "executor.method": method,
+            "executor.call_id": call_id,
+            "executor.world_size": world_size,
+            "executor.non_block": non_block,
+        },
+    )
+    token = None
+    if not non_block:  # finished in this thread: the span is current until then
+        token = plugin.context.attach(trace.set_span_in_context(span))
+    plugin.spans[call_id] = (span, token)
 
 
 @hookimpl
@@ -153,23 +200,34 @@ def executor_call_finished(
     metrics = plugin.metrics or plugin.load_metrics()
     if metrics is not None:
         metrics.finished(backend, method, duration_s, error)
-    traces = plugin.traces
-    if traces is not None:
-        traces.call_finished(call_id, error)
+    entry = plugin.spans.pop(call_id, None)
+    if entry is None:  # started while spans had nowhere to go
+        return
+    span, token = entry
+    if token is not None:
+        plugin.context.detach(token)
+    if error is not None:
+        _record_error(span, error)
+    span.end()
 
 
 @hookimpl
 def executor_worker_died(
     backend: str, ranks: tuple[int, ...], node: str | None, error: WorkerDiedError
 ) -> None:
-    """Count the workers lost."""
+    """Count the workers lost; a zero-length span says so."""
     plugin = _plugin or _start()
     metrics = plugin.metrics or plugin.load_metrics()
     if metrics is not None:
         metrics.died(backend, len(ranks))
-    traces = plugin.traces
-    if traces is not None:
-        traces.worker_died(backend, ranks, node, error)
+    tracer = plugin.tracer or plugin.load_tracer()
+    if tracer is not None:
+        attributes: dict[str, Any] = {"executor.backend": backend, "executor.ranks": list(ranks)}
+        if node is not None:
+            attributes["executor.node"] = node
+        span = tracer.start_span("executor worker_died", attributes=attributes)
+        _record_error(span, error)
+        span.end()
 
 
 @hookimpl
@@ -198,6 +256,23 @@ def executor_worker_rpc_finished(
     context: WorkerContext, method: str, duration_s: float, error: BaseException | None
 ) -> None:
     """A span for this rank's part of the call (in the worker's process)."""
-    traces = (_plugin or _start()).traces
-    if traces is not None:
-        traces.worker_rpc(context, method, duration_s, error)
+    plugin = _plugin or _start()
+    tracer = plugin.tracer or plugin.load_tracer()
+    if tracer is None:
+        return
+    end = time.time_ns()
+    span = tracer.start_span(
+        f"executor.worker {method}",
+        start_time=end - int(duration_s * 1e9),
+        attributes={
+            "executor.backend": context.backend,
+            "executor.method": method,
+            "executor.rank": context.rank,
+            "executor.local_rank": context.local_rank,
+            "executor.world_size": context.world_size,
+            "executor.node_id": context.node_id,
+        },
+    )
+    if error is not None:
+        _record_error(span, error)
+    span.end(end_time=end)

@@ -1,9 +1,8 @@
 """executor-plugin-slurm: the Slurm backend (``slurm``): ``mp``'s node agents run as Slurm
 job steps, one per allocated node, inside this process's allocation or one it asks for.
 
-This module is the plugin the registry imports: it only declares the backend. The executor
-lives in :mod:`executor_plugin_slurm._executor` and is imported when chosen; its user-facing
-names (``SlurmExecutor`` and ``SlurmOptions``) import from this package on first use.
+This module, which the registry imports, only declares the backend; ``SlurmExecutor`` and
+``SlurmOptions`` are imported on first use.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The Slurm allocation an executor's agents run in: the one this process is inside of
-(``SLURM_JOB_ID``), or one asked for with ``salloc`` and released at the end.
-
-An allocation this backend asks for is held by ``salloc`` running a command that waits for
-its standard input to close: this process holds the other end. Closing it (at shutdown)
-makes salloc relinquish the job; so does this process dying in any way, SIGKILL included,
-since the kernel closes the pipe then. No job outlives its driver.
+"""Slurm's commands (each bounded; a failure quotes what the command said), and the allocation
+the agents run in: this process's own (``SLURM_JOB_ID``), or one held by ``salloc`` while the
+command salloc runs waits for its standard input, whose other end this process holds: closing
+it (at shutdown) or this process dying in any way (SIGKILL too) makes salloc let go of the job.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ import logging
 import os
 import re
 import select
+import shutil
 import subprocess
 import threading
 import time
@@ -23,19 +21,79 @@ import attrs
 
 from executor_core import ExecutorError
 
-from . import _commands
 from ._options import SlurmOptions
 
-__all__ = ["Allocation", "Where", "where_am_i"]
+__all__ = ["Allocation", "Where", "command", "job_state", "node_addresses", "where_am_i"]
 
 logger = logging.getLogger("executor_plugin_slurm")
 
+#: Seconds any query or cancel may take (the controller answers in milliseconds when up).
+_QUERY_S = 20.0
 #: What the command salloc runs prints once the job is granted (then it waits for EOF).
 _GRANTED = "executor-slurm-granted"
 _HOLD = f'echo "{_GRANTED} $SLURM_JOB_ID $SLURM_JOB_NODELIST"; exec cat >/dev/null'
 _JOB_ID = re.compile(r"job(?: allocation)? (\d+)")
 #: Seconds salloc gets to relinquish the job once its command ended.
 _RELEASE_S = 10.0
+
+
+def command(name: str) -> str:
+    """The path of Slurm's command ``name``; an error saying how to get it if missing."""
+    path = shutil.which(name)
+    if path is None:
+        raise ExecutorError(
+            f"the slurm backend needs Slurm's '{name}' on PATH (install the Slurm client "
+            "commands, e.g. Debian's slurm-client, or load your cluster's slurm module)"
+        )
+    return path
+
+
+def _run(*args: str) -> str:
+    """Run a Slurm command: its stdout, or an error quoting its stderr."""
+    try:
+        done = subprocess.run(
+            [command(args[0]), *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=_QUERY_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        raise ExecutorError(
+            f"'{' '.join(args)}' did not answer within {_QUERY_S:g} s: is slurmctld up "
+            "(scontrol ping)?"
+        ) from None
+    if done.returncode:
+        said = done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}"
+        raise ExecutorError(f"'{' '.join(args)}' failed: {said}")
+    return done.stdout
+
+
+def _hostnames(nodelist: str) -> tuple[str, ...]:
+    """The node names of a Slurm host list (``n[1-3],gpu7``), in Slurm's order."""
+    return tuple(_run("scontrol", "show", "hostnames", nodelist).split())
+
+
+def node_addresses(nodes: tuple[str, ...]) -> dict[str, str]:
+    """Each node's ``NodeAddr`` (how Slurm reaches it)."""
+    out = _run("scontrol", "show", "node", "--oneliner", ",".join(nodes))
+    return dict(re.findall(r"NodeName=(\S+) .*?NodeAddr=(\S+)", out))
+
+
+def job_state(job_id: str) -> tuple[str, str] | None:
+    """``(state, reason)`` of job ``job_id`` as ``squeue`` gives them (``("PENDING",
+    "Resources")``), or None once Slurm forgot it (it ended ``MinJobAge`` ago)."""
+    try:
+        out = _run("squeue", "--noheader", "--jobs", job_id, "--format", "%T|%r")
+    except ExecutorError as exc:
+        if "Invalid job id" in str(exc):
+            return None
+        raise
+    line = out.strip().splitlines()
+    if not line:
+        return None
+    state, _, reason = line[0].partition("|")
+    return state, reason
 
 
 @attrs.frozen
@@ -57,73 +115,33 @@ def where_am_i() -> Where:
     if not job_id:
         return Where(None, (), None)
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    nodes = _commands.hostnames(nodelist) if nodelist else ()
+    nodes = _hostnames(nodelist) if nodelist else ()
     node = os.environ.get("SLURMD_NODENAME")
     return Where(job_id, nodes, node if node in nodes else None)
 
 
 class Allocation:
-    """A job whose nodes the agents' steps run on; :meth:`release` ends it if it is ours."""
+    """A job whose nodes the agents' steps run on: this process's own, or one asked for by
+    :meth:`request`, held by ``salloc ... sh -c 'echo ...; exec cat >/dev/null'`` until
+    :meth:`release` ends it."""
 
-    def __init__(self, job_id: str, nodes: tuple[str, ...], holder: _Holder | None) -> None:
-        self.job_id = job_id
-        self.nodes = nodes
-        self._holder = holder
+    _reader: threading.Thread  # salloc's stderr, read into _lines
 
-    @property
-    def owned(self) -> bool:
-        """True: this backend asked for it (and releases it)."""
-        return self._holder is not None
+    def __init__(self, job_id: str, nodes: tuple[str, ...] = ()) -> None:
+        #: The job's id ("" until salloc names the job it asks for), and its nodes.
+        self.job_id, self.nodes = job_id, nodes
+        self._salloc: subprocess.Popen[str] | None = None
+        self._granted = False
+        self._lines: deque[str] = deque(maxlen=20)
 
     @classmethod
     def request(cls, options: SlurmOptions, num_nodes: int, name: str) -> Allocation:
         """Ask Slurm for ``num_nodes`` nodes with salloc and wait, up to
         ``options.pending_timeout_s``, until they are granted."""
-        holder = _Holder(options, num_nodes, name)
-        try:
-            job_id, nodelist = holder.wait_granted(options.pending_timeout_s)
-            nodes = _commands.hostnames(nodelist)
-        except BaseException:
-            holder.release()
-            raise
-        logger.info("slurm: job %s granted on %s", job_id, ",".join(nodes))
-        return cls(job_id, nodes, holder)
-
-    def ended(self) -> str | None:
-        """For an owned allocation: what salloc said if it ended (the job was cancelled,
-        preempted, timed out), else None."""
-        holder = self._holder
-        if holder is None or holder.process.poll() is None:
-            return None
-        return holder.said()
-
-    def release(self) -> None:
-        """End the allocation if it is ours (bounded; the job is cancelled if salloc does
-        not let go of it). Idempotent."""
-        holder, self._holder = self._holder, None
-        if holder is not None:
-            holder.release()
-
-
-class _Holder:
-    """``salloc ... sh -c 'echo ...; exec cat >/dev/null'``, its pipes and what it said."""
-
-    def __init__(self, options: SlurmOptions, num_nodes: int, name: str) -> None:
-        argv = [
-            _commands.command("salloc"),
-            *options.salloc_argv(num_nodes),
-            f"--job-name={name}",
-            "--",
-            "/bin/sh",
-            "-c",
-            _HOLD,
-        ]
-        self.job_id: str | None = None
-        #: True once the job runs (salloc's command printed the grant).
-        self.granted = False
-        self._lines: deque[str] = deque(maxlen=20)
-        self.process = subprocess.Popen(
-            argv,
+        self = cls("")
+        argv = [*options.salloc_argv(num_nodes), f"--job-name={name}", "--", "/bin/sh", "-c"]
+        self._salloc = salloc = subprocess.Popen(
+            [command("salloc"), *argv, _HOLD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -131,46 +149,47 @@ class _Holder:
             start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's
         )
         self._reader = threading.Thread(
-            target=self._read_stderr, name="executor-slurm-salloc", daemon=True
+            target=self._read_stderr, args=(salloc,), name="executor-slurm-salloc", daemon=True
         )
         self._reader.start()
+        try:
+            self.nodes = _hostnames(self._wait_granted(salloc, options.pending_timeout_s))
+        except BaseException:
+            self.release()
+            raise
+        logger.info("slurm: job %s granted on %s", self.job_id, ",".join(self.nodes))
+        return self
 
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            line = line.rstrip()
-            self._lines.append(line)
-            if self.job_id is None and (found := _JOB_ID.search(line)):
+    def _read_stderr(self, salloc: subprocess.Popen[str]) -> None:
+        assert salloc.stderr is not None
+        for line in salloc.stderr:
+            self._lines.append(line.rstrip())
+            if not self.job_id and (found := _JOB_ID.search(line)):
                 self.job_id = found[1]
 
-    def said(self) -> str:
+    def _said(self, salloc: subprocess.Popen[str]) -> str:
         """salloc's last lines (its own messages: granted, pending, revoked, errors)."""
-        return "; ".join(self._lines) or f"salloc exited with status {self.process.poll()}"
+        return "; ".join(self._lines) or f"salloc exited with status {salloc.poll()}"
 
-    def wait_granted(self, bound: float) -> tuple[str, str]:
-        """Block until salloc's command runs: ``(job id, node list)``. Raises, saying
-        what Slurm said, if salloc fails or the job still pends after ``bound`` seconds."""
-        process = self.process
-        assert process.stdout is not None
+    def _wait_granted(self, salloc: subprocess.Popen[str], bound: float) -> str:
+        """Block until salloc's command runs: the node list. Raises, saying what Slurm said,
+        if salloc fails or the job still pends after ``bound`` seconds."""
+        assert salloc.stdout is not None
         deadline = time.monotonic() + bound
         reported = False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ExecutorError(self._pending_error(bound))
-            ready, _, _ = select.select([process.stdout], [], [], min(left, 1.0))
-            if ready:
-                line = process.stdout.readline()
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([salloc.stdout], [], [], min(left, 1.0))[0]:
+                line = salloc.stdout.readline()
                 if line.startswith(_GRANTED):
-                    _, job_id, nodelist = line.split()
-                    self.job_id, self.granted = job_id, True
-                    return job_id, nodelist
+                    _, self.job_id, nodelist = line.split()
+                    self._granted = True
+                    return nodelist
                 if not line:  # salloc ended without running its command
-                    process.wait(_RELEASE_S)
+                    salloc.wait(_RELEASE_S)
                     self._reader.join(_RELEASE_S)
-                    raise ExecutorError(f"Slurm refused the allocation: {self.said()}")
-            elif not reported and self.job_id is not None:
-                state = _commands.job_state(self.job_id)
+                    raise ExecutorError(f"Slurm refused the allocation: {self._said(salloc)}")
+            elif not reported and self.job_id:
+                state = job_state(self.job_id)
                 if state is not None and state[0] == "PENDING":
                     logger.warning(
                         "slurm: job %s is pending (%s); waiting up to %g s",
@@ -179,37 +198,46 @@ class _Holder:
                         bound,
                     )
                     reported = True
-
-    def _pending_error(self, bound: float) -> str:
-        job_id = self.job_id
-        state = _commands.job_state(job_id) if job_id is not None else None
-        reason = f"{state[0]}, reason {state[1]}" if state is not None else self.said()
-        return (
-            f"Slurm did not grant job {job_id} within pending_timeout_s={bound:g} s "
-            f"({reason}, as squeue says); the request is cancelled. Ask for less (num_nodes, "
+        state = job_state(self.job_id) if self.job_id else None
+        reason = f"{state[0]}, reason {state[1]}" if state is not None else self._said(salloc)
+        raise ExecutorError(
+            f"Slurm did not grant job {self.job_id or None} within pending_timeout_s={bound:g} "
+            f"s ({reason}, as squeue says); the request is cancelled. Ask for less (num_nodes, "
             "gpus_per_node, time), another partition, or wait longer (pending_timeout_s)"
         )
 
+    def ended(self) -> str | None:
+        """For an allocation this backend asked for: what salloc said if it ended (the job
+        was cancelled, preempted, timed out), else None."""
+        salloc = self._salloc
+        if salloc is None or salloc.poll() is None:
+            return None
+        return self._said(salloc)
+
     def release(self) -> None:
-        """Let salloc's command end (EOF), so that salloc relinquishes the job; cancel the
-        job and kill salloc if it does not, within a bound."""
-        process = self.process
-        if process.stdin is not None:
+        """End the allocation if this backend asked for it: let salloc's command end (EOF), so
+        that salloc relinquishes the job; cancel the job and kill salloc if it does not, within
+        a bound. Idempotent."""
+        salloc, self._salloc = self._salloc, None
+        if salloc is None:
+            return
+        if salloc.stdin is not None:
             with contextlib.suppress(OSError):
-                process.stdin.close()
-        if process.poll() is None and not self.granted:
-            process.terminate()  # still pending: salloc cancels its request
+                salloc.stdin.close()
+        if salloc.poll() is None and not self._granted:
+            salloc.terminate()  # still pending: salloc cancels its request
         try:
-            process.wait(_RELEASE_S)
+            salloc.wait(_RELEASE_S)
         except subprocess.TimeoutExpired:
-            if self.job_id is not None:
+            if self.job_id:
                 try:
-                    _commands.cancel(self.job_id)
+                    _run("scancel", self.job_id)
                 except ExecutorError as exc:
-                    logger.warning("slurm: could not cancel job %s: %s", self.job_id, exc)
-            process.kill()
-            process.wait()
+                    if "Invalid job id" not in str(exc) and "already completing" not in str(exc):
+                        logger.warning("slurm: could not cancel job %s: %s", self.job_id, exc)
+            salloc.kill()
+            salloc.wait()
         self._reader.join(_RELEASE_S)
-        for stream in (process.stdout, process.stderr):
+        for stream in (salloc.stdout, salloc.stderr):
             if stream is not None:
                 stream.close()

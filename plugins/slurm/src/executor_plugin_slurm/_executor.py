@@ -1,47 +1,132 @@
 """The ``slurm`` backend: ``mp``'s executor whose node agents run as Slurm job steps.
 
-:class:`SlurmPlacement` is a :class:`~executor_plugin_multiproc.launcher.Placement`: for each
-node it runs ``executor node`` in a step of its own (``srun --nodes=1 --ntasks=1 --nodelist
-NODE``), inside the allocation this process is in, or in one it asks for with ``salloc``
-(kept across the executor's group restarts, released when the executor is done with it:
-``Placement.close``). Everything else (the secret, the port, the
-admission of agents, heartbeats, the rings, every rule of a call) is ``mp``'s.
-
-Its options are ``mp``'s and its own (:class:`SlurmOptions`, the executor's ``options_cls``:
-the placement receives them); a step that Slurm ends after the start (a cancelled or
-preempted job, a node failure) is reported through ``Placement.agent_lost`` with what Slurm
-said.
+:class:`SlurmPlacement` (a :class:`~executor_plugin_multiproc.launcher.Placement`) runs each
+node's ``executor node`` in a step of its own, in the allocation this process is in or in one
+it asks for with ``salloc`` (kept across group restarts, released by ``Placement.close``); a
+step that Slurm ends after the start is reported through ``Placement.agent_lost`` with what
+Slurm said. Everything else (the secret, the port, admission, heartbeats, every rule of a
+call) is ``mp``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import re
+import subprocess
+import threading
+from collections import deque
+from collections.abc import Callable
 from typing import Self
 
 from executor_core import ConfigError, ExecutorConfig, ExecutorError
 from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
 from executor_plugin_multiproc.launcher import AgentLaunch, Placement
 
-from . import _commands
-from ._allocation import Allocation, Where, where_am_i
+from ._allocation import Allocation, Where, command, job_state, node_addresses, where_am_i
 from ._options import SlurmOptions
-from ._step import AgentStep
 
-__all__ = ["SlurmExecutor", "SlurmPlacement"]
+__all__ = ["AgentStep", "SlurmExecutor", "SlurmPlacement"]
 
 logger = logging.getLogger("executor_plugin_slurm")
 
+#: What srun and slurmstepd write when Slurm ends a step, its node or its job.
+_SLURM_ENDS = re.compile(r"Node failure on (?P<node>\S+)|\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED")
+
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    with contextlib.suppress(ValueError):
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    return False
+
+
+class AgentStep:
+    """srun running one node's agent (``srun --jobid J --nodes=1 --ntasks=1 --nodelist NODE
+    --overlap ... executor node ...``). srun's standard error (its messages and the agent's) is
+    passed on to this process's, its last lines kept (what Slurm said when the step ended);
+    from its reader thread, unless :meth:`stop` was called first, ``watch(step, line)`` gets
+    each line and ``watch(step, None)`` srun's exit. The agent's stdout is this process's."""
+
+    def __init__(
+        self,
+        job_id: str,
+        node: str,
+        launch: AgentLaunch,
+        srun_args: tuple[str, ...],
+        watch: Callable[[AgentStep, str | None], None],
+    ) -> None:
+        self.job_id, self.node = job_id, node
+        self.stopping, self._watch = False, watch
+        self._lines: deque[str] = deque(maxlen=12)
+        srun = [
+            command("srun"),
+            f"--jobid={job_id}",
+            "--nodes=1",
+            "--ntasks=1",
+            "--ntasks-per-node=1",
+            f"--nodelist={node}",
+            # The driver's own step (if it runs in one) or another executor's agents may
+            # hold the node's CPUs: an agent never waits for them.
+            "--overlap",
+            # Everything the driver has (the venv, PYTHONPATH, SLURM_CONF) and the secret,
+            # which travels in the launch request to slurmd, never on a command line.
+            "--export=ALL",
+            f"--job-name=executor-node-{node}",
+            *srun_args,
+            "--",
+            *launch.argv,
+            "--node-id",
+            node,
+        ]
+        self.process = subprocess.Popen(
+            srun,
+            env={**os.environ, **launch.env},
+            stdin=subprocess.DEVNULL,  # srun would forward the driver's stdin to the agent
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the driver's terminal is the driver's
+        )
+        self._reader = threading.Thread(
+            target=self._read, name=f"executor-slurm-srun-{node}", daemon=True
+        )
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for raw in self.process.stderr:
+            with contextlib.suppress(OSError):
+                os.write(2, raw)
+            line = raw.decode(errors="replace").rstrip()
+            self._lines.append(line)
+            if not self.stopping:
+                self._watch(self, line)
+        self.process.wait()
+        if not self.stopping:
+            self._watch(self, None)
+
+    def said(self) -> str:
+        """srun's last lines (Slurm's messages and the agent's), for an error."""
+        return " | ".join([line for line in self._lines if line][-6:]) or "nothing on stderr"
+
+    def stop(self, timeout: float) -> None:
+        """Reap srun (its agent was told to stop and is exiting): after ``timeout`` seconds
+        cancel the step through srun (SIGTERM), then kill srun."""
+        self.stopping = True
+        process = self.process
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                # An srun whose controller went away ignores SIGTERM.
+                process.kill()
+                process.wait()
+        self._reader.join(5.0)
+        if process.stderr is not None:
+            process.stderr.close()
 
 
 class SlurmPlacement(Placement):
@@ -53,18 +138,19 @@ class SlurmPlacement(Placement):
     driver_runs_ranks = False
     #: Where this process runs, as Slurm's environment says (read once, when made).
     where: Where
+    slurm: SlurmOptions
 
     def __new__(cls, config: ExecutorConfig, options: MultiprocOptions) -> Self:
+        assert isinstance(options, SlurmOptions)  # SlurmExecutor's options_cls
         where = where_am_i()
-        if cls is SlurmPlacement and _runs_ranks(_slurm_options(options), where):
+        if cls is SlurmPlacement and _runs_ranks(options, where):
             cls = _NodeZero  # type: ignore[assignment]
         placement = super().__new__(cls)
-        placement.where = where
+        placement.where, placement.slurm = where, options
         return placement
 
     def __init__(self, config: ExecutorConfig, options: MultiprocOptions) -> None:
         super().__init__(config, options)
-        self.slurm = _slurm_options(options)
         self.allocation: Allocation | None = None
         #: The Slurm node of each node rank (node 0 first: this one, if it runs ranks).
         self.node_names: tuple[str, ...] = ()
@@ -85,17 +171,12 @@ class SlurmPlacement(Placement):
             self.allocation = self._allocate()
         node = self.node_names[launch.node_rank]
         self.steps[launch.node_rank] = AgentStep(
-            self.allocation.job_id,
-            node,
-            [*launch.argv, "--node-id", node],
-            launch.env,
-            self.slurm.srun_args,
-            self._watch,
+            self.allocation.job_id, node, launch, self.slurm.srun_args, self._watch
         )
 
     def check(self, launch: AgentLaunch) -> None:
         step = self.steps[launch.node_rank]
-        status = step.ended()
+        status = step.process.poll()
         if status is not None:
             raise ExecutorError(
                 f"the srun step of node {launch.node_rank} ({step.node}, job "
@@ -109,7 +190,9 @@ class SlurmPlacement(Placement):
             step.stop(self.options.shutdown_grace_s + 5.0)
 
     def close(self) -> None:
-        self._release()
+        allocation, self.allocation = self.allocation, None
+        if allocation is not None:
+            allocation.release()
 
     def node_id(self) -> str:
         # Node 0 is this one when the driver runs its ranks (_NodeZero).
@@ -129,33 +212,27 @@ class SlurmPlacement(Placement):
     def _allocate(self) -> Allocation:
         config, where = self.config, self.where
         if where.job_id is not None:
-            allocation = Allocation(where.job_id, where.nodes, None)
+            allocation = Allocation(where.job_id, where.nodes)
         else:
-            name = f"executor-{os.getpid()}"
-            allocation = Allocation.request(self.slurm, config.num_nodes, name)
+            allocation = Allocation.request(self.slurm, config.num_nodes, f"executor-{os.getpid()}")
         try:
-            self.node_names = self._name_nodes(allocation)
+            nodes = allocation.nodes
+            if self.driver_runs_ranks and where.node is not None:  # node 0 is this one
+                nodes = (where.node, *(n for n in nodes if n != where.node))
+            if len(nodes) < config.num_nodes:
+                raise ConfigError(
+                    "num_nodes",
+                    config.num_nodes,
+                    f"Slurm job {allocation.job_id} has {len(nodes)} node(s) "
+                    f"({','.join(nodes)}): ask for num_nodes nodes (salloc/sbatch --nodes) or "
+                    "lower num_nodes",
+                )
+            self.node_names = nodes[: config.num_nodes]
             self._check_reachable()
         except BaseException:
             allocation.release()
             raise
         return allocation
-
-    def _name_nodes(self, allocation: Allocation) -> tuple[str, ...]:
-        nodes = allocation.nodes
-        if self.driver_runs_ranks:
-            assert self.where.node is not None
-            nodes = (self.where.node, *(n for n in nodes if n != self.where.node))
-        need = self.config.num_nodes
-        if len(nodes) < need:
-            raise ConfigError(
-                "num_nodes",
-                need,
-                f"Slurm job {allocation.job_id} has {len(nodes)} node(s) "
-                f"({','.join(nodes)}): ask for num_nodes nodes (salloc/sbatch --nodes) or "
-                "lower num_nodes",
-            )
-        return nodes[:need]
 
     def _check_reachable(self) -> None:
         """A driver listening on loopback is reachable only from agents on this machine."""
@@ -163,11 +240,7 @@ class SlurmPlacement(Placement):
         if not _is_loopback(host):
             return
         placed = self.node_names[int(self.driver_runs_ranks) :]
-        far = {
-            node: addr
-            for node, addr in _commands.node_addresses(placed).items()
-            if not _is_loopback(addr)
-        }
+        far = {n: a for n, a in node_addresses(placed).items() if not _is_loopback(a)}
         if far:
             raise ConfigError(
                 "distributed_host",
@@ -177,28 +250,21 @@ class SlurmPlacement(Placement):
                 "machine's address as those nodes reach it (or '0.0.0.0')",
             )
 
-    def _release(self) -> None:
-        allocation, self.allocation = self.allocation, None
-        if allocation is not None:
-            allocation.release()
-
     # --- a step that ends by itself ------------------------------------------------------
 
     def _job_said(self) -> str:
+        """What Slurm says of the job, for an error, unless it runs ("" then)."""
         allocation = self.allocation
         if allocation is None:
             return ""
-        ended = allocation.ended()
-        if ended is not None:
+        if (ended := allocation.ended()) is not None:
             return f"; salloc: {ended}"
-        try:
-            state = _commands.job_state(allocation.job_id)
-        except ExecutorError:
-            return ""
-        if state is None:
-            return f"; job {allocation.job_id} has ended"
-        if state[0] != "RUNNING":
-            return f"; job {allocation.job_id} is {state[0]} ({state[1]})"
+        with contextlib.suppress(ExecutorError):
+            state = job_state(allocation.job_id)
+            if state is None:
+                return f"; job {allocation.job_id} has ended"
+            if state[0] != "RUNNING":
+                return f"; job {allocation.job_id} is {state[0]} ({state[1]})"
         return ""
 
     def _watch(self, step: AgentStep, line: str | None) -> None:
@@ -216,22 +282,15 @@ class SlurmPlacement(Placement):
             node = found["node"] or step.node
             detail = f"Slurm: {line.strip()}"
         else:
-            if step.ended() == 0:
+            if step.process.poll() == 0:
                 return  # an agent exits 0 only when told to stop
             job = self._job_said()
             if not job:
                 logger.warning("slurm: the step of %s ended: %s", step.node, step.said())
                 return
             node, detail = step.node, f"Slurm ended its step: {step.said()}{job}"
-        self._fail(node, detail)
-
-    def _fail(self, node: str, detail: str) -> None:
         if node in self.node_names:  # the SDK ignores it before the start and after close
             self.agent_lost(self.node_names.index(node), detail)
-
-
-#: What srun and slurmstepd write when Slurm ends a step, its node or its job.
-_SLURM_ENDS = re.compile(r"Node failure on (?P<node>\S+)|\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED")
 
 
 class _NodeZero(SlurmPlacement):
@@ -263,12 +322,3 @@ class SlurmExecutor(MultiprocExecutor):
 
     options_cls = SlurmOptions
     placement_cls = SlurmPlacement
-
-
-def _slurm_options(options: MultiprocOptions) -> SlurmOptions:
-    if not isinstance(options, SlurmOptions):
-        raise ExecutorError(
-            "SlurmPlacement needs SlurmOptions: it is made by SlurmExecutor (backend 'slurm'), "
-            f"whose options_cls they are, not with {type(options).__name__}"
-        )
-    return options

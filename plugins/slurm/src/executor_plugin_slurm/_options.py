@@ -13,11 +13,6 @@ from executor_plugin_multiproc import MultiprocOptions
 
 __all__ = ["SlurmOptions"]
 
-# Slurm's --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
-_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.I)
-# Slurm's --gpus-per-node: [type:]count.
-_GPUS = re.compile(r"([A-Za-z0-9_.-]+:)?[1-9]\d*")
-
 
 def _word(what: str) -> Any:
     """A non-empty string without spaces (a partition, an account, a host list)."""
@@ -30,25 +25,29 @@ def _word(what: str) -> Any:
     return check
 
 
-def _time(value: Any) -> str:
-    """``time``: minutes as an int, or a string in one of Slurm's --time formats."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return str(value)
-    if isinstance(value, str) and _TIME.fullmatch(value.strip()):
-        return value.strip()
-    raise ValueError(
-        "must be minutes (an int > 0) or a Slurm time limit like '30', '1:30:00', "
-        "'2-00:00:00' or 'UNLIMITED'"
-    )
+def _count_or(pattern: str, says: str) -> Any:
+    """A count (an int > 0) or a string of Slurm's ``pattern``: salloc's value, as a string."""
+    matches = re.compile(pattern, re.I).fullmatch
+
+    def check(value: Any) -> str:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return str(value)
+        if isinstance(value, str) and matches(value.strip()):
+            return value.strip()
+        raise ValueError(f"must be {says}")
+
+    return check
 
 
-def _gpus(value: Any) -> str:
-    """``gpus_per_node``: a count, or Slurm's ``type:count``."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return str(value)
-    if isinstance(value, str) and _GPUS.fullmatch(value.strip()):
-        return value.strip()
-    raise ValueError("must be a GPU count (an int > 0) or 'type:count' like 'a100:4'")
+#: Slurm's --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+_TIME = _count_or(
+    r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE",
+    "minutes (an int > 0) or a Slurm time limit like '30', '1:30:00', '2-00:00:00' or 'UNLIMITED'",
+)
+#: Slurm's --gpus-per-node: [type:]count.
+_GPUS = _count_or(
+    r"([A-Za-z0-9_.-]+:)?[1-9]\d*", "a GPU count (an int > 0) or 'type:count' like 'a100:4'"
+)
 
 
 def _args(value: Any) -> tuple[str, ...]:
@@ -72,9 +71,9 @@ class SlurmOptions(MultiprocOptions):
     #: salloc's ``--account``.
     account: str | None = option(None, optional(_word("an account name")))
     #: salloc's ``--time``: minutes, or ``"HH:MM:SS"``, ``"D-HH:MM:SS"``...
-    time: str | None = option(None, optional(_time))
+    time: str | None = option(None, optional(_TIME))
     #: salloc's ``--gpus-per-node``: a count or ``"type:count"``.
-    gpus_per_node: str | None = option(None, optional(_gpus))
+    gpus_per_node: str | None = option(None, optional(_GPUS))
     #: salloc's ``--nodelist``: nodes the allocation must include (a Slurm host list).
     nodelist: str | None = option(None, optional(_word("a Slurm host list")))
     #: More arguments for salloc, e.g. ``["--qos=high", "--exclusive"]``.
