@@ -23,7 +23,7 @@ from ._codec import KIND_READY, KIND_STOP, copied_whole, encode, encode_call, pl
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
 from ._ring import Ring, RingAbortedError
-from ._ring_writer import RingStalledError
+from ._ring_writer import STREAM_CHUNK, RingStalledError
 from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -186,7 +186,8 @@ class ChannelTransport(Transport):
                     deadline,
                     self._while_sending,
                     finish_by=deadline,
-                    copied=copied_whole(parts[0], nbytes),
+                    # (looked at only where a frame can be streamed, see copied_whole)
+                    copied=nbytes > STREAM_CHUNK and copied_whole(parts[0], nbytes),
                 )
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)
@@ -217,71 +218,60 @@ class ChannelTransport(Transport):
         self.host.while_blocked()
 
     def poll(self, timeout: float | None) -> None:
-        """Hand every reply ready on the rings to the core; if none was, wait for one (spin,
-        then the reply doorbell) up to ``timeout``. Often the replies are already there: one
-        look at each ring is the whole call."""
+        """Hand every reply ready on the rings to the core; if none was, wait for one up to
+        ``timeout`` (spin briefly, then sleep on the reply doorbell) and hand over what
+        came, or return at the timeout or :meth:`interrupt`. Often the replies are already
+        there: one look at each ring is the whole call."""
+        rings = self._reply_rings
         deliver = self.host.deliver
         abort = self._check_abort
-        got = False
+        remote = self.hub is not None
+        waiting = False
         try:
-            for ring in self._reply_rings:
-                reply = ring.try_read(decode_reply, abort, plan_assembly)
-                if reply is not None:
-                    deliver(reply[1], reply[2], reply[3], reply[4])
+            while True:
+                got = False
+                for ring in rings:
+                    reply = ring.try_read(decode_reply, abort, plan_assembly)
+                    if reply is not None:
+                        deliver(reply[1], reply[2], reply[3], reply[4])
+                        got = True
+                if remote and self._deliver_remote():
                     got = True
-            if self.hub is not None and self._deliver_remote():
-                got = True
-            if not got and (timeout is None or timeout > 0.0) and not self.aborted:
-                self._wait_and_read(timeout)
+                if got or self.aborted:
+                    return
+                now = time.monotonic()
+                if not waiting:  # nothing yet: the wait starts
+                    if timeout is not None and timeout <= 0.0:
+                        return
+                    waiting = True
+                    deadline = None if timeout is None else now + timeout
+                    spinner = self._spinner
+                    spin_until = spinner.start()
+                    bell = self.reply_bell
+                    sleeper = self._sleeper() if remote else None
+                elif deadline is not None and now >= deadline:
+                    return
+                if now < spin_until:
+                    # A reply is often only microseconds away.
+                    if not spinner.pause():
+                        spin_until = 0.0  # lost the CPU: look once more, then sleep
+                        if self._reply_waiting():
+                            spinner.contended()  # it came meanwhile: the spin delayed it
+                elif sleeper is not None:
+                    # Replies from other machines wake this thread itself (it reads them),
+                    # the rest ring the doorbell (see _hub_link).
+                    ms = 1000 if deadline is None else max(0, int((deadline - now) * 1000) + 1)
+                    if sleeper.poll(ms):
+                        bell.clear()
+                else:
+                    # Replies, the hub and interrupt() ring this doorbell; a stale ring costs
+                    # one look.
+                    bell.wait(None if deadline is None else max(0.0, deadline - now))
         except RingAbortedError:
             return
         except BaseException:
             self._check_rings()
             raise
-
-    def _wait_and_read(self, timeout: float | None) -> None:
-        """Spin briefly, then sleep on the reply doorbell, until a reply is delivered, the
-        timeout passes or :meth:`interrupt` is called."""
-        rings = self._reply_rings
-        deliver = self.host.deliver
-        abort = self._check_abort
-        spinner = self._spinner
-        bell = self.reply_bell
-        remote = self.hub is not None
-        sleeper = self._sleeper() if remote else None
-        now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        spin_until = spinner.start()
-        while True:
-            if now < spin_until:
-                # A reply is often only microseconds away.
-                if not spinner.pause():
-                    spin_until = 0.0  # lost the CPU: look once more, then sleep
-                    if self._reply_waiting():
-                        spinner.contended()  # it came meanwhile: the spin delayed it
-            elif sleeper is not None:
-                # Replies from other machines wake this thread itself (it reads them), the
-                # rest ring the doorbell (see _hub_link).
-                ms = 1000 if deadline is None else max(0, int((deadline - now) * 1000) + 1)
-                if sleeper.poll(ms):
-                    bell.clear()
-            else:
-                # Replies, the hub and interrupt() ring this doorbell; a stale ring costs one
-                # look.
-                bell.wait(None if deadline is None else max(0.0, deadline - now))
-            got = False
-            for ring in rings:
-                reply = ring.try_read(decode_reply, abort, plan_assembly)
-                if reply is not None:
-                    deliver(reply[1], reply[2], reply[3], reply[4])
-                    got = True
-            if remote and self._deliver_remote():
-                got = True
-            if got or self.aborted:
-                return
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return
 
     def _sleeper(self) -> select.poll:
         """A poll of the reply doorbell and the hub's link (made once)."""

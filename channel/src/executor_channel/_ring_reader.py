@@ -256,14 +256,14 @@ class RingReader(RingEnd):
         smaller than :data:`IN_PLACE_MIN` is copied, as :meth:`read` does.
         A reader without views reads as :meth:`read` does (release_held is then a no-op)."""
         views = self._views
-        if views is not None:
-            self.wait_readable(None, abort)  # no deadline: true once a message is there
-            index = self._count % self._nslots
-            nbytes, size = _CHUNK.unpack_from(self._buf, self._slot_offs[index])
+        self.wait_readable(None, abort)  # no deadline: true once a message is there
+        index = self._count % self._nslots
+        nbytes, size = _CHUNK.unpack_from(self._buf, self._slot_offs[index])
         if views is None or size != nbytes or size < IN_PLACE_MIN:
-            # Copied, as read copies: no views, several slots, or small enough to copy.
-            item = self.read(decode, None, abort, assemble)
-            assert item is not None  # no deadline: read returns a message
+            # Copied, as read copies: no views, several slots, or small enough to copy (the
+            # message is there: try_read reads it without a second wait).
+            item = self.try_read(decode, abort, assemble)
+            assert item is not None
             return item
         if self._ends_bulk is not None:
             self._ends_bulk.bulk = False
