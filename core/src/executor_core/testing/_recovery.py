@@ -302,7 +302,9 @@ class RecoveryTests(KitBase):
         pids = self.worker_processes(executor)
         alive = [pid for pid in pids_alive(killed, self.settle_s) if pid not in pids]
         assert not alive, f"rule broken: processes of an earlier incarnation still run: {alive}"
-        slack = {"rss": _RSS_SLACK, "fds": 0 if self.check_fds else 1 << 30}
+        # Two objects may be of an incarnation whose threads still end (a loaded machine): a
+        # leak of one per recovery still shows, as one more for each after the first.
+        slack = {"rss": _RSS_SLACK, "fds": 0 if self.check_fds else 1 << 30, "objects": 2}
 
         def grown() -> dict[str, str]:
             now = resources()
