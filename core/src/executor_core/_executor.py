@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar, cast, overload
@@ -49,13 +50,9 @@ def chain_future(source: Future[T], transform: Callable[[T], U]) -> Future[U]:
     target.set_running_or_notify_cancel()
 
     def done(fut: Future[T]) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            target.set_exception(exc)
-            return
         try:
             target.set_result(transform(fut.result()))
-        except BaseException as err:  # noqa: BLE001 - forwarded to the caller through the future
+        except BaseException as err:  # noqa: BLE001 - the source's, or transform's: the caller's
             target.set_exception(err)
 
     source.add_done_callback(done)
@@ -319,7 +316,7 @@ class Executor:
         reply_rank, expected = self._recovery.step_reply
         result = self._call("execute_model", None, (batch,), None, non_block, reply_rank, expected)
         if non_block:
-            return chain_future(cast("Future[list[Any]]", result), _first)
+            return chain_future(cast("Future[list[Any]]", result), operator.itemgetter(0))
         return cast("list[Any]", result)[0]
 
     async def collective_rpc_async(
@@ -562,10 +559,6 @@ class Executor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def _first(results: Sequence[Any]) -> Any:
-    return results[0]
 
 
 def _drop(recovery: Recovery, aio: AsyncSender) -> None:

@@ -91,14 +91,10 @@ class CallObserver:
         self._finished = DirectHook(hooks.executor_call_finished)
 
     @property
-    def impls(self) -> tuple[Any, Any]:
+    def impls(self) -> tuple[Any, ...]:
         """Each hook's implementations, live (pluggy's own lists where reachable): the call
-        path checks their truth, which costs no call (every ``uni`` row, a third of a call
-        without it)."""
-        return tuple(  # type: ignore[return-value]  # two items
-            hook._live if hook._live is not None else hook
-            for hook in (self._started, self._finished)
-        )
+        path tests their truth, which costs no call (every ``uni`` row: 10% of a call)."""
+        return tuple(h if h._live is None else h._live for h in (self._started, self._finished))
 
     def started(self, method: str, non_block: bool) -> int:
         """Call the started hook; return the call's id."""

@@ -553,12 +553,8 @@ class HangWatch:
     def __init__(
         self, host: TransportHost, transport: Transport, ranks: Sequence[int], bound_s: float
     ) -> None:
-        self._host, self._transport, self._ranks, self.bound_s = (
-            host,
-            transport,
-            tuple(ranks),
-            bound_s,
-        )
+        self._host, self._transport = host, transport
+        self._ranks, self.bound_s = tuple(ranks), bound_s
         #: How often it looks at the oldest call, and how long a probe waits for answers.
         self.tick_s = bound_s / 4
         self.probe_s = min(max(self.tick_s, _MIN_PROBE_S), _MAX_PROBE_S)
