@@ -101,8 +101,10 @@ class CallObserver:
         call_id = next(_call_ids)
         started = self._started.current()
         if started is not None:
-            values = (self._backend, method, call_id, self._world_size, non_block)
-            _guarded("executor_call_started", started, values)
+            try:
+                started(self._backend, method, call_id, self._world_size, non_block)
+            except Exception:  # noqa: BLE001 - an observer never breaks a call; logged
+                _log_hook_error("executor_call_started")
         return call_id
 
     def finished(
@@ -112,8 +114,10 @@ class CallObserver:
         finished = self._finished.current()
         if finished is not None:
             duration = time.perf_counter() - start
-            values = (self._backend, method, call_id, duration, error)
-            _guarded("executor_call_finished", finished, values)
+            try:
+                finished(self._backend, method, call_id, duration, error)
+            except Exception:  # noqa: BLE001 - an observer never breaks a call; logged
+                _log_hook_error("executor_call_finished")
 
     def sleep_changed(self, tags: frozenset[str]) -> None:
         """Call ``executor_sleep_changed`` (what is asleep now)."""
@@ -124,14 +128,6 @@ class CallObserver:
             getattr(self._hooks, hook)(backend=self._backend, **kwargs)
         except Exception:  # noqa: BLE001 - an observer never breaks a call; logged
             _log_hook_error(hook)
-
-
-def _guarded(hook: str, call: Any, values: tuple[Any, ...]) -> None:
-    """``call(*values)``; an exception is logged: an observer never breaks a call."""
-    try:
-        call(*values)
-    except Exception:  # noqa: BLE001 - logged
-        _log_hook_error(hook)
 
 
 def _log_hook_error(hook: str) -> None:
