@@ -137,6 +137,50 @@ def test_every_reader_gets_the_whole_streamed_message(rings: Callable[..., Rings
 
 
 @pytest.mark.usefixtures("cache")
+@pytest.mark.parametrize("stop", ["finish_by", "interrupt"])
+def test_a_message_stopped_part_way_is_dropped_by_every_reader(
+    rings: Callable[..., Rings], stop: str
+) -> None:
+    # Reader 0 reads as the chunks come, reader 1 is busy: two chunks fill the ring and the
+    # writer gives up on the rest (its deadline, or an exception). Each reader drops the part
+    # it got at the withdrawn message's mark, which the next write puts out first.
+    ring = rings(2, MIB, readers=2)
+    payload = os.urandom(5 * MIB)
+    got: list[bytes | None] = []
+
+    def read(i: int) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: got.append(ring.readers[i].read(bytes, time.monotonic() + WAIT))
+        )
+        thread.start()
+        return thread
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    first = read(0)
+    if stop == "finish_by":
+        assert not ring.writer.write([payload], len(payload), finish_by=time.monotonic() + 0.3)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            ring.writer.write([payload], len(payload), None, interrupt)
+    second = read(1)
+    assert ring.writer.write([b"next"], 4, time.monotonic() + WAIT)
+    for thread in (first, second):
+        thread.join(WAIT)
+    assert got == [b"next", b"next"]
+    assert not any(end.broken for end in (ring.writer, *ring.readers))
+    # A reader that starts after the message's start (a replaced rank) skips its mark alone.
+    assert not ring.writer.write([payload], len(payload), finish_by=time.monotonic() + 0.1)
+    ring.readers[1].resume_reader(1)
+    threads = [read(0), read(1)]
+    assert ring.writer.write([b"last"], 4, time.monotonic() + WAIT)
+    for thread in threads:
+        thread.join(WAIT)
+    assert got[2:] == [b"last", b"last"]
+
+
+@pytest.mark.usefixtures("cache")
 @pytest.mark.parametrize("copied", [False, True])
 def test_a_copied_message_streams_even_if_it_fits_one_slot(
     rings: Callable[..., Rings], copied: bool

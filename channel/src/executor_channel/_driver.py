@@ -23,7 +23,7 @@ from ._codec import KIND_READY, KIND_STOP, copied_whole, encode, encode_call, pl
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
 from ._ring import Ring, RingAbortedError
-from ._ring_writer import STREAM_CHUNK, RingStalledError
+from ._ring_writer import STREAM_CHUNK
 from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -34,9 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["ChannelTransport"]
 
 _BROKEN = (
-    "a call was interrupted half-way through a transfer that spans several ring slots (or a "
-    "rank stopped reading it before the call's deadline), so the rings are out of step; shut "
-    "this executor down and create a new one"
+    "reading a reply was interrupted half-way through a transfer that spans several ring "
+    "slots, so the rings are out of step; shut this executor down and create a new one"
 )
 
 
@@ -165,7 +164,13 @@ class ChannelTransport(Transport):
 
     def send(self, call: Call) -> bool:
         """Encode ``call`` once; write it into the rings (waiting, up to the call's deadline,
-        for a free slot), then send it to the other machines."""
+        for a free slot), then send it to the other machines.
+
+        False (the core raises :class:`~executor_core.RPCTimeoutError`) if the deadline passed
+        first, even part-way through a call that streams through several slots while a rank
+        is busy: the call is then withdrawn, on every rank (see :meth:`RingWriter.write
+        <._ring_writer.RingWriter.write>`), and the next send goes out once the busy rank
+        frees slots. An exception part-way through (Ctrl-C) withdraws it the same way."""
         method = call.method
         reply_rank = call.reply_rank
         parts, nbytes = encode_call(
@@ -196,15 +201,10 @@ class ChannelTransport(Transport):
                 # before this thread's bookkeeping (see Spinner.handoff).
                 self._spinner.handoff(self._reply_waiting)
             return sent
-        except RingStalledError:
-            # The deadline passed mid-transfer: the executor fails (the rings are out of step)
-            # and the core raises that failure for this call.
-            self._check_rings()
-            return False
         except RingAbortedError:
             raise self._closed_error() from None
         except BaseException:
-            self._check_rings()
+            self._check_rings()  # _while_sending reads replies
             raise
 
     def _reply_waiting(self) -> bool:
@@ -307,7 +307,7 @@ class ChannelTransport(Transport):
         return ExecutorError("the executor failed or is closing")
 
     def _check_rings(self) -> None:
-        """After an interrupted send or read: fail the executor if a ring is mid-message."""
+        """After an interrupted send or poll: fail the executor if a reply was left half-read."""
         if self.rings is not None and self.rings.broken:
             self.host.worker_died(ExecutorFailedError(_BROKEN))
 
@@ -329,7 +329,7 @@ class ChannelTransport(Transport):
         parts, nbytes = encode(KIND_STOP, True, -1, 0, None)
         deadline = time.monotonic() + grace_s
         sent = self._calls_ring is None
-        with contextlib.suppress(RingAbortedError, RingStalledError):
+        with contextlib.suppress(RingAbortedError):
             if self._calls_ring is not None:
                 sent = self._calls_ring.write(parts, nbytes, deadline, self._while_sending)
         if sent and self.hub is not None:

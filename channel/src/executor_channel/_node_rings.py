@@ -100,11 +100,6 @@ class SegmentLayout:
         return cls(broadcast, tuple(replies))
 
 
-_BROKEN_CALLS = (
-    "a call was interrupted half-way through a transfer that spans several ring slots, so "
-    "the surviving ranks are out of step with a new one"
-)
-
 #: kind, seq, rank, ok, value (a RemoteFailure or a WorkerError when not ok)
 Reply = tuple[int, int, int, bool, Any]
 
@@ -194,16 +189,14 @@ class NodeRings:
     def resume_worker(self, index: int) -> None:
         """Worker ``index``'s process is gone and another takes its place (rank replacement):
         it will read calls from the next one written, and write replies into an empty reply
-        ring. Raises if the broadcast ring is mid-message (then every rank must restart)."""
-        if self.calls.broken:
-            raise RuntimeError(_BROKEN_CALLS)
+        ring (a call withdrawn part-way, which the others still hold part of, it skips)."""
         self.calls.resume_reader(index)
         self.replies[index].resume_reader(0)
 
     @property
     def broken(self) -> bool:
-        """True if a transfer spanning several slots was interrupted half-way."""
-        return self.calls.broken or any(ring.broken for ring in self.replies)
+        """True if a reply of several slots was left half-read (a send never breaks them)."""
+        return any(ring.broken for ring in self.replies)
 
     def wake(self) -> None:
         """Wake the driver's waits: for a reply, and for a free call slot."""

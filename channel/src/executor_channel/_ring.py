@@ -8,11 +8,12 @@ A message is split into chunks of at most ``slot_bytes``; chunk ``c`` goes to sl
 once the slots it needs (all of them, if it is bigger than the ring) are free, and each chunk
 is published as soon as it is written: readers copy it out and free its slot while the writer
 writes the next, and a message bigger than the ring streams through it (the writer waits for
-freed slots), so no payload is too big and none is truncated. Readers copy out what they read
-before releasing its slots; a message of several chunks goes into memory the reader owns,
-warm memory from the receive buffer cache (``_buffers``) when it is large. A reader with
-private views of the slots (:mod:`._slot_views`: a worker reading its calls) decodes a
-message of one chunk in place instead, and releases its slot once the call has returned.
+freed slots), so no payload is too big and none is truncated; one the writer stops part-way
+is withdrawn by a mark in its next slot (see ``RingWriter.write``): every reader drops it.
+Readers copy out what they read before releasing its slots; a message of several chunks goes
+into memory the reader owns, warm from the receive buffer cache (``_buffers``) when large. A
+reader with private views of the slots (:mod:`._slot_views`: a worker reading its calls)
+decodes a message of one chunk in place instead, and frees its slot once the call returned.
 
 The counter protocol, per message (a message of ``n`` chunks; reader ``i``):
 

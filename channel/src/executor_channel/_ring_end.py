@@ -61,8 +61,9 @@ class RingEnd:
         self._consumed_offs = [layout.offset + LINE * (1 + i) for i in range(layout.readers)]
         self._slot_data = layout.slot_bytes
         self._nslots = layout.slots
-        self._streaming = False
-        #: Set when a multi-chunk transfer was interrupted half-way: the ring cannot be used.
+        #: Writer: a message stopped part-way whose end mark is owed (see RingWriter.write).
+        self._withdrawn = False
+        #: A reader interrupted part-way through a message of several slots: it cannot go on.
         self.broken = False
         self._slot_offs = [
             layout.slots_offset + k * layout.slot_stride for k in range(layout.slots)

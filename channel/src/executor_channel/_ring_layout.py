@@ -7,7 +7,8 @@ Layout of a ring inside the segment (counters are native-endian u64, each on its
     +0                   written: chunks published by the writer
     +8                   writer_waiting: set while the writer waits for a free slot
     +64 * (1 + i)        consumed[i]: chunks reader i has finished with
-    slots_offset + k*S   slot k: chunk header (message bytes, chunk bytes) then data
+    slots_offset + k*S   slot k: chunk header (message bytes, chunk bytes) then data, or
+                         the header (WITHDRAWN, 0): the message before it was withdrawn
 
 What the writer and the readers do with the counters is the counter protocol of
 :mod:`._ring`.
@@ -19,7 +20,7 @@ import struct
 
 import attrs
 
-__all__ = ["CHUNK", "LINE", "SLOT_HEADER", "RingLayout"]
+__all__ = ["CHUNK", "LINE", "SLOT_HEADER", "WITHDRAWN", "RingLayout"]
 
 #: A slot's chunk header: the message's bytes, and the bytes of it in this chunk.
 CHUNK = struct.Struct("<QQ")
@@ -27,6 +28,9 @@ CHUNK = struct.Struct("<QQ")
 LINE = 64
 #: Where a slot's data starts.
 SLOT_HEADER = 64
+#: A chunk header's message bytes that mean: the message this slot continues was withdrawn
+#: (its writer stopped part-way, see RingWriter.write): readers drop what they have of it.
+WITHDRAWN = (1 << 64) - 1
 
 
 @attrs.frozen

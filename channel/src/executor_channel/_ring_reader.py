@@ -17,7 +17,7 @@ from typing import TypeVar
 from . import _buffers, _ring_layout
 from ._fence import WEAK_ORDER, acquire_fence, load, store_fence_load
 from ._ring_end import MAX_SLEEP_S, RingEnd
-from ._ring_layout import SLOT_HEADER
+from ._ring_layout import SLOT_HEADER, WITHDRAWN
 
 __all__ = ["Assemble", "Assembled", "Received", "RingReader"]
 
@@ -138,7 +138,8 @@ class RingReader(RingEnd):
         assemble: Assemble | None = None,
     ) -> T | None:
         """``decode`` the next message if one is waiting, else return None at once. A message
-        spanning several slots is awaited to its end, bounded only by ``abort``."""
+        spanning several slots is awaited to its end (one withdrawn: to the next message),
+        bounded only by ``abort``."""
         buf = self._buf
         count = self._count
         if load(buf, self._written_off)[0] <= count:
@@ -173,7 +174,9 @@ class RingReader(RingEnd):
 
         ``decode`` gets a :data:`Received`: it must copy what it keeps out of a memoryview,
         which is only valid during the call. Once the
-        first chunk of a message has arrived, the rest is awaited regardless of ``deadline``.
+        first chunk of a message has arrived, the rest is awaited regardless of ``deadline``;
+        a message its writer withdrew part-way (see :meth:`RingWriter.write
+        <._ring_writer.RingWriter.write>`) is dropped at its mark, and the next one read.
         A message of several slots is copied where ``assemble`` says (see :data:`Assemble`),
         by default into one block of warm memory.
         """
@@ -194,6 +197,9 @@ class RingReader(RingEnd):
                 view.release()
                 self._release(1)
                 _buffers.cache.tick()
+        if nbytes == WITHDRAWN:  # a mark whose message this reader joined after: skipped
+            self._release(1)
+            return self.read(decode, deadline, abort, assemble)
         # Several slots: copy each chunk out as it is published, into memory this reader
         # owns (warm, from the buffer cache, or where ``assemble`` says), releasing its slot
         # at once so that the writer can stream on meanwhile.
@@ -208,14 +214,14 @@ class RingReader(RingEnd):
                 first.release()
         received: Received
         if plan is None:
-            whole = _buffers.cache.take(nbytes)
-            dests, received = [whole], pickle.PickleBuffer(whole)
+            dests = [_buffers.cache.take(nbytes)]
+            received = pickle.PickleBuffer(dests[0])
         else:
             dests, received = plan
-        pos = 0
+        pos, total = 0, nbytes
         try:
             dest_index, dest_pos = 0, 0  # the piece being filled, and bytes filled of it
-            while True:
+            while total == nbytes:  # else the writer withdrew it: its mark, not a chunk
                 src = slot + SLOT_HEADER
                 end = src + size
                 while src < end:  # copy this chunk into as many pieces as it spans
@@ -234,11 +240,15 @@ class RingReader(RingEnd):
                     break
                 self.wait_readable(None, abort)
                 slot = self._slot_offs[self._count % slots]
-                _, size = _CHUNK.unpack_from(buf, slot)
+                total, size = _CHUNK.unpack_from(buf, slot)
         except BaseException:
             self.broken = True  # the rest of this message would be read as new messages
             raise
         del dests
+        if pos < nbytes:  # withdrawn (see RingWriter.write): every reader drops it here
+            del received, plan
+            self._release(1)
+            return self.read(decode, deadline, abort, assemble)
         return decode(received)
 
     def read_held(

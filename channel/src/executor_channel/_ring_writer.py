@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from . import _ring_layout
 from ._fence import WEAK_ORDER, acquire_fence, fence_seq_cst, load, store_release
 from ._ring_end import MAX_SLEEP_S, RingEnd
-from ._ring_layout import SLOT_HEADER
+from ._ring_layout import SLOT_HEADER, WITHDRAWN
 
-__all__ = ["STREAM_CHUNK", "RingStalledError", "RingWriter"]
+__all__ = ["STREAM_CHUNK", "RingWriter"]
 
 #: The slot header's struct, bound here rather than imported by name: CPython compiles a
 #: method call on an imported name as an attribute load, a bound method made on each call.
@@ -32,12 +32,6 @@ _CALLBACK_MAX_S = 0.05
 #: chunks overlap more and cost more wake-ups (figures: docs/benchmarks.md, "Calls read in
 #: place").
 STREAM_CHUNK = 4 << 20
-
-
-class RingStalledError(Exception):
-    """A message that spans several slots could not be finished by its deadline: a reader
-    stopped freeing slots part-way through it. Readers hold part of a message that will
-    never end, so the ring is :attr:`Ring.broken <._ring.Ring.broken>`."""
 
 
 def _never() -> None:
@@ -70,7 +64,23 @@ class RingWriter(RingEnd):
         small: bool = False,
     ) -> bool:
         """Wait until ``needed`` slots are free; False if ``deadline`` passed first.
-        ``small``: for a message of one slot (see :meth:`Spinner.contended`)."""
+        ``small``: for a message of one slot (see :meth:`Spinner.contended`). The mark that
+        ends a withdrawn message (see :meth:`write`) goes first, in a slot of its own."""
+        if self._withdrawn:
+            try:
+                if not self._wait_free(1, deadline, abort):
+                    return False
+                slot = self._slot_offs[self._count % self._nslots]
+                _CHUNK.pack_into(self._buf, slot, WITHDRAWN, 0)  # the mark, then publish it:
+                self._publish(1)  # (one published twice is skipped: see RingReader.read)
+                self._withdrawn = False
+            finally:  # an exception before the mark is out: the next write comes here again
+                self._free = 0 if self._withdrawn else self._free
+        return self._wait_free(needed, deadline, abort, small)
+
+    def _wait_free(
+        self, needed: int, deadline: float | None, abort: Callable[[], None], small: bool = False
+    ) -> bool:
         if self._free_slots() >= needed:
             return True
         bell = self._space_bell
@@ -128,13 +138,13 @@ class RingWriter(RingEnd):
         streamed in chunks even if it fits one slot. Otherwise a message is written whole
         into one slot if it fits; a larger one is always streamed.
 
-        Returns False, having published nothing, if the slots it needs did not free up
-        before ``deadline``. Once the first chunk of a message longer than the ring is out,
-        it is finished whatever ``deadline`` says (a try with a deadline of 0 is not
-        abandoned half-way), bounded by ``abort`` and ``finish_by``: if a reader has not
-        freed the slot the next chunk needs by ``finish_by``, :class:`RingStalledError` is
-        raised with part of the message published, and the ring is broken (so that a call's
-        send returns by its deadline, whatever the readers do).
+        False if the slots it needs did not free up before ``deadline``, or if a streamed
+        message was not finished by ``finish_by`` (a reader stopped freeing slots; None: no
+        bound but ``abort``). A message stopped part-way (so, or by an exception: ``abort``'s,
+        Ctrl-C) is withdrawn: the next write first publishes a mark (``WITHDRAWN``, see
+        :mod:`._ring_layout`) in the slot its next chunk would have taken. Every reader reads
+        the same slots in order, so each drops the part it got at the mark: none hands it
+        on, and the ring stays in step.
         """
         buf = self._buf
         if nbytes <= self._slot_data and (not copied or nbytes <= STREAM_CHUNK):
@@ -163,14 +173,17 @@ class RingWriter(RingEnd):
         needed = min(nchunks, self._nslots)
         if self._free < needed and not self._wait_for_space(needed, deadline, abort):
             return False
+        start, done = self._count, False
         try:
             # Chunks of one size (the last may be shorter), as few as the limit allows.
-            self._stream(parts, nbytes, nchunks, -(-nbytes // nchunks), finish_by, abort)
-        except BaseException:
-            if self._streaming:  # readers hold part of a message that will never end
-                self.broken = True
-            raise
-        return True
+            done = self._stream(parts, nbytes, nchunks, -(-nbytes // nchunks), finish_by, abort)
+        finally:
+            if not done:  # withdrawn: what was counted but not published is taken back (an
+                # exception may come in between), and the mark is owed if some was published
+                written: int = load(buf, self._written_off)[0]
+                self._count, self._free = written, 0
+                self._withdrawn = start < written < start + nchunks
+        return done
 
     def _stream(
         self,
@@ -180,22 +193,19 @@ class RingWriter(RingEnd):
         chunk_bytes: int,
         finish_by: float | None,
         abort: Callable[[], None],
-    ) -> None:
+    ) -> bool:
         # Each chunk is published as soon as it is written, so readers copy it out while
-        # the next one is written: the copies overlap instead of taking turns.
+        # the next one is written: the copies overlap instead of taking turns. False: a
+        # reader did not free the slot the next chunk needs by ``finish_by``.
         nslots = self._nslots
         buf = self._buf
         part_index, part_pos = 0, 0
         remaining = nbytes
         views = [memoryview(p) for p in parts]
-        self._streaming = False
-        for chunk in range(nchunks):
+        for _chunk in range(nchunks):
             # write() made sure of the first ``nslots``.
-            if self._free < 1 and not self._wait_for_space(1, finish_by, abort):
-                raise RingStalledError(
-                    f"a message of {nbytes} bytes ({nchunks} slots, the ring has {nslots}) "
-                    f"could not be finished by its deadline: a reader stopped reading it"
-                )
+            if self._free < 1 and not self._wait_free(1, finish_by, abort):
+                return False
             slot = self._slot_offs[self._count % nslots]
             size = min(chunk_bytes, remaining)
             _CHUNK.pack_into(buf, slot, nbytes, size)
@@ -211,7 +221,7 @@ class RingWriter(RingEnd):
                     part_index, part_pos = part_index + 1, 0
             remaining -= size
             self._publish(1)
-            self._streaming = chunk + 1 < nchunks
+        return True
 
     def _publish(self, chunks: int) -> None:
         self._count += chunks

@@ -88,7 +88,8 @@ class Transport(abc.ABC):
         """Deliver ``call`` to every rank, which must run calls in the order they were sent
         (the core calls it from one thread at a time, in sequence order). May block (a full
         queue) until ``call.deadline``; return False if that passed before the call could be
-        sent. After :meth:`interrupt`, return (or raise) promptly."""
+        sent, and then no rank may run it (one sent in part is withdrawn from every rank), as
+        after an exception. After :meth:`interrupt`, return (or raise) promptly."""
 
     @abc.abstractmethod
     def close(self, graceful: bool) -> None:

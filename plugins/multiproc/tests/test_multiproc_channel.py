@@ -245,18 +245,20 @@ def test_ring_hands_a_message_of_several_slots_as_owned_memory() -> None:
     assert seen[-1] is memoryview  # one slot: a view of it, valid during the call
 
 
-def test_ring_interrupted_mid_message_is_marked_broken() -> None:
+def test_ring_interrupted_mid_message_withdraws_it_or_breaks_the_reader() -> None:
     writer, reader = _small_rings()
     payload = b"x" * (5 * 4096)
 
     def interrupt() -> None:
         raise KeyboardInterrupt
 
-    # Two chunks fit, then the writer waits for the reader, and is interrupted.
+    # Two chunks fit, then the writer waits for the reader, and is interrupted: the message
+    # is withdrawn (its end mark goes out with the next write), the ring stays usable.
     with pytest.raises(KeyboardInterrupt):
         writer.write([payload], len(payload), None, interrupt)
-    assert writer.broken
-    # The reader copies the two chunks it has, then is interrupted waiting for the third.
+    assert not writer.broken
+    # The reader copies the two chunks it has, then is interrupted waiting for the third:
+    # it would read the rest as new messages, so it is broken.
     with pytest.raises(KeyboardInterrupt):
         reader.read(bytes, None, interrupt)
     assert reader.broken

@@ -24,6 +24,8 @@ from executor_core import (
     ExecutorClosedError,
     ExecutorError,
     ExecutorFailedError,
+    ExecutorState,
+    RecoveryPolicy,
     RPCTimeoutError,
     WorkerDiedError,
     WorkerError,
@@ -380,7 +382,7 @@ def test_many_calls_in_flight_beyond_the_ring() -> None:
 
 
 @pytest.mark.usefixtures("shm_unchanged")
-def test_send_interrupted_mid_transfer_fails_the_executor() -> None:
+def test_send_interrupted_mid_transfer_withdraws_the_call() -> None:
     executor = make(backend_options={"slots": 2, "slot_bytes": 64 << 10, **FAST_STOP})
     try:
         busy = executor.collective_rpc("slow", args=(1.0,), non_block=True)
@@ -390,40 +392,80 @@ def test_send_interrupted_mid_transfer_fails_the_executor() -> None:
             raise KeyboardInterrupt
 
         # 1 MiB is 16 slots of 64 KiB: two go out, then the send waits for room, and is
-        # interrupted with part of the message published.
-        executor.transport._while_sending = interrupt  # type: ignore[attr-defined]
+        # interrupted with part of the message published: the call is withdrawn.
+        transport = executor.transport
+        transport._while_sending = interrupt  # type: ignore[attr-defined]
         with pytest.raises(KeyboardInterrupt):
-            executor.collective_rpc("payload_size", args=(b"x" * (1 << 20),))
-        assert executor.is_failed
-        assert "out of step" in str(executor.failure)
-        with pytest.raises(ExecutorFailedError, match="out of step"):
-            busy.result(timeout=5)
-        with pytest.raises(ExecutorFailedError, match="out of step"):
-            executor.collective_rpc("get_rank")
+            executor.collective_rpc("record", args=(b"x" * (1 << 20),))
+        del transport._while_sending  # type: ignore[attr-defined]  # the method again
+        assert not executor.is_failed
+        assert busy.result(timeout=5) == [(0, None), (1, None)]
+        # No rank ran the withdrawn call: this is the first record on each.
+        assert executor.collective_rpc("record", args=("after",), timeout=10) == [1, 1]
     finally:
         executor.shutdown()
 
 
 @pytest.mark.usefixtures("shm_unchanged")
-def test_a_call_larger_than_the_ring_returns_by_its_deadline_with_a_rank_busy() -> None:
+def test_a_call_larger_than_the_ring_returns_by_its_deadline_with_both_ranks_busy() -> None:
     """With both ranks in a long call nobody reads the broadcast ring: a call longer than the
     whole ring cannot be finished, and it must still return by its timeout (it used to wait
-    for ever), failing the executor since the rings are out of step."""
+    for ever, then to fail the executor): withdrawn, and the executor goes on."""
     executor = make(backend_options={"slots": 2, "slot_bytes": 64 << 10, **FAST_STOP})
     try:
-        busy = executor.collective_rpc("slow", args=(10.0,), non_block=True)
+        busy = executor.collective_rpc("slow", args=(2.0,), non_block=True)
         time.sleep(0.1)  # both workers are in the call
         start = time.monotonic()
-        with pytest.raises(ExecutorFailedError, match="out of step"):
-            executor.collective_rpc("payload_size", args=(b"x" * (1 << 20),), timeout=0.5)
-        assert time.monotonic() - start < 3.0
-        assert executor.is_failed
-        with pytest.raises(ExecutorFailedError):
-            busy.result(timeout=5)
+        with pytest.raises(RPCTimeoutError) as info:
+            executor.collective_rpc("record", args=(b"x" * (1 << 20),), timeout=0.5)
+        assert time.monotonic() - start < 1.5
+        assert set(info.value.ranks) == {0, 1}
+        assert not executor.is_failed
+        assert busy.result(timeout=5) == [(0, None), (1, None)]
+        assert executor.collective_rpc("record", args=("after",), timeout=10) == [1, 1]
     finally:
         start = time.monotonic()
         executor.shutdown()
         assert time.monotonic() - start < 10.0
+
+
+@pytest.mark.usefixtures("shm_unchanged")
+@pytest.mark.parametrize("recovery", [False, True], ids=["no-policy", "policy"])
+@pytest.mark.parametrize("slots", ["small", "default"])
+def test_a_64mib_call_past_its_deadline_with_a_rank_busy_is_withdrawn(
+    tmp_path: Any, slots: str, recovery: bool
+) -> None:
+    """Issue 51: a 64 MiB call whose deadline passes part-way through its transfer (rank 1
+    is busy, so the ring fills) raises RPCTimeoutError naming the ranks; no rank runs it,
+    and once rank 1 is free the executor answers the next call, with no failure and no
+    recovery. ``default``: the default ring (4 slots of 16 MiB, 4 MiB chunks)."""
+    options = {"slots": 2, "slot_bytes": 64 << 10} if slots == "small" else {}
+    policy = RecoveryPolicy(backoff_s=0.0) if recovery else None
+    executor = make(backend_options={**options, **FAST_STOP}, recovery=policy)
+    release = tmp_path / "release"
+    try:
+        busy = executor.collective_rpc("hold", args=(str(release), 1, 30.0), non_block=True)
+        time.sleep(0.1)  # rank 0 answered, rank 1 holds
+        start = time.monotonic()
+        with pytest.raises(RPCTimeoutError) as info:
+            executor.collective_rpc("record", args=(b"x" * (64 << 20),), timeout=2)
+        assert time.monotonic() - start < 4.0
+        assert set(info.value.ranks) == {0, 1}
+        # Another large call while rank 1 still holds: withdrawn before any of it went out.
+        future = executor.collective_rpc(
+            "record", args=(b"y" * (64 << 20),), timeout=0.5, non_block=True
+        )
+        with pytest.raises(RPCTimeoutError):
+            future.result(timeout=5)
+        release.touch()
+        assert busy.result(timeout=10) == [0, 1]
+        assert executor.collective_rpc("get_rank", timeout=10) == [0, 1]
+        # No rank ran either withdrawn call: this is the first record on each.
+        assert executor.collective_rpc("record", args=("after",), timeout=10) == [1, 1]
+        assert executor.state is ExecutorState.RUNNING
+        assert executor.last_recovery is None
+    finally:
+        executor.shutdown()
 
 
 @pytest.mark.usefixtures("shm_unchanged")
