@@ -18,7 +18,7 @@ import pytest
 
 from executor_channel import _buffers, _heap
 from executor_channel._codec import OOB_BYTES_THRESHOLD, plan_assembly
-from executor_channel._ring_writer import STREAM_CHUNK
+from executor_channel._ring import STREAM_CHUNK
 from executor_channel.codec import copied_whole, decode, encode
 from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
 

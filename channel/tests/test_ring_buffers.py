@@ -14,7 +14,7 @@ import pytest
 from channel_helpers import RingEnds
 
 from executor_channel import _buffer_cache, _buffers
-from executor_channel._ring_writer import STREAM_CHUNK
+from executor_channel._ring import STREAM_CHUNK
 from executor_channel.codec import decode, encode
 from executor_channel.shm import Received
 

@@ -1,4 +1,4 @@
-"""Calls read in place (SlotViews, RingReader.read_held): a tensor argument is not copied out
+"""Calls read in place (SlotViews, Ring.read_held): a tensor argument is not copied out
 of its slot, yet each reader's argument is its own, what a reader keeps never changes, a later
 message is read as written, and the slot is held only while its call runs."""
 
@@ -14,7 +14,7 @@ import pytest
 from channel_helpers import RingEnds
 
 from executor_channel import _buffers, _slot_views
-from executor_channel._ring_reader import IN_PLACE_MIN
+from executor_channel._ring import IN_PLACE_MIN
 from executor_channel._slot_views import SlotViews
 from executor_channel.codec import decode, encode
 from executor_channel.shm import Received, RingLayout, SharedSegment

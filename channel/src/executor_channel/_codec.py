@@ -14,8 +14,7 @@ from typing import Any
 
 from . import _buffers
 from ._pickling import BYTES, FOREIGN, OOB_BYTES_THRESHOLD, SCALARS, dumps, scan
-from ._ring_reader import Assembled
-from ._ring_writer import STREAM_CHUNK
+from ._ring import STREAM_CHUNK, Assembled
 
 __all__ = [
     "KIND_CALL",
@@ -104,8 +103,8 @@ def copied_whole(first: Any, nbytes: int) -> bool:
     than those): true when none of its
     out-of-band buffers rebuilds a tensor or an array, which a worker builds in place (each
     rebuilds ``bytes``, which owns a copy of its data, or there are none). The ring may then
-    stream it (:meth:`RingWriter.write <._ring_writer.RingWriter.write>`'s ``copied``); a
-    frame of at most :data:`~._ring_writer.STREAM_CHUNK` is written whole either way, and is
+    stream it (:meth:`Ring.write <._ring.Ring.write>`'s ``copied``); a
+    frame of at most :data:`~._ring.STREAM_CHUNK` is written whole either way, and is
     not looked at."""
     if nbytes <= STREAM_CHUNK or len(first) < _HEADER.size:
         return False
@@ -187,10 +186,10 @@ def decode(buf: memoryview | pickle.PickleBuffer | Assembled) -> tuple[int, bool
     out-of-band buffer once, into memory the object it rebuilds owns. A frame in a
     :class:`pickle.PickleBuffer` is memory the receiver may keep (the ring hands a message
     that spanned several slots that way, after copying it out once, and a worker's call of
-    one slot as its private view of the slot, :meth:`~._ring_reader.RingReader.read_held`):
+    one slot as its private view of the slot, :meth:`~._ring.Ring.read_held`):
     its buffers are used in place, so a large payload is not copied twice; so are the pieces
     of an
-    :class:`~._ring_reader.Assembled` frame (see :func:`plan_assembly`).
+    :class:`~._ring.Assembled` frame (see :func:`plan_assembly`).
     """
     if isinstance(buf, Assembled):
         return _decode_assembled(buf.parts)

@@ -22,8 +22,7 @@ from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 from ._codec import KIND_READY, KIND_STOP, copied_whole, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
-from ._ring import Ring, RingAbortedError
-from ._ring_writer import STREAM_CHUNK
+from ._ring import STREAM_CHUNK, Ring, RingAbortedError
 from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -168,8 +167,8 @@ class ChannelTransport(Transport):
 
         False (the core raises :class:`~executor_core.RPCTimeoutError`) if the deadline passed
         first, even part-way through a call that streams through several slots while a rank
-        is busy: the call is then withdrawn, on every rank (see :meth:`RingWriter.write
-        <._ring_writer.RingWriter.write>`), and the next send goes out once the busy rank
+        is busy: the call is then withdrawn, on every rank (see :meth:`Ring.write
+        <._ring.Ring.write>`), and the next send goes out once the busy rank
         frees slots. An exception part-way through (Ctrl-C) withdraws it the same way."""
         method = call.method
         reply_rank = call.reply_rank
@@ -196,10 +195,6 @@ class ChannelTransport(Transport):
                 )
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)
-            if sent and ring is not None and ring.fits_one_slot(nbytes):
-                # A worker may be spinning on this core for this call: let it run it now,
-                # before this thread's bookkeeping (see Spinner.handoff).
-                self._spinner.handoff(self._reply_waiting)
             return sent
         except RingAbortedError:
             raise self._closed_error() from None

@@ -18,9 +18,7 @@ from executor_core import WorkerError
 
 from ._codec import DecodeError, decode
 from ._doorbell import Doorbell
-from ._ring import Ring
-from ._ring_layout import RingLayout
-from ._ring_reader import Received
+from ._ring import Received, Ring, RingLayout
 from ._segment import SharedSegment
 from ._slot_views import SlotViews
 from ._spin import Spinner

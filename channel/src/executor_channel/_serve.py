@@ -15,8 +15,7 @@ import attrs
 from executor_core.backend import RemoteFailure, method_name
 
 from ._codec import KIND_REPLY, KIND_STOP, DecodeError, Frame, decode, encode, plan_assembly
-from ._ring import Ring
-from ._ring_reader import Received
+from ._ring import Received, Ring
 
 __all__ = ["Handler", "answer_call", "decode_call", "reply_frame", "serve_rings"]
 
@@ -67,12 +66,9 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
     function with its signature: it knows which ranks answer).
 
     A call is read in place where the ring allows it (:meth:`Ring.read_held
-    <._ring_reader.RingReader.read_held>`): its slot is freed once the call has been answered
+    <._ring.Ring.read_held>`): its slot is freed once the call has been answered
     and its arguments dropped."""
     read, write, release = calls.read_held, replies.write, calls.release_held
-    spinner = replies.spinner
-    handoff = spinner.handoff if spinner is not None else None
-    small_call_waiting = calls.small_waiting
     while True:
         item = read(decode_call, None, plan_assembly)
         kind, seq, reply_rank, body = item
@@ -80,7 +76,6 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
             del item, body
             release()
             return
-        small_reply = False
         if isinstance(body, RemoteFailure):
             failure = attrs.evolve(body, rank=rank)
             del item, body
@@ -92,13 +87,9 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
         if reply is not None:
             parts, nbytes = reply_frame(rank, seq, method, *reply)
             write(parts, nbytes, copied=True)  # the driver copies what it reads
-            small_reply = replies.fits_one_slot(nbytes)
             del parts
         # Drop this call's arguments and result now: its slot is freed only once nothing
         # refers to it, and an idle worker must not keep the last call's memory (a large
         # payload, a cached receive buffer) until the next one.
         del item, body, method, args, kwargs, reply
         release()
-        if handoff is not None and small_reply:
-            # The driver may be spinning on this core for this reply (see Spinner.handoff).
-            handoff(small_call_waiting)

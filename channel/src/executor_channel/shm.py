@@ -26,9 +26,7 @@ from ._node_rings import (
     WorkerFds,
     WorkerRings,
 )
-from ._ring import Ring, RingAbortedError
-from ._ring_layout import RingLayout
-from ._ring_reader import Received
+from ._ring import Received, Ring, RingAbortedError, RingLayout
 from ._segment import SharedSegment
 from ._serve import Handler, serve_rings
 from ._spin import Spinner
