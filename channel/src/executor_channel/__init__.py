@@ -20,17 +20,10 @@ from executor_core.backend import lazy_getattr
 # constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ._connection import Connection
     from ._frames import DropReason, Limits
-    from ._link import (
-        LOOPBACK,
-        BytesLike,
-        ChannelError,
-        ChannelTimeoutError,
-        Connection,
-        Listener,
-        Message,
-        PeerId,
-    )
+    from ._link import BytesLike, ChannelError, ChannelTimeoutError, Message, PeerId
+    from ._listener import LOOPBACK, Listener
     from ._secret import (
         ENV_SECRET,
         ENV_SECRET_FILE,
@@ -44,18 +37,12 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "DropReason": "._frames",
     "Limits": "._frames",
+    "Connection": "._connection",
+    "LOOPBACK": "._listener",
+    "Listener": "._listener",
     **{
         name: "._link"
-        for name in (
-            "LOOPBACK",
-            "BytesLike",
-            "ChannelError",
-            "ChannelTimeoutError",
-            "Connection",
-            "Listener",
-            "Message",
-            "PeerId",
-        )
+        for name in ("BytesLike", "ChannelError", "ChannelTimeoutError", "Message", "PeerId")
     },
     **{
         name: "._secret"

@@ -26,8 +26,16 @@ from ._frames import (
     seal,
 )
 from ._gate import dialer_token
-from ._link_end import LinkEnd, as_views, deadline_after
-from ._link_types import BytesLike, ChannelError, ChannelTimeoutError, Message, PeerId
+from ._link import (
+    BytesLike,
+    ChannelError,
+    ChannelTimeoutError,
+    LinkEnd,
+    Message,
+    PeerId,
+    as_views,
+    deadline_after,
+)
 from ._secret import Secret
 
 __all__ = ["Connection"]

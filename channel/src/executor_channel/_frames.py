@@ -50,21 +50,27 @@ its ``count`` payload parts (a part of length 0 is one empty zmq part), no decla
 exceeds the :class:`Limits`, and its MAC matches under the shared secret (compared in constant
 time with :func:`hmac.compare_digest`). Every check on sizes runs before a payload byte is
 read. Freshness (the sequence and the epoch) is the link's job: see :mod:`._link`.
+
+Here too: a frame's tag (:func:`tag`, GMAC under a key of its session and direction, as
+constructed above) and a link's :class:`Limits` (bounds on what it accepts and queues).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ._frame_tag import COMPACT_AT_MOST, Direction, tag, tag_joined
-from ._link_limits import Limits
+import attrs
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 __all__ = [
+    "COMPACT_AT_MOST",
     "HEADER_FIXED",
     "MAC_BYTES",
     "NONCE_BYTES",
@@ -83,18 +89,142 @@ __all__ = [
     "payload_chunks",
     "read_frame",
     "seal",
+    "tag",
+    "tag_joined",
     "verify",
 ]
 
+_KEY_LABEL = b"executor-channel/3 frame key\x00"
+
+# The nonce: the sequence, big-endian, in GCM's 12 bytes.
+_NONCE = struct.Struct("!4xQ")
+
+#: Up to this many bytes, a frame is joined and tagged in one call (the cheapest for small
+#: frames), and sent as one zmq part; a larger one is fed to GCM part by part, without a
+#: copy. Both give the same tag.
+COMPACT_AT_MOST = 64 << 10
+
+
+class Direction(enum.Enum):
+    """Which way a frame travels; its label separates the MAC domains of the two ways."""
+
+    TO_LISTENER = b"executor-channel/1 dialer->listener\x00"
+    TO_DIALER = b"executor-channel/1 listener->dialer\x00"
+
+
+@functools.lru_cache(maxsize=4096)
+def _session_key(
+    key: bytes, direction: Direction, session: bytes, epoch: bytes, salt: bytes
+) -> tuple[bytes, AESGCM]:
+    """The AES-256 key of one session and direction, and its GCM: derived once per session
+    (a listener keeps at most ``Limits.max_peers`` sessions, so the cache covers them)."""
+    material = _KEY_LABEL + direction.value + session + epoch + salt
+    derived = hmac.new(key, material, hashlib.sha256).digest()
+    return derived, AESGCM(derived)
+
+
+def tag(
+    key: bytes,
+    direction: Direction,
+    session: bytes,
+    epoch: bytes,
+    sequence: int,
+    salt: bytes,
+    header: memoryview | bytes,
+    parts: Sequence[memoryview],
+    total: int,
+) -> bytes:
+    """The tag of a frame given the header's fields and the frame's ``total`` bytes, as the
+    sender and a receiver that parsed the header know them."""
+    # Authenticating reads every payload byte once more, on each side; GMAC does it several
+    # times faster than an HMAC (see :mod:`._frames`' docstring).
+    if total <= COMPACT_AT_MOST:
+        data = b"".join((header, *parts))
+        return tag_joined(key, direction, session, epoch, sequence, salt, data)
+    derived, _ = _session_key(key, direction, session, epoch, salt)
+    nonce = _NONCE.pack(sequence)
+    encryptor = Cipher(algorithms.AES(derived), modes.GCM(nonce)).encryptor()
+    encryptor.authenticate_additional_data(header)
+    for part in parts:
+        if part.nbytes:
+            encryptor.authenticate_additional_data(part)
+    encryptor.finalize()
+    return encryptor.tag
+
+
+def tag_joined(
+    key: bytes,
+    direction: Direction,
+    session: bytes,
+    epoch: bytes,
+    sequence: int,
+    salt: bytes,
+    data: bytes | bytearray | memoryview,
+) -> bytes:
+    """The tag of a small frame whose header and parts are ``data``, back to back."""
+    _, gcm = _session_key(key, direction, session, epoch, salt)
+    result: bytes = gcm.encrypt(_NONCE.pack(sequence), b"", data)
+    return result
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be at least 1, got {value}")
+
+
+def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{attribute.name} must be a finite number of seconds > 0, got {value}")
+
+
+@attrs.frozen
+class Limits:
+    """Bounds on what a link accepts and queues; a frame beyond them is dropped unread.
+
+    Before a peer has passed the gate (:mod:`._gate`: zmq's handshake, in which it proves it
+    holds the secret), zmq accepts no message from it: a connection can make this side hold
+    at most one zmq part of at most ``chunk_bytes``, for at most ``handshake_s``, and at most
+    ``max_pending`` connections are kept in that state at once. After the gate, zmq refuses
+    any part above ``chunk_bytes`` (and disconnects its sender) and queues at most ``hwm``
+    messages each way; the link drops a message whose parts exceed ``max_parts`` or
+    ``max_part_bytes``. Both ends of a link should use the same limits: a part above the
+    receiver's ``chunk_bytes`` costs the sender its connection.
+    """
+
+    #: Most payload parts in one message.
+    max_parts: int = attrs.field(default=1024, validator=_positive)
+    #: Largest payload part, in bytes (it may travel as several chunks).
+    max_part_bytes: int = attrs.field(default=1 << 30, validator=_positive)
+    #: zmq high-water mark (messages queued) for sending and for receiving.
+    hwm: int = attrs.field(default=1000, validator=_positive)
+    #: Most sessions a listener keeps (the least recently active goes first).
+    max_peers: int = attrs.field(default=1024, validator=_positive)
+    #: Largest zmq part sent or accepted: a longer payload part travels as several. It is
+    #: what one connection that has not passed the gate can make a listener hold; a larger
+    #: value saves the receiver one copy of parts up to that size.
+    chunk_bytes: int = attrs.field(default=1 << 20, validator=_positive)
+    #: How long a connection may take over zmq's handshake (the gate) before zmq drops it.
+    handshake_s: float = attrs.field(default=10.0, validator=_positive_seconds)
+    #: Most connections a listener keeps in zmq's handshake at once; newer ones are cut.
+    max_pending: int = attrs.field(default=32, validator=_positive)
+
+
 MAGIC = b"EXCH"
+
 # 2: payload parts longer than a chunk travel as several zmq parts. 3: GMAC tags.
 VERSION = 4
+
 NONCE_BYTES = 16
+
 MAC_BYTES = 16
+
 ZERO_NONCE = bytes(NONCE_BYTES)
+
 #: magic, version, kind, padding, session, epoch, sequence, part count.
 HEADER_FIXED = struct.Struct("!4sBBxx16s16sQI")
+
 _LENGTH = struct.Struct("!Q")
+
 _MAX_SEQUENCE = (1 << 64) - 1
 
 #: A payload part as it arrived: one zmq part, or its chunks in order.

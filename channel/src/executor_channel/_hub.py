@@ -35,7 +35,8 @@ from ._hub_link import SharedListener
 from ._hub_member import Member
 from ._hub_probes import Probes
 from ._hub_pump import STARTUP_SILENCE_S, FailureCallback, Pump, is_reply
-from ._link import ChannelError, ChannelTimeoutError, Listener, Message, PeerId
+from ._link import ChannelError, ChannelTimeoutError, Message, PeerId
+from ._listener import Listener
 from ._node_rings import Reply
 
 __all__ = ["STARTUP_SILENCE_S", "Hub", "Member"]

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ._doorbell import Doorbell
 from ._hub_member import Member
-from ._link import ChannelError, Listener, Message, PeerId
+from ._link import ChannelError, Message, PeerId
+from ._listener import Listener
 
 __all__ = ["CALLER_HOLD_S", "SharedListener"]
 

@@ -9,7 +9,7 @@ import attrs
 
 from executor_core import WorkerDiedError
 
-from ._link_types import PeerId
+from ._link import PeerId
 
 __all__ = ["Member", "died_on"]
 

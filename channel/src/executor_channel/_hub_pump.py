@@ -20,7 +20,8 @@ from ._doorbell import Doorbell
 from ._hub_link import CALLER_HOLD_S, SharedListener
 from ._hub_member import Member, died_on
 from ._hub_probes import Probes
-from ._link import ChannelError, Listener, Message, PeerId
+from ._link import ChannelError, Message, PeerId
+from ._listener import Listener
 from ._node_rings import Reply, decode_reply
 
 __all__ = ["STARTUP_SILENCE_S", "FailureCallback", "Pump", "is_reply"]

@@ -26,8 +26,7 @@ from ._frames import (
     seal,
     verify,
 )
-from ._link_end import LinkEnd, as_views
-from ._link_types import BytesLike, ChannelError, Message, PeerId
+from ._link import BytesLike, ChannelError, LinkEnd, Message, PeerId, as_views
 from ._secret import Secret
 
 __all__ = ["LOOPBACK", "Listener"]

@@ -34,10 +34,11 @@ from typing import Any
 
 from . import _hub_protocol as wire
 from ._codec import KIND_STOP
+from ._connection import Connection
 from ._doorbell import Doorbell
 from ._hub import STARTUP_SILENCE_S
 from ._hub_link import CALLER_HOLD_S
-from ._link import ChannelError, Connection, Message
+from ._link import ChannelError, Message
 from ._member_join import join_hub
 from ._secret import Secret
 from ._serve import Handler, answer_call

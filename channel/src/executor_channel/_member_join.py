@@ -16,7 +16,8 @@ from executor_core.backend import RemoteFailure
 
 from . import _hub_protocol as wire
 from ._codec import KIND_READY, encode
-from ._link import ChannelError, ChannelTimeoutError, Connection
+from ._connection import Connection
+from ._link import ChannelError, ChannelTimeoutError
 
 __all__ = ["join_hub"]
 

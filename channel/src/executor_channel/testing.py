@@ -26,7 +26,7 @@ from ._secret import Secret
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
-    from ._link import Listener
+    from ._listener import Listener
 
 __all__ = ["fences", "flood_unauthenticated", "gate_token", "throw_garbage"]
 
