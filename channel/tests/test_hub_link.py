@@ -8,7 +8,7 @@ import time
 
 from executor_channel import Listener, Secret
 from executor_channel._doorbell import Doorbell
-from executor_channel._hub_link import CALLER_HOLD_S, SharedListener
+from executor_channel._hub import CALLER_HOLD_S, SharedListener
 
 
 def _rung(bell: Doorbell) -> bool:

@@ -254,7 +254,7 @@ class ChannelTransport(Transport):
                             spinner.contended()  # it came meanwhile: the spin delayed it
                 elif sleeper is not None:
                     # Replies from other machines wake this thread itself (it reads them),
-                    # the rest ring the doorbell (see _hub_link).
+                    # the rest ring the doorbell (see _hub).
                     ms = 1000 if deadline is None else max(0, int((deadline - now) * 1000) + 1)
                     if sleeper.poll(ms):
                         bell.clear()

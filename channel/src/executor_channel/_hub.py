@@ -8,11 +8,36 @@ start-up and while the pump runs. Then a caller sends its call to every member i
 from the backend's poll), and one thread (the hub's pump) does the rest: it exchanges
 heartbeats, reports a member that stops answering or a worker that died there, sends what
 could not go at once, and hands the replies it reads to the backend's poll (through
-:attr:`Hub.inbox` and a doorbell). How the two share the listener is
-:mod:`._hub_link`'s to say.
+:attr:`Hub.inbox` and a doorbell).
 
-Whom the hub admits is :mod:`._hub_admission`'s to say; what it records of a member, in
-:mod:`._hub_member`.
+Admission: :func:`_refusal` gives the reason a joining member cannot be admitted (a
+:class:`~._hub_protocol.Refusal` and a sentence for its log), or none. What the hub knows of
+a joined member: :class:`Member`, from which its errors name the member
+(:meth:`~Member.describe`) or the rank that died there (:func:`died_on`).
+
+Liveness probes of remote ranks (the hang bound's ``Transport.probe``): a caller asks the
+members that hold some ranks (``PROBE``, through the pump, which owns the listener) and waits
+for their ``PROBED`` answers; :class:`Probes` matches the answers to the question by token. A
+member that does not answer in time counts all the ranks it was asked about as silent: a
+member too busy to answer is no better, for the bound, than its workers.
+
+The listener, shared by the pump thread and the callers (:class:`SharedListener`). A call to
+a rank on another machine should cross no thread of the driver's: the caller sends it to
+every member itself, and while it waits it reads the replies itself. A zmq socket is not
+thread-safe, so every use of the listener holds one lock, and no thread sleeps in a zmq poll
+of the socket: each sleeps on zmq's signal descriptor instead
+(:meth:`~._link.LinkEnd.wait_shared`). That signal fires on a change, not while frames wait,
+so whoever sends checks afterwards whether a frame waits, and if so wakes both the pump and a
+waiting caller. The pump handles everything but replies (heartbeats, deaths, probes, late
+joins; a caller hands over what it read of those), and sends what callers queued. But while
+callers use the link (one did within :data:`CALLER_HOLD_S`), the pump leaves the link's
+signal to them and looks only that often: two threads woken by every reply fight for the
+same two cores and the same interpreter lock, and the reply waits.
+
+The pump thread (the ``_pump`` methods of :class:`Hub`): heartbeats both ways, members lost
+to silence or a failed send, the members' reports (a worker died, a start failed, a probe's
+answer, a goodbye), late joins, and what callers could not send at once. It reads replies
+too when no caller is reading them.
 """
 
 from __future__ import annotations
@@ -20,31 +45,434 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
-from executor_core import ExecutorError
+import attrs
 
-from . import _hub_admission as admission
+from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
+
 from . import _hub_protocol as wire
 from ._doorbell import Doorbell
-from ._hub_link import SharedListener
-from ._hub_member import Member
-from ._hub_probes import Probes
-from ._hub_pump import STARTUP_SILENCE_S, FailureCallback, Pump, is_reply
 from ._link import ChannelError, ChannelTimeoutError, Message, PeerId
 from ._listener import Listener
-from ._node_rings import Reply
+from ._node_rings import Reply, decode_reply
 
-__all__ = ["STARTUP_SILENCE_S", "Hub", "Member"]
+__all__ = [
+    "CALLER_HOLD_S",
+    "STARTUP_SILENCE_S",
+    "FailureCallback",
+    "Hub",
+    "Member",
+    "Probes",
+    "SharedListener",
+    "died_on",
+    "is_reply",
+]
+
+
+@attrs.define
+class Member:
+    """A joined member, as the hub sees it."""
+
+    #: The index it joined under (a node rank, or a rank for a member serving one).
+    node_rank: int
+    hostname: str
+    pid: int
+    peer: PeerId
+    #: The node's name: as the member stated it (``JOIN``'s ``node_id``), else its
+    #: hostname, until :meth:`Hub.send_spec` gives the backend's.
+    node_id: str = ""
+    #: The member's address as it stated it (``JOIN``'s ``address``; "" if it gave none).
+    address: str = ""
+    #: A TCP port the member found free on its address (``JOIN``'s ``port``; 0 if none):
+    #: where a rendezvous hosted on its machine may listen.
+    port: int = 0
+    ranks: tuple[int, ...] = ()
+    last_seen: float = 0.0
+    #: Its workers have stopped (it said BYE).
+    done: bool = False
+    lost: bool = False
+
+    @classmethod
+    def joined(cls, info: dict[str, Any], peer: PeerId) -> Member:
+        """The member whose admitted ``JOIN`` said ``info``."""
+        hostname = str(info["hostname"])
+        return cls(
+            int(info["node_rank"]),
+            hostname,
+            int(info["pid"]),
+            peer,
+            node_id=str(info.get("node_id") or hostname),
+            address=str(info.get("address", "")),
+            port=int(info.get("port", 0)),
+        )
+
+    def describe(self) -> str:
+        """How errors name it: ``node-a at 10.0.0.5 (node rank 1, member pid 4242)``."""
+        where = f" at {self.address}" if self.address else ""
+        return f"{self.node_id}{where} (node rank {self.node_rank}, member pid {self.pid})"
+
+
+def died_on(node: Member, info: dict[str, Any]) -> WorkerDiedError:
+    """The error for ``info``, a ``DIED`` report of ``node``: which rank died there, and how."""
+    rank = info.get("rank")
+    code = info.get("exitcode")
+    detail = f"on node {node.node_id}"
+    if info.get("parent_died"):
+        detail += ", it saw its node's member process die"
+    if not isinstance(rank, int):
+        rank = min(node.ranks, default=-1)
+    if isinstance(code, int) and code < 0:
+        return WorkerDiedError(rank, signal=-code, detail=detail, node=node.node_id)
+    return WorkerDiedError(
+        rank, exitcode=code if isinstance(code, int) else None, detail=detail, node=node.node_id
+    )
+
+
+#: What an answer may take beyond the members' own wait (the link, the member's loop).
+_ANSWER_SLACK_S = 0.5
+
+
+class Probes:
+    """Questions in flight, by token, and their answers."""
+
+    def __init__(self) -> None:
+        self._tokens = itertools.count(1)
+        self._cond = threading.Condition()
+        #: token -> {node rank: silent ranks}, filled by :meth:`answer`.
+        self._answers: dict[int, dict[int, list[int]]] = {}
+
+    def ask(
+        self, nodes: Iterable[Member], ranks: Sequence[int], timeout: float
+    ) -> tuple[int, list[tuple[Member, list[bytes]]]]:
+        """A token and the ``PROBE`` message for each member holding some of ``ranks``."""
+        token = next(self._tokens)
+        with self._cond:
+            self._answers[token] = {}
+        messages = []
+        for node in nodes:
+            asked = [rank for rank in ranks if rank in node.ranks]
+            if asked:
+                payload = {"token": token, "ranks": asked, "timeout_s": timeout}
+                messages.append((node, wire.control(wire.PROBE, payload)))
+        return token, messages
+
+    def answer(self, node: Member, info: dict[str, Any]) -> None:
+        """The pump: ``node``'s ``PROBED``."""
+        token, silent = info.get("token"), info.get("silent")
+        if not isinstance(token, int) or not isinstance(silent, list):
+            return
+        with self._cond:
+            answers = self._answers.get(token)
+            if answers is not None:
+                answers[node.node_rank] = [r for r in silent if r in node.ranks]
+                self._cond.notify_all()
+
+    def wait(
+        self, token: int, asked: Sequence[Member], ranks: Sequence[int], timeout: float
+    ) -> set[int]:
+        """The ranks among ``ranks`` that ``asked`` reported silent, or that a member which
+        did not answer within ``timeout`` (plus slack) holds."""
+        deadline = time.monotonic() + timeout + _ANSWER_SLACK_S
+        with self._cond:
+            answers = self._answers[token]
+            while len(answers) < len(asked):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            del self._answers[token]
+        silent = {rank for reported in answers.values() for rank in reported}
+        for node in asked:
+            if node.node_rank not in answers:
+                silent.update(rank for rank in ranks if rank in node.ranks)
+        return silent
+
+
+def _refusal(
+    info: dict[str, Any],
+    *,
+    version: str,
+    terms: Mapping[str, Any],
+    node_ranks: AbstractSet[int],
+    awaited: AbstractSet[int],
+    nodes: Sequence[Member],
+    ready: bool,
+) -> tuple[wire.Refusal, str] | None:
+    """Why the member that sent ``info`` (its ``JOIN``) cannot be admitted now; None if it can.
+
+    The hub's admission state: its ``version``, the ``terms`` of its job, the job's
+    ``node_ranks``, those ``awaited`` now, the ``nodes`` that joined so far, and whether every
+    rank is ``ready``.
+    """
+    rank = info.get("node_rank")
+    hostname, pid, expects = info.get("hostname"), info.get("pid"), info.get("expects", {})
+    if (
+        type(rank) is not int
+        or not isinstance(hostname, str)
+        or type(pid) is not int
+        or not isinstance(expects, dict)
+        or not isinstance(info.get("node_id", ""), str)
+        or not isinstance(info.get("address", ""), str)
+        or type(info.get("port", 0)) is not int
+    ):
+        shown = repr(info)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        return wire.Refusal.MALFORMED, f"a malformed join request {shown}"
+    if info.get("version") != version:
+        return wire.Refusal.VERSION, (
+            f"node rank {rank} runs version {info.get('version')}, the driver "
+            f"{version}: install the same versions on every node"
+        )
+    differ = {key: value for key, value in expects.items() if key in terms and terms[key] != value}
+    if differ:
+        theirs = ", ".join(f"{key}={value!r}" for key, value in differ.items())
+        ours = ", ".join(f"{key}={terms[key]!r}" for key in differ)
+        return wire.Refusal.MISMATCH, (
+            f"node rank {rank} was started for {theirs}, and this executor has {ours}"
+        )
+    if rank not in node_ranks:
+        job = ", ".join(f"{key}={value!r}" for key, value in terms.items())
+        return wire.Refusal.OUT_OF_RANGE, (
+            f"node rank {rank} is out of range: this executor's members have node rank(s) "
+            f"{_ranks_text(node_ranks)}" + (f" ({job})" if job else "")
+        )
+    if rank in awaited:
+        return None
+    holder = next((n for n in nodes if n.node_rank == rank and not n.lost and not n.done), None)
+    if holder is not None:
+        if awaited:
+            state = f"the executor still awaits node rank(s) {_ranks_text(awaited)}"
+        elif ready:
+            state = "the executor is running and awaits no member"
+        else:
+            state = "the executor is starting its workers and awaits no member"
+        return wire.Refusal.TAKEN, (
+            f"node rank {rank} has joined already (member pid {holder.pid} on "
+            f"{holder.hostname}); {state}"
+        )
+    gone = next((n for n in nodes if n.node_rank == rank), None)
+    if gone is not None and gone.done:
+        why = "its member has stopped its workers: the executor is shutting down"
+    elif gone is not None:
+        why = "its member was lost, and the executor awaits no other member for it"
+    else:
+        why = "the executor awaits no member for it"
+    return wire.Refusal.NOT_AWAITED, f"node rank {rank} is not awaited: {why}"
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    """``1 to 3`` for a run of ranks, else ``[1, 4]``."""
+    ordered = sorted(ranks)
+    if len(ordered) == 1:
+        return str(ordered[0])
+    if ordered and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]} to {ordered[-1]}"
+    return str(ordered)
+
+
+def _refused(refusal: wire.Refusal, reason: str, awaited: Iterable[int]) -> list[bytes]:
+    """The ``REFUSED`` answer: the reason, the refusal and the node ranks awaited now."""
+    payload = {"reason": reason, "refusal": refusal.value, "awaited": sorted(awaited)}
+    return wire.control(wire.REFUSED, payload)
+
+
+#: How long after a caller last used the link the pump leaves the link's signal to callers
+#: (and how often it looks meanwhile).
+CALLER_HOLD_S = 0.01
+
+#: A message for the pump to send: to the members named, or (None) to every live one.
+Queued = tuple[Sequence[Member] | None, Sequence[bytes]]
+
+
+class SharedListener:
+    """The listener, its lock, and what the pump is to send or handle.
+
+    ``wake`` wakes the pump; ``reply_bell`` wakes a caller waiting for replies; ``timeout``
+    bounds the pump's sends (a member's full queue).
+    """
+
+    def __init__(
+        self, listener: Listener, timeout: float, wake: Doorbell, reply_bell: Doorbell
+    ) -> None:
+        self.listener = listener
+        self._timeout = timeout
+        self._wake = wake
+        self._reply_bell = reply_bell
+        self._lock = threading.Lock()
+        #: Messages for the pump to send, in order.
+        self._outbox: collections.deque[Queued] = collections.deque()
+        #: Messages for one member each (probes, ends), sent after the queued ones.
+        self._directed: collections.deque[tuple[Member, Sequence[bytes]]] = collections.deque()
+        #: Messages a caller read that are the pump's to handle, in order.
+        self._handed: collections.deque[Message] = collections.deque()
+        self._caller_at = 0.0
+        #: Set once the pump runs: callers send and read themselves from then on.
+        self.started = False
+
+    @property
+    def signal_fd(self) -> int:
+        """What a caller waiting for replies polls besides its doorbell."""
+        return self.listener.signal_fd
+
+    def held(self, now: float) -> bool:
+        """Whether a caller used the link within :data:`CALLER_HOLD_S` of ``now``."""
+        return now - self._caller_at < CALLER_HOLD_S
+
+    # --- callers ---------------------------------------------------------------------------
+
+    def send_call(self, live: Sequence[Member], message: Sequence[bytes]) -> None:
+        """Send a caller's call to the ``live`` members now, without waiting. It is queued
+        for the pump instead, for every member if the pump is not running or has messages
+        queued (the order of calls is kept), and for each member whose queue is full or whose
+        link failed (the pump waits for room, or finds the member lost)."""
+        late: list[Member] = []
+        with self._lock:
+            self._caller_at = time.monotonic()
+            if self._outbox or not self.started:
+                self._queue((None, message))
+                return
+            listener = self.listener
+            for node in live:
+                try:
+                    listener.send(node.peer, message, timeout=0)
+                except ChannelError:
+                    late.append(node)
+            if late:
+                self._queue((late, message))
+            self._after_send()
+
+    def read_for_caller(self) -> list[Message]:
+        """A caller's read: what waits on the link. If the pump is using the link, this
+        waits for it at most :data:`CALLER_HOLD_S` (and returns nothing then: the pump
+        hands on what it reads through the doorbell), so that a caller whose wake came from
+        the link's signal never spins on it."""
+        if not self.started or not self._lock.acquire(timeout=CALLER_HOLD_S):
+            return []
+        try:
+            self._caller_at = time.monotonic()
+            return self._drain()
+        finally:
+            self._lock.release()
+
+    def hand_over(self, messages: Sequence[Message]) -> None:
+        """Messages a caller read that are not replies: the pump handles them."""
+        self._handed.extend(messages)
+        self._wake.ring()
+
+    def send_later(self, messages: Iterable[tuple[Member, Sequence[bytes]]]) -> None:
+        """Messages for one member each (probes, ends), for the pump to send (any thread)."""
+        self._directed.extend(messages)
+        self._wake.ring()
+
+    def queue(self, message: Sequence[bytes]) -> None:
+        """Queue a message for every member behind the calls sent so far (any thread)."""
+        with self._lock:
+            self._queue((None, message))
+
+    def stop(self) -> None:
+        """From now on callers neither send nor read (the hub is stopping)."""
+        with self._lock:
+            self.started = False
+
+    # --- the pump, and the starting thread before it -----------------------------------------
+
+    def flush(self, live: Callable[[], list[Member]]) -> list[tuple[Member, ChannelError]]:
+        """Send the queued messages (popped and sent under the lock: no caller's call
+        overtakes them), then those for one member each; the members whose link failed."""
+        failed: list[tuple[Member, ChannelError]] = []
+        with self._lock:
+            outbox = self._outbox
+            while outbox:
+                nodes, message = outbox.popleft()
+                for node in live() if nodes is None else nodes:
+                    self._send_locked(node, message, failed)
+            directed = self._directed
+            while directed:
+                node, message = directed.popleft()
+                self._send_locked(node, message, failed)
+            self._after_send()
+        return failed
+
+    def send(self, node: Member, parts: Sequence[bytes]) -> ChannelError | None:
+        """Send to one member (waiting up to the timeout for room); the error if it failed."""
+        failed: list[tuple[Member, ChannelError]] = []
+        with self._lock:
+            self._send_locked(node, parts, failed)
+            self._after_send()
+        return failed[0][1] if failed else None
+
+    def send_to(self, peer: PeerId, parts: Sequence[bytes], timeout: float) -> None:
+        """Send to a session (a member not joined yet, say); raises :class:`ChannelError`."""
+        with self._lock:
+            self.listener.send(peer, parts, timeout=timeout)
+            self._after_send()
+
+    def read(self) -> list[Message]:
+        """The pump's read: what a caller handed over, then what waits on the link."""
+        handed = self._handed
+        messages: list[Message] = []
+        with self._lock:
+            while handed:  # read before what waits now
+                messages.append(handed.popleft())
+            messages += self._drain()
+        return messages
+
+    # --- under the lock ------------------------------------------------------------------------
+
+    def _queue(self, queued: Queued) -> None:
+        self._outbox.append(queued)
+        self._wake.ring()
+
+    def _send_locked(
+        self, node: Member, parts: Sequence[bytes], failed: list[tuple[Member, ChannelError]]
+    ) -> None:
+        if node.lost or any(gone is node for gone, _ in failed):
+            return
+        try:
+            self.listener.send(node.peer, parts, timeout=self._timeout)
+        except ChannelError as exc:
+            failed.append((node, exc))
+
+    def _drain(self) -> list[Message]:
+        messages: list[Message] = []
+        recv_now = self.listener.recv_now
+        while (message := recv_now()) is not None:
+            messages.append(message)
+        return messages
+
+    def _after_send(self) -> None:
+        # zmq may have consumed the signal of a frame that came meanwhile: wake whoever waits.
+        if self.listener.has_input():
+            self._wake.ring()
+            self._reply_bell.ring()
+
+
+logger = logging.getLogger("executor_channel")
+
+#: Seconds of silence that lose a node (or, for a member, the driver) while workers start.
+STARTUP_SILENCE_S = 10.0
+
+#: Called from the pump thread with the error that fails the executor.
+FailureCallback = Callable[[ExecutorFailedError], None]
+
+
+def is_reply(message: Message) -> bool:
+    """Whether ``message`` is a reply frame (``FRAME`` and its payload)."""
+    chunks = message.chunks
+    return len(chunks) == 2 and b"".join(chunks[0]) == wire.FRAME
+
 
 logger = logging.getLogger("executor_channel")
 
 
-class Hub(Pump):
+class Hub:
     """The listener, the joined members and the pump thread."""
 
     def __init__(
@@ -148,7 +576,7 @@ class Hub(Pump):
         if message.peer in self._by_peer:
             return None  # a member joins once; a second JOIN of its session changes nothing
         info = wire.read_control(message.parts)
-        refused = admission.refusal(
+        refused = _refusal(
             info,
             version=self._version,
             terms=self._terms,
@@ -166,7 +594,7 @@ class Hub(Pump):
                 reason,
             )
             # Best effort: a member gone since it asked must not stop the executor.
-            answer = admission.refused(refusal, reason, self._awaited)
+            answer = _refused(refusal, reason, self._awaited)
             with contextlib.suppress(ChannelError):
                 self._link.send_to(message.peer, answer, timeout=0)
             return None
@@ -291,3 +719,123 @@ class Hub(Pump):
         if not self._wake_closed:
             self._wake_closed = True
             self._wake.close()
+
+    def _run(self) -> None:
+        try:
+            self._pump()
+        except Exception as exc:
+            logger.exception("the hub's links to its members failed")
+            self._on_failure(ExecutorFailedError(f"the links to the other nodes failed: {exc}"))
+
+    def _pump(self) -> None:
+        link = self._link
+        listener = self._listener
+        fds = [self._wake.fd]
+        next_ping = 0.0
+        announced = False
+        while not self._stop.is_set():
+            now = time.monotonic()
+            timeout = max(0.0, min(next_ping - now, self._interval))
+            # While callers read the link, the pump only looks now and then (see _hub_link).
+            held = link.held(now)
+            if listener.wait_shared(
+                min(timeout, CALLER_HOLD_S) if held else timeout, fds, not held
+            ):
+                self._wake.clear()
+            self._flush()
+            self._receive()
+            now = time.monotonic()
+            if self.ready and not announced:
+                for node in self._live():
+                    self._send(node, [wire.READY])
+                announced = True
+            if now >= next_ping:
+                for node in self._live():
+                    self._send(node, [wire.PING])
+                next_ping = now + self._interval
+            # Until every rank is ready, machines are busy starting workers (imports, model
+            # loads): a silence is waited out longer, but not for ever.
+            limit = self._timeout if self.ready else max(self._timeout, STARTUP_SILENCE_S)
+            for node in self._live():
+                if now - node.last_seen > limit:
+                    self.lose(
+                        node,
+                        f"node {node.describe()} sent nothing for {now - node.last_seen:.1f} s: "
+                        "its member process or its machine is gone",
+                    )
+
+    def _live(self) -> list[Member]:
+        return [node for node in self.nodes if not node.lost]
+
+    def _flush(self) -> None:
+        for node, exc in self._link.flush(self._live):
+            self.lose(node, f"sending to node {node.describe()} failed: {exc}")
+
+    def _send(self, node: Member, parts: Sequence[bytes]) -> None:
+        exc = self._link.send(node, parts)
+        if exc is not None:
+            self.lose(node, f"sending to node {node.describe()} failed: {exc}")
+
+    def _take_reply(self, node: Member, message: Message) -> bool:
+        """Put the reply ``message`` of ``node`` in the inbox; False if it was dropped."""
+        if node.lost:
+            return False
+        node.last_seen = time.monotonic()
+        reply = decode_reply(message.parts[1])
+        if reply[2] not in node.ranks:
+            logger.warning("%s sent a reply of rank %d, not its own", node.describe(), reply[2])
+            return False
+        self.inbox.append(reply)
+        return True
+
+    def _receive(self) -> None:
+        got_reply = False
+        for message in self._link.read():
+            if not message.parts:
+                continue
+            op = bytes(message.parts[0])
+            node = self._by_peer.get(message.peer)
+            if node is None:
+                if op == wire.JOIN:  # a late or duplicate member: it is told why at once
+                    self._on_join(message)
+                continue
+            if is_reply(message):
+                got_reply |= self._take_reply(node, message)
+                continue
+            if node.lost:
+                continue
+            node.last_seen = time.monotonic()
+            if op == wire.DIED:
+                info = wire.read_control(message.parts)
+                self._on_failure(died_on(node, info))
+            elif op == wire.FAILED:
+                info = wire.read_control(message.parts)
+                reason = str(info.get("reason", "?"))
+                if info.get("started"):  # its workers were running: they are gone
+                    self.lose(node, f"node {node.describe()}: {reason}")
+                else:
+                    node.lost = True
+                    self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
+            elif op == wire.PROBED:
+                self._probes.answer(node, wire.read_control(message.parts))
+            elif op == wire.BYE:
+                node.done = True
+        if got_reply:
+            self._reply_bell.ring()
+
+    def lose(self, node: Member, why: str) -> None:
+        """``node`` is gone (``why``): its ranks' calls fail, once. Any thread."""
+        if node.lost or node.done:
+            return
+        node.lost = True
+        first = min(node.ranks, default=-1)
+        self._on_failure(WorkerDiedError(first, detail=why, ranks=node.ranks, node=node.node_id))
+
+    def _kill_all(self, rejoin: bool = False) -> None:
+        """Tell every member not done yet to stop its workers now (best effort); with
+        ``rejoin``, to join again afterwards."""
+        message = wire.control(wire.KILL, {"rejoin": True}) if rejoin else [wire.KILL]
+        for node in self.nodes:
+            if not node.lost and not node.done:
+                with contextlib.suppress(ChannelError):
+                    self._link.send_to(node.peer, message, timeout=0.1)

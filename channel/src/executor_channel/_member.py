@@ -12,11 +12,11 @@ It speaks the hub's protocol (:mod:`._hub_protocol`) as a node agent does: ``JOI
   ``node_timeout_s`` unsent; serving ends after ``node_timeout_s`` of the hub's silence,
   :data:`~._hub.STARTUP_SILENCE_S` at least until its ``READY``), ``KILL``, and replies that
   could not go at once. While the call thread read the link within
-  :data:`~._hub_link.CALLER_HOLD_S` it only looks that often; a longer call leaves the link
+  :data:`~._hub.CALLER_HOLD_S` it only looks that often; a longer call leaves the link
   to it, so the heartbeats go on.
 
 A zmq socket is not thread-safe: every use of the link holds one lock, and each thread sleeps
-on the link's signal descriptor, not in a zmq poll (as :mod:`._hub_link` does). The stop frame
+on the link's signal descriptor, not in a zmq poll (as the hub's listener does). The stop frame
 (a call frame of kind ``KIND_STOP``) waits behind the calls before it; once they are answered
 the link thread sends ``BYE`` and serving ends. ``KILL`` ends it at once (queued calls are
 dropped).
@@ -36,8 +36,7 @@ from . import _hub_protocol as wire
 from ._codec import KIND_STOP
 from ._connection import Connection
 from ._doorbell import Doorbell
-from ._hub import STARTUP_SILENCE_S
-from ._hub_link import CALLER_HOLD_S
+from ._hub import CALLER_HOLD_S, STARTUP_SILENCE_S
 from ._link import ChannelError, Message
 from ._member_join import join_hub
 from ._secret import Secret
