@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from executor_bench import BackendSide, format_time, interleave, markdown_table, percentile
-from executor_channel import ENV_SECRET
+from executor_channel import Secret
 from executor_core.backend import find_free_port
 
 MB = 1 << 20
@@ -187,7 +187,7 @@ def main() -> None:
     call_options(parser)
     args = parser.parse_args()
     os.environ["EXECUTOR_PLUGINS"] = "multiproc,slurm,cluster"
-    os.environ[ENV_SECRET] = secrets.token_hex(32)  # mp's agents; slurm makes its own
+    os.environ[Secret.ENV] = secrets.token_hex(32)  # mp's agents; slurm makes its own
     started = time.monotonic()
     with slurm_cluster(), allocation(), contextlib.ExitStack() as stack:
         lifecycle = {

@@ -10,9 +10,11 @@ from typing import Any
 
 import zmq
 
-from executor_channel import ChannelTimeoutError, Connection, Listener, Message
+from executor_channel import ChannelTimeoutError, Connection, Doorbell, Listener, Ring
+from executor_channel._link import Message
+from executor_channel._ring import RingLayout
+from executor_channel._segment import SharedSegment
 from executor_channel._slot_views import SlotViews
-from executor_channel.shm import Doorbell, Ring, RingLayout, SharedSegment
 
 # Every wait in these tests is bounded by this (a hung test fails instead of blocking CI).
 WAIT = 10.0

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import pytest
 from channel_helpers import WAIT, Server, raw_dealers, wire_tap
 
-from executor_channel import Connection, Listener, Message, Secret
+from executor_channel import Connection, Listener, Secret
 from executor_channel._frames import MAC_BYTES, VERSION, Direction, tag
+from executor_channel._link import Message
 from executor_channel.testing import gate_token
 
 FRAMES = 10_000

@@ -17,7 +17,7 @@ import pytest
 from channel_helpers import WAIT, Server
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from executor_channel import Connection, DropReason, Limits, Listener, Message, Secret
+from executor_channel import Connection, DropReason, Limits, Listener, Secret
 from executor_channel._frames import (
     VERSION,
     Direction,
@@ -31,6 +31,7 @@ from executor_channel._frames import (
     seal,
     verify,
 )
+from executor_channel._link import Message
 
 KEY = bytes(range(32))
 

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from executor_channel import _handoff_server
+from executor_channel import NodeRings, WorkerFds, _handoff_server
 from executor_channel._handoff_client import HandoffError, HandoffTimeoutError, receive_fds
 from executor_channel._handoff_server import RingHandoff
-from executor_channel.shm import NodeRings, RingSizes, WorkerFds
+from executor_channel._node_rings import RingSizes
 from executor_core import ExecutorError
 
 WAIT = 10.0  # every wait in these tests is bounded by this
@@ -34,7 +34,7 @@ WORKERS = 2
 CHILD = """
 import os, sys, time
 from executor_channel._handoff_client import receive_fds
-from executor_channel.shm import SegmentLayout, WorkerRings
+from executor_channel import SegmentLayout, WorkerRings
 
 address, index = sys.argv[1], int(sys.argv[2])
 fds = receive_fds(address, bytes.fromhex(os.environ["HANDOFF_TEST_KEY"]), index, 10.0)

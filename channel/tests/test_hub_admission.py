@@ -1,4 +1,4 @@
-"""Who a Hub admits: each member that cannot be admitted is answered REFUSED at once with
+"""Who a Hub admits: each member that cannot be admitted is answered Op.REFUSED at once with
 the reason, decided by the admission state (the job's node ranks, those awaited now, who
 holds the others), while the hub waits for its members and once its pump runs."""
 
@@ -12,9 +12,8 @@ from typing import Any
 
 from channel_helpers import WAIT
 
-from executor_channel import Connection, Listener, Secret
+from executor_channel import Connection, Hub, Listener, Op, Refusal, Secret
 from executor_channel._doorbell import Doorbell
-from executor_channel.hub import JOIN, REFUSED, Hub, Refusal, control, read_control
 from executor_core import ExecutorFailedError
 
 VERSION = "9.9.9"
@@ -35,7 +34,7 @@ class Agents:
         self.links.append(link)
         request = {"node_rank": rank, "hostname": "host-x", "pid": 100 + len(self.links)}
         request.update({"version": VERSION, **fields})
-        link.send(control(JOIN, request), timeout=WAIT)
+        link.send(Op.frame(Op.JOIN, request), timeout=WAIT)
         return link
 
     def refusal(self, rank: Any, **fields: Any) -> tuple[str, str, float]:
@@ -44,8 +43,8 @@ class Agents:
         link = self.join(rank, **fields)
         message = link.recv(WAIT)
         took = time.monotonic() - started
-        assert bytes(message.parts[0]) == REFUSED
-        info = read_control(message.parts)
+        assert bytes(message.parts[0]) == Op.REFUSED
+        info = Op.read(message.parts)
         self.last = info
         return info["refusal"], info["reason"], took
 
@@ -141,8 +140,8 @@ def test_refusals_once_every_member_has_joined() -> None:
         hub.start()  # the pump answers from now on
         late = agents.join(2)
         message = late.recv(WAIT)
-        assert bytes(message.parts[0]) == REFUSED
-        assert read_control(message.parts) == {
+        assert bytes(message.parts[0]) == Op.REFUSED
+        assert Op.read(message.parts) == {
             "refusal": "taken",
             "reason": "node rank 2 has joined already (member pid 102 on host-x); the executor "
             "is starting its workers and awaits no member",

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from executor_channel import _buffers, _heap
-from executor_channel._codec import OOB_BYTES_THRESHOLD, plan_assembly
-from executor_channel._ring import STREAM_CHUNK
-from executor_channel.codec import copied_whole, decode, encode
-from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
+from executor_channel import Doorbell, Received, Ring, _buffers, _heap, encode
+from executor_channel._codec import OOB_BYTES_THRESHOLD, copied_whole, decode, plan_assembly
+from executor_channel._ring import STREAM_CHUNK, RingLayout
+from executor_channel._segment import SharedSegment
 
 MIB = 1 << 20
 WAIT = 10.0  # every wait in these tests is bounded by this
@@ -178,7 +177,7 @@ def test_large_bytes_reuse_warm_heap_memory_until_released() -> None:
         first, second = faults_for_one(), faults_for_one()
         kept = resident_mib()
         assert _buffers.cache.trim_wait_s() == _buffers.IDLE_S  # armed for the idle trim
-        _buffers.release()
+        _buffers.IdleTrim.release()
         print(_heap.enabled(), first, second, kept - resident_mib(), _buffers.cache.trim_wait_s())
         """
     )

@@ -18,18 +18,17 @@ import zmq
 from channel_helpers import WAIT, Server, raw_dealers, wire_tap
 
 from executor_channel import (
-    LOOPBACK,
     ChannelError,
     ChannelTimeoutError,
     Connection,
     DropReason,
     Limits,
     Listener,
-    Message,
-    PeerId,
     Secret,
 )
 from executor_channel._frames import MAC_BYTES, Direction, read_frame, verify
+from executor_channel._link import Message, PeerId
+from executor_channel._listener import LOOPBACK
 from executor_channel.testing import gate_token
 
 ROOT = Path(__file__).resolve().parents[2]

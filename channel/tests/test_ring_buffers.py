@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 from channel_helpers import RingEnds
 
-from executor_channel import _buffer_cache, _buffers
+from executor_channel import Received, _buffer_cache, _buffers, encode
+from executor_channel._codec import decode
 from executor_channel._ring import STREAM_CHUNK
-from executor_channel.codec import decode, encode
-from executor_channel.shm import Received
 
 MIB = 1 << 20
 WAIT = 10.0  # every wait in these tests is bounded by this
@@ -343,7 +342,7 @@ def test_module_release_uses_the_process_cache(cache: _buffers.BufferCache) -> N
     del cache  # the fixture made it the process's cache
     view = _buffers.take(2 * MIB)
     del view
-    assert _buffers.release() == 2 * MIB
+    assert _buffers.IdleTrim.release() == 2 * MIB
 
 
 def test_free_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from executor_channel import _fence, _ring
-from executor_channel.shm import Doorbell, Ring, RingLayout, SharedSegment
+from executor_channel import Doorbell, Ring, _fence, _ring
+from executor_channel._ring import RingLayout
+from executor_channel._segment import SharedSegment
 
 WAIT = 10.0  # every wait in these tests is bounded by this
 

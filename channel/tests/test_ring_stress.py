@@ -33,8 +33,9 @@ from typing import Any
 
 import pytest
 
-from executor_channel import _fence
-from executor_channel.shm import Doorbell, Received, Ring, RingLayout, SharedSegment
+from executor_channel import Doorbell, Received, Ring, _fence
+from executor_channel._ring import RingLayout
+from executor_channel._segment import SharedSegment
 
 #: Messages in the test's main run (the default takes about 20 s on 2 cores shared by the
 #: writer and three readers, and twice that on a busy machine: over 4,000 rounds of every

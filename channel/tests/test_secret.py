@@ -8,13 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from executor_channel import (
-    ENV_SECRET,
-    ENV_SECRET_FILE,
-    Secret,
-    SecretError,
-    load_secret,
-)
+from executor_channel import Secret, SecretError
 from executor_channel._secret import MIN_SECRET_BYTES
 
 GOOD_HEX = secrets.token_hex(MIN_SECRET_BYTES)
@@ -41,11 +35,11 @@ def test_repr_hides_the_key() -> None:
 
 def test_env_round_trip() -> None:
     secret = Secret.generate()
-    assert load_secret(secret.to_env()) == secret
+    assert Secret.load(secret.to_env()) == secret
 
 
 def test_hex_with_surrounding_whitespace() -> None:
-    assert load_secret({ENV_SECRET: f"  {GOOD_HEX}\n"}).hex() == GOOD_HEX
+    assert Secret.load({Secret.ENV: f"  {GOOD_HEX}\n"}).hex() == GOOD_HEX
 
 
 @pytest.mark.parametrize(
@@ -60,8 +54,8 @@ def test_hex_with_surrounding_whitespace() -> None:
 )
 def test_malformed_env_value(value: str, message: str) -> None:
     with pytest.raises(SecretError, match=message) as info:
-        load_secret({ENV_SECRET: value})
-    assert ENV_SECRET in str(info.value)
+        Secret.load({Secret.ENV: value})
+    assert Secret.ENV in str(info.value)
     assert value.strip() == "" or value not in str(info.value)  # never echo a secret back
 
 
@@ -73,24 +67,24 @@ def test_short_key_refused() -> None:
 def test_both_variables_refused(tmp_path: Path) -> None:
     path = write_secret(tmp_path / "secret", GOOD_HEX)
     with pytest.raises(SecretError, match="set only one"):
-        load_secret({ENV_SECRET: GOOD_HEX, ENV_SECRET_FILE: str(path)})
+        Secret.load({Secret.ENV: GOOD_HEX, Secret.ENV_FILE: str(path)})
 
 
 def test_nothing_set() -> None:
-    with pytest.raises(SecretError, match=ENV_SECRET):
-        load_secret({})
-    assert len(load_secret({}, generate=True).key) == MIN_SECRET_BYTES
+    with pytest.raises(SecretError, match=Secret.ENV):
+        Secret.load({})
+    assert len(Secret.load({}, generate=True).key) == MIN_SECRET_BYTES
 
 
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
-    monkeypatch.setenv(ENV_SECRET, GOOD_HEX)
-    assert load_secret().hex() == GOOD_HEX
+    monkeypatch.delenv(Secret.ENV_FILE, raising=False)
+    monkeypatch.setenv(Secret.ENV, GOOD_HEX)
+    assert Secret.load().hex() == GOOD_HEX
 
 
 def test_file(tmp_path: Path) -> None:
     path = write_secret(tmp_path / "secret", GOOD_HEX + "\n")
-    assert load_secret({ENV_SECRET_FILE: str(path)}).hex() == GOOD_HEX
+    assert Secret.load({Secret.ENV_FILE: str(path)}).hex() == GOOD_HEX
     assert Secret.from_file(path).hex() == GOOD_HEX
 
 
@@ -98,18 +92,18 @@ def test_file(tmp_path: Path) -> None:
 def test_file_readable_by_others_refused(tmp_path: Path, mode: int) -> None:
     path = write_secret(tmp_path / "secret", GOOD_HEX, mode)
     with pytest.raises(SecretError, match="chmod 600") as info:
-        load_secret({ENV_SECRET_FILE: str(path)})
+        Secret.load({Secret.ENV_FILE: str(path)})
     assert f"{mode:o}" in str(info.value)
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(SecretError, match="cannot open"):
-        load_secret({ENV_SECRET_FILE: str(tmp_path / "absent")})
+        Secret.load({Secret.ENV_FILE: str(tmp_path / "absent")})
 
 
 def test_empty_path() -> None:
     with pytest.raises(SecretError, match="empty"):
-        load_secret({ENV_SECRET_FILE: " "})
+        Secret.load({Secret.ENV_FILE: " "})
 
 
 def test_directory_refused(tmp_path: Path) -> None:

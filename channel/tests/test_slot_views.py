@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from channel_helpers import RingEnds
 
-from executor_channel import _buffers, _slot_views
-from executor_channel._ring import IN_PLACE_MIN
+from executor_channel import Received, _buffers, _slot_views, encode
+from executor_channel._codec import decode
+from executor_channel._ring import IN_PLACE_MIN, RingLayout
+from executor_channel._segment import SharedSegment
 from executor_channel._slot_views import SlotViews
-from executor_channel.codec import decode, encode
-from executor_channel.shm import Received, RingLayout, SharedSegment
 
 torch = pytest.importorskip("torch")
 

@@ -1,82 +1,78 @@
-"""executor-channel: authenticated message links between the nodes of an Executor SDK job.
+"""executor-channel: how an Executor SDK backend carries calls to workers out of its process.
 
-A :class:`Listener` (zmq ROUTER, on loopback unless told otherwise) and the
-:class:`Connection` objects that dial it exchange messages made of bytes-like parts. Every
-frame carries a MAC (GMAC, under keys derived from a shared :class:`Secret`) and is checked
-(structure, lengths, MAC, freshness) before the caller sees a byte of it; frames that fail
-are dropped, counted per :class:`DropReason` and logged once per peer. The link never
-unpickles: callers decode the parts they are handed. Frames are authenticated, not
-encrypted; see ``docs/security.md`` for the threat model.
+One public module, three parts:
 
-Within a node, :mod:`executor_channel.shm` carries the same frames through shared-memory
-rings, and :mod:`executor_channel.codec` makes them (pickle 5, out-of-band buffers).
+- **Within a node**, shared memory: a :class:`NodeRings` (the driver's, or a node agent's)
+  holds a broadcast :class:`Ring` of calls and a reply ring per worker in one segment; each
+  worker attaches its :class:`WorkerRings` (from the :class:`WorkerFds` and the
+  :class:`SegmentLayout` it was handed) and runs :func:`serve_rings`. A ring's waits spin
+  briefly, then sleep on a :class:`Doorbell` (an eventfd), so idle processes use no CPU. Large
+  messages are received into warm memory that the process gives back once idle
+  (:class:`IdleTrim`).
+- **Between nodes**, authenticated links: a :class:`Listener` (zmq ROUTER, on loopback unless
+  told otherwise) and the :class:`Connection` objects that dial it exchange messages of
+  bytes-like parts. Every frame carries a MAC under keys derived from a shared
+  :class:`Secret` and is checked (structure, lengths, MAC, freshness) before the caller sees a
+  byte of it; frames that fail are dropped, counted per :class:`DropReason` and logged once per
+  peer, within the :class:`Limits`. The link never unpickles. A :class:`Hub` is the driver's
+  side: members (node agents) join it and speak its protocol (:class:`Op`; a refused join says
+  why, :class:`Refusal`). Frames are authenticated, not encrypted; see ``docs/security.md``.
+- **The codec**: pickle protocol 5 with out-of-band buffers (CPU tensors, numpy arrays and
+  large ``bytes`` travel beside the pickle stream); :func:`encode` makes a frame of a
+  :class:`Kind`.
+
+:class:`ChannelTransport` is the driver's end, the base of a backend whose workers run out of
+process (``mp``, ``ray``): it sends each call to every rank (the rings of this machine, the
+hub of the others) and hands their replies to the core; :class:`ChannelOptions` are the
+options every such backend shares. Errors: :class:`ChannelError`,
+:class:`ChannelTimeoutError`, :class:`SecretError`. Helpers for hostile-peer tests live in
+:mod:`executor_channel.testing`.
 """
 
 from __future__ import annotations
 
-from executor_core.backend import lazy_getattr
-
-# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
-# constant of this name as true.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from ._connection import Connection
-    from ._frames import DropReason, Limits
-    from ._link import BytesLike, ChannelError, ChannelTimeoutError, Message, PeerId
-    from ._listener import LOOPBACK, Listener
-    from ._secret import (
-        ENV_SECRET,
-        ENV_SECRET_FILE,
-        Secret,
-        SecretError,
-        load_secret,
-    )
-
-#: Names imported on first use: a worker on the driver's node uses only the shared-memory
-#: half (:mod:`executor_channel.shm`) and never pays for importing zmq.
-_LAZY: dict[str, str] = {
-    "DropReason": "._frames",
-    "Limits": "._frames",
-    "Connection": "._connection",
-    "LOOPBACK": "._listener",
-    "Listener": "._listener",
-    **{
-        name: "._link"
-        for name in ("BytesLike", "ChannelError", "ChannelTimeoutError", "Message", "PeerId")
-    },
-    **{
-        name: "._secret"
-        for name in (
-            "ENV_SECRET",
-            "ENV_SECRET_FILE",
-            "Secret",
-            "SecretError",
-            "load_secret",
-        )
-    },
-}
+from ._buffers import IdleTrim
+from ._codec import Kind, encode
+from ._connection import Connection
+from ._doorbell import Doorbell
+from ._driver import ChannelTransport
+from ._frames import DropReason, Limits
+from ._hub import Hub
+from ._hub_protocol import Op, Refusal
+from ._link import ChannelError, ChannelTimeoutError
+from ._listener import Listener
+from ._node_rings import NodeRings, SegmentLayout, WorkerFds, WorkerRings
+from ._options import ChannelOptions
+from ._ring import Received, Ring
+from ._secret import Secret, SecretError
+from ._serve import serve_rings
 
 __all__ = [
-    "ENV_SECRET",
-    "ENV_SECRET_FILE",
-    "LOOPBACK",
-    "BytesLike",
     "ChannelError",
+    "ChannelOptions",
     "ChannelTimeoutError",
+    "ChannelTransport",
     "Connection",
+    "Doorbell",
     "DropReason",
+    "Hub",
+    "IdleTrim",
+    "Kind",
     "Limits",
     "Listener",
-    "Message",
-    "PeerId",
+    "NodeRings",
+    "Op",
+    "Received",
+    "Refusal",
+    "Ring",
     "Secret",
     "SecretError",
+    "SegmentLayout",
+    "WorkerFds",
+    "WorkerRings",
     "__version__",
-    "load_secret",
+    "encode",
+    "serve_rings",
 ]
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
-
-# Hidden from type checkers, which then check every imported name against the table above.
-if not TYPE_CHECKING:
-    __getattr__ = lazy_getattr(__name__, _LAZY)

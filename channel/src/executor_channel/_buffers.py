@@ -21,9 +21,7 @@ __all__ = [
     "BufferCache",
     "IdleTrim",
     "cache",
-    "release",
     "take",
-    "trim_if_due",
 ]
 
 
@@ -65,6 +63,19 @@ class IdleTrim:
         self._bell.clear()
         self._cache.trim_if_due()
 
+    @staticmethod
+    def release() -> int:
+        """Give back everything free in the process's receive memory now (for a process about
+        to sleep, or a driver whose executor is closed); returns the bytes unmapped."""
+        return cache.release()
+
+    @staticmethod
+    def trim_if_due() -> None:
+        """Give back what is free if the process has gone :data:`IDLE_S` without a large
+        message, for a loop that wakes at least that often anyway (its period then bounds
+        how long after going idle the process keeps it)."""
+        cache.trim_if_due()
+
     def close(self) -> None:
         """Stop watching; close the eventfd. Idempotent (the descriptor is closed once: its
         number may be another's by a second call)."""
@@ -83,15 +94,3 @@ os.register_at_fork(after_in_child=lambda: cache._after_fork())  # the cache at 
 def take(nbytes: int) -> memoryview:
     """:meth:`BufferCache.take` on the process's cache."""
     return cache.take(nbytes)
-
-
-def release() -> int:
-    """Give back everything free in the process's cache now; returns the bytes unmapped."""
-    return cache.release()
-
-
-def trim_if_due() -> None:
-    """The watch's trim on the process's cache (:meth:`BufferCache.trim_if_due`), for a loop
-    that wakes at least every :data:`IDLE_S` anyway: it then gives back what is free at most
-    that loop's period after the process went idle."""
-    cache.trim_if_due()

@@ -24,6 +24,7 @@ __all__ = [
     "OOB_BYTES_THRESHOLD",
     "DecodeError",
     "Frame",
+    "Kind",
     "copied_whole",
     "decode",
     "encode",
@@ -40,6 +41,18 @@ KIND_STOP = 2
 KIND_READY = 3
 #: A frame's kind: a worker's answer to a call (its body is the result or the failure).
 KIND_REPLY = 4
+
+
+class Kind:
+    """A frame's kinds, as a backend's workers send them (:func:`encode`'s first argument):
+    :attr:`READY` (a worker is ready for calls, its body its process id; not ok: why it could
+    not start) and :attr:`STOP` (the stop message); calls and replies are the channel's."""
+
+    CALL = KIND_CALL
+    STOP = KIND_STOP
+    READY = KIND_READY
+    REPLY = KIND_REPLY
+
 
 #: kind (u8), ok (u8), rank or reply rank (i32, -1 for none), sequence number (u64),
 #: number of out-of-band buffers (u32), pickle length (u64).

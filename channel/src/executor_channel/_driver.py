@@ -19,10 +19,10 @@ from typing import Any
 from executor_core import ExecutorClosedError, ExecutorError, ExecutorFailedError
 from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
-from ._codec import KIND_READY, KIND_STOP, copied_whole, encode, encode_call, plan_assembly
+from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
 from ._doorbell import Doorbell
 from ._node_rings import NodeRings, Reply, decode_reply
-from ._ring import STREAM_CHUNK, Ring, RingAbortedError
+from ._ring import Ring, RingAbortedError
 from ._spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
@@ -179,19 +179,13 @@ class ChannelTransport(Transport):
             call.args,
             call.kwargs,
         )
-        ring = self._calls_ring
+        rings = self.rings
         try:
             sent = True
-            if ring is not None:
+            if rings is not None:
                 deadline = call.deadline
-                sent = ring.write(
-                    parts,
-                    nbytes,
-                    deadline,
-                    self._while_sending,
-                    finish_by=deadline,
-                    # (looked at only where a frame can be streamed, see copied_whole)
-                    copied=nbytes > STREAM_CHUNK and copied_whole(parts[0], nbytes),
+                sent = rings.write_call(
+                    parts, nbytes, deadline, self._while_sending, finish_by=deadline
                 )
             if sent and self.hub is not None:  # only once every local rank has it
                 self.hub.broadcast(parts)

@@ -57,8 +57,8 @@ import attrs
 
 from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
 
-from . import _hub_protocol as wire
 from ._doorbell import Doorbell
+from ._hub_protocol import Op, Refusal, call_message
 from ._link import ChannelError, ChannelTimeoutError, Message, PeerId
 from ._listener import Listener
 from ._node_rings import Reply, decode_reply
@@ -160,7 +160,7 @@ class Probes:
             asked = [rank for rank in ranks if rank in node.ranks]
             if asked:
                 payload = {"token": token, "ranks": asked, "timeout_s": timeout}
-                messages.append((node, wire.control(wire.PROBE, payload)))
+                messages.append((node, Op.frame(Op.PROBE, payload)))
         return token, messages
 
     def answer(self, node: Member, info: dict[str, Any]) -> None:
@@ -204,7 +204,7 @@ def _refusal(
     awaited: AbstractSet[int],
     nodes: Sequence[Member],
     ready: bool,
-) -> tuple[wire.Refusal, str] | None:
+) -> tuple[Refusal, str] | None:
     """Why the member that sent ``info`` (its ``JOIN``) cannot be admitted now; None if it can.
 
     The hub's admission state: its ``version``, the ``terms`` of its job, the job's
@@ -224,9 +224,9 @@ def _refusal(
     ):
         shown = repr(info)
         shown = shown if len(shown) <= 200 else shown[:200] + "..."
-        return wire.Refusal.MALFORMED, f"a malformed join request {shown}"
+        return Refusal.MALFORMED, f"a malformed join request {shown}"
     if info.get("version") != version:
-        return wire.Refusal.VERSION, (
+        return Refusal.VERSION, (
             f"node rank {rank} runs version {info.get('version')}, the driver "
             f"{version}: install the same versions on every node"
         )
@@ -234,12 +234,12 @@ def _refusal(
     if differ:
         theirs = ", ".join(f"{key}={value!r}" for key, value in differ.items())
         ours = ", ".join(f"{key}={terms[key]!r}" for key in differ)
-        return wire.Refusal.MISMATCH, (
+        return Refusal.MISMATCH, (
             f"node rank {rank} was started for {theirs}, and this executor has {ours}"
         )
     if rank not in node_ranks:
         job = ", ".join(f"{key}={value!r}" for key, value in terms.items())
-        return wire.Refusal.OUT_OF_RANGE, (
+        return Refusal.OUT_OF_RANGE, (
             f"node rank {rank} is out of range: this executor's members have node rank(s) "
             f"{_ranks_text(node_ranks)}" + (f" ({job})" if job else "")
         )
@@ -253,7 +253,7 @@ def _refusal(
             state = "the executor is running and awaits no member"
         else:
             state = "the executor is starting its workers and awaits no member"
-        return wire.Refusal.TAKEN, (
+        return Refusal.TAKEN, (
             f"node rank {rank} has joined already (member pid {holder.pid} on "
             f"{holder.hostname}); {state}"
         )
@@ -264,7 +264,7 @@ def _refusal(
         why = "its member was lost, and the executor awaits no other member for it"
     else:
         why = "the executor awaits no member for it"
-    return wire.Refusal.NOT_AWAITED, f"node rank {rank} is not awaited: {why}"
+    return Refusal.NOT_AWAITED, f"node rank {rank} is not awaited: {why}"
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:
@@ -277,10 +277,10 @@ def _ranks_text(ranks: Iterable[int]) -> str:
     return str(ordered)
 
 
-def _refused(refusal: wire.Refusal, reason: str, awaited: Iterable[int]) -> list[bytes]:
+def _refused(refusal: Refusal, reason: str, awaited: Iterable[int]) -> list[bytes]:
     """The ``REFUSED`` answer: the reason, the refusal and the node ranks awaited now."""
     payload = {"reason": reason, "refusal": refusal.value, "awaited": sorted(awaited)}
-    return wire.control(wire.REFUSED, payload)
+    return Op.frame(Op.REFUSED, payload)
 
 
 #: How long after a caller last used the link the pump leaves the link's signal to callers
@@ -466,7 +466,7 @@ FailureCallback = Callable[[ExecutorFailedError], None]
 def is_reply(message: Message) -> bool:
     """Whether ``message`` is a reply frame (``FRAME`` and its payload)."""
     chunks = message.chunks
-    return len(chunks) == 2 and b"".join(chunks[0]) == wire.FRAME
+    return len(chunks) == 2 and b"".join(chunks[0]) == Op.FRAME
 
 
 logger = logging.getLogger("executor_channel")
@@ -474,6 +474,10 @@ logger = logging.getLogger("executor_channel")
 
 class Hub:
     """The listener, the joined members and the pump thread."""
+
+    #: Seconds of silence that lose a node (or, for a member, the driver) while workers
+    #: start.
+    STARTUP_SILENCE_S = STARTUP_SILENCE_S
 
     def __init__(
         self,
@@ -556,7 +560,7 @@ class Hub:
                 if check is not None:
                     check(frozenset(self._awaited))
                 continue
-            if message.parts and bytes(message.parts[0]) == wire.JOIN:
+            if message.parts and bytes(message.parts[0]) == Op.JOIN:
                 self._on_join(message)
             # anything else: a stray message of a member from an earlier run
         self.nodes.sort(key=lambda node: node.node_rank)
@@ -575,7 +579,7 @@ class Hub:
         listener: the starting thread in :meth:`join`, then the pump)."""
         if message.peer in self._by_peer:
             return None  # a member joins once; a second JOIN of its session changes nothing
-        info = wire.read_control(message.parts)
+        info = Op.read(message.parts)
         refused = _refusal(
             info,
             version=self._version,
@@ -609,7 +613,7 @@ class Hub:
         backend's (pickled, say); ``ranks`` are the ranks whose replies it may send."""
         member.node_id = node_id
         member.ranks = tuple(ranks)
-        self._send_now(member.peer, [wire.SPEC, spec])
+        self._send_now(member.peer, [Op.SPEC, spec])
 
     def _send_now(self, peer: PeerId, parts: Sequence[bytes]) -> None:
         try:
@@ -634,7 +638,7 @@ class Hub:
         :meth:`SharedListener.send_call`). What the caller could change once the call is
         sent is copied now; a large buffer of immutable ``bytes`` is kept as it is (no
         copy), between the joined runs of the other parts."""
-        self._link.send_call(self._live(), wire.call(parts))
+        self._link.send_call(self._live(), call_message(parts))
 
     @property
     def reply_fd(self) -> int:
@@ -674,14 +678,14 @@ class Hub:
         for node in self._live():
             held = [rank for rank in ranks if rank in node.ranks]
             if held:
-                messages.append((node, wire.control(wire.END, {"ranks": held})))
+                messages.append((node, Op.frame(Op.END, {"ranks": held})))
         self._link.send_later(messages)
 
     def replace(self, ranks: Sequence[int], launches: bytes) -> None:
         """Have the members holding ``ranks`` start new processes for them (``REPLACE``,
         queued in order with the calls: it follows every call sent before, and precedes
         every call sent after). ``launches`` is the backend's bytes for those ranks."""
-        payload = wire.control(wire.REPLACE, {"ranks": list(ranks)})
+        payload = Op.frame(Op.REPLACE, {"ranks": list(ranks)})
         self._link.queue([*payload, launches])
 
     def wake(self) -> None:
@@ -747,11 +751,11 @@ class Hub:
             now = time.monotonic()
             if self.ready and not announced:
                 for node in self._live():
-                    self._send(node, [wire.READY])
+                    self._send(node, [Op.READY])
                 announced = True
             if now >= next_ping:
                 for node in self._live():
-                    self._send(node, [wire.PING])
+                    self._send(node, [Op.PING])
                 next_ping = now + self._interval
             # Until every rank is ready, machines are busy starting workers (imports, model
             # loads): a silence is waited out longer, but not for ever.
@@ -796,7 +800,7 @@ class Hub:
             op = bytes(message.parts[0])
             node = self._by_peer.get(message.peer)
             if node is None:
-                if op == wire.JOIN:  # a late or duplicate member: it is told why at once
+                if op == Op.JOIN:  # a late or duplicate member: it is told why at once
                     self._on_join(message)
                 continue
             if is_reply(message):
@@ -805,20 +809,20 @@ class Hub:
             if node.lost:
                 continue
             node.last_seen = time.monotonic()
-            if op == wire.DIED:
-                info = wire.read_control(message.parts)
+            if op == Op.DIED:
+                info = Op.read(message.parts)
                 self._on_failure(died_on(node, info))
-            elif op == wire.FAILED:
-                info = wire.read_control(message.parts)
+            elif op == Op.FAILED:
+                info = Op.read(message.parts)
                 reason = str(info.get("reason", "?"))
                 if info.get("started"):  # its workers were running: they are gone
                     self.lose(node, f"node {node.describe()}: {reason}")
                 else:
                     node.lost = True
                     self._on_failure(ExecutorFailedError(f"node {node.describe()}: {reason}"))
-            elif op == wire.PROBED:
-                self._probes.answer(node, wire.read_control(message.parts))
-            elif op == wire.BYE:
+            elif op == Op.PROBED:
+                self._probes.answer(node, Op.read(message.parts))
+            elif op == Op.BYE:
                 node.done = True
         if got_reply:
             self._reply_bell.ring()
@@ -834,7 +838,7 @@ class Hub:
     def _kill_all(self, rejoin: bool = False) -> None:
         """Tell every member not done yet to stop its workers now (best effort); with
         ``rejoin``, to join again afterwards."""
-        message = wire.control(wire.KILL, {"rejoin": True}) if rejoin else [wire.KILL]
+        message = Op.frame(Op.KILL, {"rejoin": True}) if rejoin else [Op.KILL]
         for node in self.nodes:
             if not node.lost and not node.done:
                 with contextlib.suppress(ChannelError):

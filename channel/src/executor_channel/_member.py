@@ -32,11 +32,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _hub_protocol as wire
 from ._codec import KIND_STOP
 from ._connection import Connection
 from ._doorbell import Doorbell
 from ._hub import CALLER_HOLD_S, STARTUP_SILENCE_S
+from ._hub_protocol import Op
 from ._link import ChannelError, Message
 from ._member_join import join_hub
 from ._secret import Secret
@@ -51,7 +51,7 @@ _QUIT = None
 
 
 class MemberServer:
-    """Serves one rank's calls from a driver's :class:`~executor_channel.hub.Hub`.
+    """Serves one rank's calls from a driver's :class:`~executor_channel.Hub`.
 
     The constructor dials ``address`` (authenticated with ``secret``, the handshake within
     ``join_timeout`` seconds), joins as node rank ``rank`` saying ``version`` (the hub refuses
@@ -229,7 +229,7 @@ class MemberServer:
                     return reason
                 now = time.monotonic()
                 if now >= self._last_sent + self._interval:
-                    self._send([wire.PING])
+                    self._send([Op.PING])
                 # The call thread may sleep through calls read here, or a signal sends took.
                 if self._calls or link.has_input():
                     self._ring(self._call_bell)
@@ -250,7 +250,7 @@ class MemberServer:
         while outbox:
             message = outbox.popleft()
             if message is None:
-                self._send([wire.BYE])
+                self._send([Op.BYE])
                 return True
             self._send(message)
         return False
@@ -259,9 +259,9 @@ class MemberServer:
         """Handle what the hub sent, other than calls; why serving ends, if it does."""
         for message in messages:
             op = b"".join(message.chunks[0]) if message.chunks else b""
-            if op == wire.READY:
+            if op == Op.READY:
                 self._hub_ready = True
-            elif op == wire.KILL:
+            elif op == Op.KILL:
                 logger.info("rank %d: the driver killed this rank", self._rank)
                 return "killed by the driver"
             # PING: its arrival was the point.
@@ -272,7 +272,7 @@ class MemberServer:
         reason = f"its member stopped serving ({why})"
         with self._link_lock, contextlib.suppress(ChannelError):
             self._link.send(
-                wire.control(wire.FAILED, {"reason": reason, "started": True}),
+                Op.frame(Op.FAILED, {"reason": reason, "started": True}),
                 timeout=min(self._timeout, 1.0),
             )
 
@@ -291,7 +291,7 @@ class MemberServer:
             self._last_seen = time.monotonic()
             chunks = message.chunks
             op = b"".join(chunks[0]) if chunks else b""
-            if op != wire.CALL or len(chunks) < 2:
+            if op != Op.CALL or len(chunks) < 2:
                 rest.append(message)
             elif not self._stop_frame_seen:  # after the stop frame nothing more runs
                 # A frame sent in several parts (or chunks) is joined here, once.
@@ -325,7 +325,7 @@ class MemberServer:
                 return
             reply = answer_call(self._handle, rank, frame)
             if reply is not None:
-                self._reply([wire.FRAME, b"".join(reply[0])])
+                self._reply([Op.FRAME, b"".join(reply[0])])
 
     def _next_call(self) -> tuple[int, memoryview] | None:
         """The next call: queued already, or read off the link here (sleeping on its signal

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from executor_core.backend import RemoteFailure
 
-from . import _hub_protocol as wire
 from ._codec import KIND_READY, encode
 from ._connection import Connection
+from ._hub_protocol import Op
 from ._link import ChannelError, ChannelTimeoutError
 
 __all__ = ["join_hub"]
@@ -36,8 +36,8 @@ def join_hub(
     Raises :class:`~._link.ChannelTimeoutError` if no spec comes in time, and
     :class:`~._link.ChannelError` if the hub refuses this member or gives up (``KILL``)."""
     link.send(
-        wire.control(
-            wire.JOIN,
+        Op.frame(
+            Op.JOIN,
             {
                 "node_rank": rank,
                 "hostname": socket.gethostname(),
@@ -54,12 +54,12 @@ def join_hub(
             f"the driver at {link.address} sent no spec for rank {rank} within {join_timeout:g} s"
         ) from None
     op = bytes(message.parts[0]) if message.parts else b""
-    if op == wire.REFUSED:
-        reason = wire.read_control(message.parts).get("reason", "?")
+    if op == Op.REFUSED:
+        reason = Op.read(message.parts).get("reason", "?")
         raise ChannelError(f"the driver refused rank {rank}: {reason}")
-    if op == wire.KILL:
+    if op == Op.KILL:
         raise ChannelError(f"the driver gave up before rank {rank} started")
-    if op != wire.SPEC:
+    if op != Op.SPEC:
         raise ChannelError(f"the driver sent {op!r} instead of rank {rank}'s spec")
     # The spec's content is for node agents; a member serves the rank it joined as.
     failure: RemoteFailure | None = None
@@ -70,7 +70,7 @@ def join_hub(
             failure = RemoteFailure.capture(rank, "prepare", exc)
     ready = (True, os.getpid()) if failure is None else (False, failure)
     frame = encode(KIND_READY, ready[0], rank, 0, ready[1])
-    link.send([wire.FRAME, b"".join(frame[0])], timeout=join_timeout)
+    link.send([Op.FRAME, b"".join(frame[0])], timeout=join_timeout)
     if failure is not None:
         raise ChannelError(
             f"rank {rank} failed to start (the driver was told): "

@@ -9,16 +9,16 @@ descriptors it inherited or received.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from executor_core import WorkerError
 
-from ._codec import DecodeError, decode
+from ._codec import DecodeError, copied_whole, decode
 from ._doorbell import Doorbell
-from ._ring import Received, Ring, RingLayout
+from ._ring import STREAM_CHUNK, Received, Ring, RingLayout
 from ._segment import SharedSegment
 from ._slot_views import SlotViews
 from ._spin import Spinner
@@ -172,6 +172,21 @@ class NodeRings:
             )
             for rank, ring in enumerate(layout.replies)
         ]
+
+    def write_call(
+        self,
+        parts: Sequence[Any],
+        nbytes: int,
+        deadline: float | None,
+        abort: Callable[[], None],
+        finish_by: float | None = None,
+    ) -> bool:
+        """Write a call's frame (``nbytes`` in ``parts``) to every worker, as
+        :meth:`Ring.write <._ring.Ring.write>` does; one whose workers copy every byte of it
+        anyway (no tensor or array built in place: see :func:`~._codec.copied_whole`) streams
+        even if it fits one slot."""
+        copied = nbytes > STREAM_CHUNK and copied_whole(parts[0], nbytes)
+        return self.calls.write(parts, nbytes, deadline, abort, finish_by=finish_by, copied=copied)
 
     def worker_fds(self, index: int) -> WorkerFds:
         """The descriptors worker ``index`` needs (to inherit, or to receive over a Unix

@@ -30,7 +30,6 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "Secret",
     "SecretError",
-    "load_secret",
 ]
 
 #: Environment variable that holds the hex-encoded secret.
@@ -53,9 +52,18 @@ class SecretError(ValueError):
 class Secret:
     """A shared secret of at least :data:`MIN_SECRET_BYTES` random bytes.
 
+    :meth:`load` reads the one a job's processes share from the environment: :attr:`ENV`
+    (``EXECUTOR_CHANNEL_SECRET``, hex) or :attr:`ENV_FILE` (``EXECUTOR_CHANNEL_SECRET_FILE``,
+    a file of mode 600 holding it).
+
     Its ``repr`` hides the key, so logging a ``Secret`` never leaks it; :attr:`fingerprint`
     identifies it in logs (two nodes whose fingerprints differ hold different secrets).
     """
+
+    #: Environment variable holding the hex-encoded secret.
+    ENV = ENV_SECRET
+    #: Environment variable that names a file holding the hex-encoded secret.
+    ENV_FILE = ENV_SECRET_FILE
 
     key: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
 
@@ -167,28 +175,30 @@ class Secret:
         """
         return {ENV_SECRET: self.hex()}
 
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, *, generate: bool = False) -> Secret:
+        """The secret named by the environment, or a fresh one if ``generate`` and none is set.
 
-def load_secret(environ: Mapping[str, str] | None = None, *, generate: bool = False) -> Secret:
-    """The secret named by the environment, or a fresh one if ``generate`` and none is set.
-
-    Reads :data:`ENV_SECRET` or :data:`ENV_SECRET_FILE` from ``environ`` (default
-    :data:`os.environ`). Raises :class:`SecretError` when both are set, when the value is
-    malformed, or when neither is set and ``generate`` is false.
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(ENV_SECRET)
-    path = env.get(ENV_SECRET_FILE)
-    if value is not None and path is not None:
-        raise SecretError(f"both {ENV_SECRET} and {ENV_SECRET_FILE} are set; set only one of them")
-    if value is not None:
-        return Secret.from_hex(value, source=f"the environment variable {ENV_SECRET}")
-    if path is not None:
-        if not path.strip():
-            raise SecretError(f"{ENV_SECRET_FILE} is set but empty; set it to a file path")
-        return Secret.from_file(path)
-    if generate:
-        return Secret.generate()
-    raise SecretError(
-        f"no channel secret: set {ENV_SECRET} to at least {MIN_SECRET_BYTES} random bytes in "
-        f"hex, or {ENV_SECRET_FILE} to a file (mode 600) that holds them"
-    )
+        Reads :data:`ENV_SECRET` or :data:`ENV_SECRET_FILE` from ``environ`` (default
+        :data:`os.environ`). Raises :class:`SecretError` when both are set, when the value is
+        malformed, or when neither is set and ``generate`` is false.
+        """
+        env = os.environ if environ is None else environ
+        value = env.get(ENV_SECRET)
+        path = env.get(ENV_SECRET_FILE)
+        if value is not None and path is not None:
+            raise SecretError(
+                f"both {ENV_SECRET} and {ENV_SECRET_FILE} are set; set only one of them"
+            )
+        if value is not None:
+            return cls.from_hex(value, source=f"the environment variable {ENV_SECRET}")
+        if path is not None:
+            if not path.strip():
+                raise SecretError(f"{ENV_SECRET_FILE} is set but empty; set it to a file path")
+            return cls.from_file(path)
+        if generate:
+            return cls.generate()
+        raise SecretError(
+            f"no channel secret: set {ENV_SECRET} to at least {MIN_SECRET_BYTES} random bytes in "
+            f"hex, or {ENV_SECRET_FILE} to a file (mode 600) that holds them"
+        )

@@ -21,14 +21,13 @@ import struct
 import threading
 import time
 
-from . import _fence as fences
 from ._secret import Secret
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from ._listener import Listener
 
-__all__ = ["fences", "flood_unauthenticated", "gate_token", "throw_garbage"]
+__all__ = ["flood_unauthenticated", "gate_token", "throw_garbage"]
 
 
 def gate_token(source: Secret | Listener) -> tuple[bytes, bytes]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from executor_channel import ENV_SECRET
+from executor_channel import Secret
 
 
 def agent_env(secret_hex: str) -> dict[str, str]:
@@ -18,7 +18,7 @@ def agent_env(secret_hex: str) -> dict[str, str]:
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        ENV_SECRET: secret_hex,
+        Secret.ENV: secret_hex,
     }
 
 
@@ -78,15 +78,15 @@ class Agents:
 def node_secret() -> Iterator[str]:
     """A fresh secret in this process's environment (the driver reads it from there)."""
     secret_hex = secrets.token_hex(32)
-    saved = os.environ.get(ENV_SECRET)
-    os.environ[ENV_SECRET] = secret_hex
+    saved = os.environ.get(Secret.ENV)
+    os.environ[Secret.ENV] = secret_hex
     try:
         yield secret_hex
     finally:
         if saved is None:
-            os.environ.pop(ENV_SECRET, None)
+            os.environ.pop(Secret.ENV, None)
         else:
-            os.environ[ENV_SECRET] = saved
+            os.environ[Secret.ENV] = saved
 
 
 @pytest.fixture(scope="class")

@@ -2,7 +2,7 @@
 
 A driver reads replies only while a caller waits, so nothing of the channel runs in it once a
 large reply has been handed over; its worker monitor wakes for the receive cache's idle trim
-(``executor_channel.shm.IdleTrim``). Each check runs in a process of its own: the heap
+(``executor_channel.IdleTrim``). Each check runs in a process of its own: the heap
 settings of the warm receive memory are process-wide, and a resident size is only telling in
 a process that did nothing else.
 """

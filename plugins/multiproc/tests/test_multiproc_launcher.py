@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import psutil
 import pytest
 
-from executor_channel import ENV_SECRET
+from executor_channel import Secret
 from executor_core import (
     ExecutorConfig,
     ExecutorError,
@@ -52,7 +52,7 @@ class Machines(Placement):
         node = launch.node_rank
         self.launches.append(launch)
         argv = [*launch.argv, "--node-id", f"machine-{node}", "--address", f"127.0.0.{node + 2}"]
-        env = {k: v for k, v in os.environ.items() if k != ENV_SECRET}
+        env = {k: v for k, v in os.environ.items() if k != Secret.ENV}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this test module
         self.jobs[node] = subprocess.Popen(
             [*argv, *self.extra.get(node, [])], env={**env, **launch.env}
@@ -116,7 +116,7 @@ def _context(worker: Any) -> tuple[str, str, int, str]:
 def test_every_rank_on_placed_machines_with_their_names_and_addresses() -> None:
     before = len(Machines.made)
     # No secret in this process's environment: the placement hands the executor's own.
-    assert ENV_SECRET not in os.environ
+    assert Secret.ENV not in os.environ
     with PlacedExecutor(_config(PlacedExecutor)) as executor:
         placement = _placement_of(before)
         seen = executor.collective_rpc(_context)
@@ -137,8 +137,8 @@ def test_every_rank_on_placed_machines_with_their_names_and_addresses() -> None:
     assert [launch.node_rank for launch in placement.launches] == [0, 1]
     launch = placement.launches[0]
     assert launch.argv[1:4] == ("-m", "executor_core", "node")
-    assert set(launch.env) == {ENV_SECRET}
-    assert launch.env[ENV_SECRET] == launch.secret.hex()
+    assert set(launch.env) == {Secret.ENV}
+    assert launch.env[Secret.ENV] == launch.secret.hex()
     assert sorted(placement.stopped) == [0, 1]  # each started agent reaped once
     assert placement.closed == 1
     assert all(job.returncode == 0 for job in placement.jobs.values())

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pytest
 from mp_nodes import agent_env
 
-from executor_channel import ENV_SECRET, ENV_SECRET_FILE, ChannelTimeoutError, Listener, Secret
+from executor_channel import ChannelTimeoutError, Listener, Secret
 from executor_core.backend import find_free_port
 from executor_plugin_multiproc._node_cli import _master_addr
 
@@ -168,12 +168,12 @@ def test_a_bad_variable_does_not_break_other_commands() -> None:
     ("env", "message"),
     [
         ({}, "no channel secret: set EXECUTOR_CHANNEL_SECRET"),
-        ({ENV_SECRET: "abcd"}, "decodes to 2 bytes; it must be at least 32 bytes"),
-        ({ENV_SECRET: SECRET, ENV_SECRET_FILE: "/nonexistent"}, "set only one of them"),
+        ({Secret.ENV: "abcd"}, "decodes to 2 bytes; it must be at least 32 bytes"),
+        ({Secret.ENV: SECRET, Secret.ENV_FILE: "/nonexistent"}, "set only one of them"),
     ],
 )
 def test_the_secret_is_checked_before_dialling(env: dict[str, str], message: str) -> None:
-    base = {k: v for k, v in agent_env(SECRET).items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
+    base = {k: v for k, v in agent_env(SECRET).items() if k not in (Secret.ENV, Secret.ENV_FILE)}
     status, stderr, _ = node(["--node-rank", "1", "--join-timeout", "60"], env={**base, **env})
     assert status == 2, stderr
     line = last_line(stderr)

@@ -21,14 +21,7 @@ import signal
 import socket
 import sys
 
-from executor_channel import (
-    ChannelError,
-    ChannelTimeoutError,
-    Connection,
-    Secret,
-    SecretError,
-    load_secret,
-)
+from executor_channel import ChannelError, ChannelTimeoutError, Connection, Secret, SecretError
 
 from ._agent_status import DRIVER_LOST_EXIT, REFUSED_EXIT, REJOIN
 from ._node_agent import NodeAgent
@@ -53,14 +46,14 @@ def run_agent(
     stops this node; returns the process's exit status.
 
     ``num_nodes``, if given, is what this agent expects of the driver's config (a driver
-    with another ``num_nodes`` refuses it). ``secret`` defaults to :func:`load_secret`'s.
+    with another ``num_nodes`` refuses it). ``secret`` defaults to :func:`Secret.load`'s.
     ``node_id`` (default: the host name) and ``address`` (default: the address this machine
     uses to reach the driver) are how the driver, the workers and errors name this node.
     Every failure to join is one line on stderr saying what to check, not a traceback.
     """
     if secret is None:
         try:
-            secret = load_secret()
+            secret = Secret.load()
         except SecretError as exc:
             print(f"executor node: error: {exc}", file=sys.stderr)
             return REFUSED_EXIT

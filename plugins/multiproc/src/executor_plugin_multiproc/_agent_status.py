@@ -7,8 +7,7 @@ import pickle
 import sys
 from typing import Any
 
-from executor_channel import ChannelTimeoutError, Connection
-from executor_channel import hub as wire
+from executor_channel import ChannelTimeoutError, Connection, Op, Refusal
 from executor_core import ExecutorError
 
 from ._node_protocol import NodeSpec
@@ -28,13 +27,13 @@ REJOIN = -1
 
 #: What an agent refused for each reason should do (the driver's reason says why).
 _REMEDIES: dict[str, str] = {
-    wire.Refusal.MALFORMED: "install the same version of the executor packages on every machine",
-    wire.Refusal.VERSION: "then start this agent again",
-    wire.Refusal.MISMATCH: (
+    Refusal.MALFORMED: "install the same version of the executor packages on every machine",
+    Refusal.VERSION: "then start this agent again",
+    Refusal.MISMATCH: (
         "start this agent with --num-nodes equal to the driver's num_nodes, or without it"
     ),
-    wire.Refusal.OUT_OF_RANGE: "start it with one of those node ranks (--node-rank)",
-    wire.Refusal.NOT_AWAITED: (
+    Refusal.OUT_OF_RANGE: "start it with one of those node ranks (--node-rank)",
+    Refusal.NOT_AWAITED: (
         "stop this agent; an agent joins a driver that is waiting for its node rank, so start "
         "it again for the next executor"
     ),
@@ -44,7 +43,7 @@ _REMEDIES: dict[str, str] = {
 def remedy(info: dict[str, Any]) -> str:
     """What a refused agent should do, from the driver's REFUSED message ("" if unknown)."""
     refusal = str(info.get("refusal", ""))
-    if refusal == wire.Refusal.TAKEN:
+    if refusal == Refusal.TAKEN:
         awaited = info.get("awaited")
         if isinstance(awaited, list) and awaited:
             ranks = ", ".join(str(rank) for rank in awaited)
@@ -74,8 +73,8 @@ def receive_spec(link: Connection, node_rank: int, join_timeout: float) -> NodeS
         )
         return DRIVER_LOST_EXIT
     op = bytes(message.parts[0]) if message.parts else b""
-    if op == wire.REFUSED:
-        info = wire.read_control(message.parts)
+    if op == Op.REFUSED:
+        info = Op.read(message.parts)
         reason = str(info.get("reason", "no reason given"))
         what_to_do = remedy(info)
         print(
@@ -84,16 +83,16 @@ def receive_spec(link: Connection, node_rank: int, join_timeout: float) -> NodeS
             file=sys.stderr,
         )
         return REFUSED_EXIT
-    if op == wire.KILL and wire.read_control(message.parts).get("rejoin") is True:
+    if op == Op.KILL and Op.read(message.parts).get("rejoin") is True:
         return REJOIN
-    if op == wire.KILL:
+    if op == Op.KILL:
         print(
             f"executor node: the driver at {link.address} gave up before this node started "
             "(its start failed: see its error); start this agent again for the next executor",
             file=sys.stderr,
         )
         return REFUSED_EXIT
-    if op != wire.SPEC or len(message.parts) != 2:
+    if op != Op.SPEC or len(message.parts) != 2:
         raise ExecutorError(f"the driver sent {op!r} instead of this node's spec")
     # The link has authenticated the driver: only a holder of the secret sent this.
     spec = pickle.loads(message.parts[1])

@@ -5,7 +5,7 @@ that thread matters: PR_SET_PDEATHSIG fires when the *thread* that created a chi
 and the monitor lives exactly as long as the workers do, whichever thread created the
 executor.
 
-The monitor also gives back the process's idle receive memory (``executor_channel.shm.IdleTrim``):
+The monitor also gives back the process's idle receive memory (``executor_channel.IdleTrim``):
 a driver reads replies only while a caller waits, so without it the memory of a large reply
 would stay until the next one came. It sleeps without a timeout unless the receive cache
 keeps memory, then wakes ``IDLE_S`` after the last large message (and every ``IDLE_S`` while
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_for_ready
 from multiprocessing.process import BaseProcess
 
-from executor_channel.shm import IdleTrim, release_receive_buffers
+from executor_channel import IdleTrim
 
 from ._probe import Probes
 from ._spare import Spare
@@ -103,7 +103,7 @@ class WorkerGroup:
             trim.close()
             # The workers are gone: what this process kept warm for their messages is of no
             # more use (another executor's next large message finds the heap as it would).
-            release_receive_buffers()
+            IdleTrim.release()
 
     def _watch(self, trim: IdleTrim) -> None:
         """Watch the sentinels until every worker ended or the group is closed; meanwhile

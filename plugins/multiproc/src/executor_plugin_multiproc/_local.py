@@ -17,7 +17,7 @@ from multiprocessing.process import BaseProcess
 
 import attrs
 
-from executor_channel.shm import NodeRings, WorkerFds
+from executor_channel import NodeRings, WorkerFds
 from executor_core import ConfigError
 from executor_core.backend import WorkerWrapper
 

@@ -18,10 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from executor_channel import ChannelError, Connection
-from executor_channel import hub as wire
-from executor_channel.codec import KIND_STOP, copied_whole
-from executor_channel.shm import Doorbell, NodeRings, Received, Ring
+from executor_channel import (
+    ChannelError,
+    Connection,
+    Doorbell,
+    Hub,
+    Kind,
+    NodeRings,
+    Op,
+    Received,
+)
 from executor_core import ConfigError, ExecutorError
 from executor_core.backend import reserve_port
 
@@ -76,8 +82,8 @@ class NodeAgent:
         expects = {} if self._num_nodes is None else {"num_nodes": self._num_nodes}
         try:
             link.send(
-                wire.control(
-                    wire.JOIN,
+                Op.frame(
+                    Op.JOIN,
                     {
                         "node_rank": self._node_rank,
                         "hostname": socket.gethostname(),
@@ -99,8 +105,8 @@ class NodeAgent:
                 self._start(spec)
             except (ConfigError, ExecutorError, OSError) as exc:
                 self._send(
-                    wire.control(
-                        wire.FAILED, {"reason": f"starting its workers: {exc}", "started": False}
+                    Op.frame(
+                        Op.FAILED, {"reason": f"starting its workers: {exc}", "started": False}
                     )
                 )
                 return 1
@@ -117,8 +123,8 @@ class NodeAgent:
             logger.info("node %d: interrupted; stopping its workers", self._node_rank)
             with contextlib.suppress(ChannelError):
                 self._send(
-                    wire.control(
-                        wire.FAILED,
+                    Op.frame(
+                        Op.FAILED,
                         {"reason": "its agent was interrupted", "started": self._group is not None},
                     )
                 )
@@ -162,7 +168,6 @@ class NodeAgent:
     def _relay(self, spec: NodeSpec) -> int:
         link = self._link
         channel = self._channel
-        calls = channel.calls
         timeout = spec.options.node_timeout_s
         interval = timeout / 4
         bells = (channel.reply_bell, self._death_bell)
@@ -184,15 +189,15 @@ class NodeAgent:
             # meanwhile this node keeps its link and heartbeats.
             self._report_deaths()
             if frames_waiting:
-                status = self._receive(calls)
+                status = self._receive(channel)
                 if status is not None:
                     return status
             now = time.monotonic()
             if now >= self._next_ping():
-                self._send([wire.PING])
+                self._send([Op.PING])
             # Both ends wait out silence longer until every rank is ready (machines are busy
             # starting workers); the driver says when.
-            limit = timeout if self._all_ready else max(timeout, wire.STARTUP_SILENCE_S)
+            limit = timeout if self._all_ready else max(timeout, Hub.STARTUP_SILENCE_S)
             if now - self._last_seen > limit:
                 logger.error(
                     "node %d: the driver sent nothing for %.1f s; stopping this node's workers",
@@ -213,35 +218,33 @@ class NodeAgent:
             self._last_seen = time.monotonic()
             chunks = message.chunks
             op = b"".join(chunks[0]) if chunks else b""
-            if op == wire.CALL and len(chunks) >= 2:
+            if op == Op.CALL and len(chunks) >= 2:
                 # As it arrived (in parts, a large one in chunks): the ring takes the pieces
                 # back to back, unjoined.
                 self._pending.append(tuple(piece for part in chunks[1:] for piece in part))
                 continue
             parts = message.parts
-            if op == wire.READY:
+            if op == Op.READY:
                 self._all_ready = True
                 if self._group is not None:
                     self._group.start_spares()
-            elif op == wire.PROBE:
-                info = wire.read_control(parts)
+            elif op == Op.PROBE:
+                info = Op.read(parts)
                 silent = self._nodes_workers().probe(info)
-                self._send(
-                    wire.control(wire.PROBED, {"token": info.get("token"), "silent": silent})
-                )
-            elif op == wire.END:
-                self._nodes_workers().end(wire.read_control(parts))
-            elif op == wire.REPLACE and len(parts) == 3:
+                self._send(Op.frame(Op.PROBED, {"token": info.get("token"), "silent": silent}))
+            elif op == Op.END:
+                self._nodes_workers().end(Op.read(parts))
+            elif op == Op.REPLACE and len(parts) == 3:
                 # In order with the calls: the calls before it are for the dead processes.
-                self._pending.append(Replace(wire.read_control(parts), bytes(parts[2])))
-            elif op == wire.KILL:
-                if wire.read_control(parts).get("rejoin") is True:
+                self._pending.append(Replace(Op.read(parts), bytes(parts[2])))
+            elif op == Op.KILL:
+                if Op.read(parts).get("rejoin") is True:
                     return REJOIN
                 logger.info("node %d: the driver stopped this node", self._node_rank)
                 return 1 if self._lost_worker else 0
         return None
 
-    def _receive(self, calls: Ring) -> int | None:
+    def _receive(self, rings: NodeRings) -> int | None:
         """Handle what the driver sent, writing its calls into the ring in order; an exit
         status once this node is done."""
         status = self._drain()
@@ -261,11 +264,10 @@ class NodeAgent:
             self._nodes_workers().skip_dead()
             nbytes = sum(piece.nbytes for piece in frame)
             try:
-                copied = copied_whole(frame[0], nbytes)
-                calls.write(frame, nbytes, None, self._while_writing, copied=copied)
+                rings.write_call(frame, nbytes, None, self._while_writing)
             except _Killed as killed:
                 return killed.status
-            if nbytes and frame[0][0] == KIND_STOP:
+            if nbytes and frame[0][0] == Kind.STOP:
                 return self._stop()
         return None
 
@@ -282,7 +284,7 @@ class NodeAgent:
         if status is not None:
             raise _Killed(status)
         if time.monotonic() >= self._next_ping():
-            self._send([wire.PING])
+            self._send([Op.PING])
 
     def _stop(self) -> int:
         """The stop frame is in the ring: wait for the workers to finish, then say BYE."""
@@ -293,7 +295,7 @@ class NodeAgent:
         self._forward_replies()
         self._group.stop(grace, grace)
         self._forward_replies()
-        self._send([wire.BYE])
+        self._send([Op.BYE])
         logger.info("node %d: its workers stopped", self._node_rank)
         return 0
 
@@ -302,7 +304,7 @@ class NodeAgent:
             while ring.poll():
                 frame = ring.read(_owned)
                 if frame is not None:
-                    self._send([wire.FRAME, frame])
+                    self._send([Op.FRAME, frame])
 
     def _report_deaths(self) -> bool:
         if not self._deaths:
@@ -314,8 +316,8 @@ class NodeAgent:
             rank = self._first_rank + index
             self._forward_replies()  # what it answered before it died comes first
             self._send(
-                wire.control(
-                    wire.DIED,
+                Op.frame(
+                    Op.DIED,
                     {
                         "rank": rank,
                         "exitcode": exitcode,
@@ -326,7 +328,7 @@ class NodeAgent:
         return True
 
     def _send(self, parts: Sequence[Any]) -> None:
-        assert self._spec is not None or parts[0] != wire.PING
+        assert self._spec is not None or parts[0] != Op.PING
         timeout = self._spec.options.node_timeout_s if self._spec else self._join_timeout
         self._link.send(parts, timeout=timeout)
         self._last_sent = time.monotonic()

@@ -266,10 +266,10 @@ def _node_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
             f"to {nodes - 1}"
         )
     # The secret, before anything is dialled; executor_channel's top level imports no zmq.
-    from executor_channel import SecretError, load_secret
+    from executor_channel import Secret, SecretError
 
     try:
-        secret = load_secret()
+        secret = Secret.load()
     except SecretError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="executor node: %(message)s")

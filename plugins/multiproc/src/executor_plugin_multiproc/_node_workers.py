@@ -11,7 +11,7 @@ import logging
 import pickle
 from typing import Any
 
-from executor_channel.shm import NodeRings
+from executor_channel import NodeRings
 
 from ._group import WorkerGroup
 from ._local import replace_workers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from executor_channel.options import ChannelOptions
+from executor_channel import ChannelOptions
 from executor_core.options import integer, number, one_of, option
 
 __all__ = ["MultiprocOptions"]
@@ -15,7 +15,7 @@ _MIB = 1 << 20
 @attrs.frozen(kw_only=True)
 class MultiprocOptions(ChannelOptions):
     """Knobs of the mp backend, read from ``ExecutorConfig.backend_options``: the channel's
-    (:class:`~executor_channel.options.ChannelOptions`: ring sizes, spinning, heartbeats)
+    (:class:`~executor_channel.ChannelOptions`: ring sizes, spinning, heartbeats)
     and its own. ``MultiprocExecutor.options_cls``: the core refuses any other key."""
 
     #: How worker processes are started: "spawn" (default), "forkserver", or "fork" (only

@@ -7,7 +7,7 @@ import functools
 import socket
 from collections.abc import Callable
 
-from executor_channel.shm import Doorbell
+from executor_channel import Doorbell
 from executor_core import ConfigError, ExecutorError, ExecutorFailedError, NodeLostError
 from executor_core.backend import TransportHost
 
@@ -17,7 +17,7 @@ from .launcher import AgentLaunch, Placement, agent_argv
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from executor_channel.hub import Hub  # zmq: imported by multi-node executors only
+    from executor_channel import Hub  # zmq: imported by multi-node executors only
 
 __all__ = ["join_nodes", "placement_for"]
 
@@ -59,8 +59,7 @@ def join_nodes(
     driver runs none: ``local`` is 0), have the placement start them, and wait until each
     has joined."""
     # zmq: imported by multi-node executors only
-    from executor_channel import ChannelError, Listener
-    from executor_channel.hub import Hub
+    from executor_channel import ChannelError, Hub, Listener
 
     from . import __version__
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import attrs
 
-from executor_channel.codec import KIND_READY, encode
-from executor_channel.shm import SegmentLayout, WorkerFds, WorkerRings, serve_rings
+from executor_channel import Kind, SegmentLayout, WorkerFds, WorkerRings, encode, serve_rings
 from executor_core import WorkerDiedError
 from executor_core.backend import RemoteFailure, WorkerWrapper
 
@@ -204,11 +203,11 @@ def worker_main(spec: WorkerSpec) -> None:
         wrapper.init_worker()
     except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
         failure = RemoteFailure.capture(rank, "init_worker", exc)
-        replies.write(*encode(KIND_READY, False, rank, 0, failure))
+        replies.write(*encode(Kind.READY, False, rank, 0, failure))
         if wrapper is not None:
             wrapper.shutdown()
         sys.exit(1)
-    replies.write(*encode(KIND_READY, True, rank, 0, os.getpid()))
+    replies.write(*encode(Kind.READY, True, rank, 0, os.getpid()))
     try:
         serve_rings(wrapper.handle, calls, replies, rank)
     finally:

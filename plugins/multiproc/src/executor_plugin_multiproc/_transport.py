@@ -13,8 +13,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from executor_channel.driver import ChannelTransport
-from executor_channel.shm import Doorbell, NodeRings
+from executor_channel import ChannelTransport, Doorbell, NodeRings
 from executor_core import (
     ConfigError,
     ExecutorError,

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import attrs
 
-from executor_channel import Secret, SecretError, load_secret
+from executor_channel import Secret, SecretError
 from executor_core import ConfigError, ExecutorConfig
 
 from ._options import MultiprocOptions
@@ -158,7 +158,7 @@ class ManualPlacement(Placement):
 
     def secret(self) -> Secret:
         try:
-            return load_secret()
+            return Secret.load()
         except SecretError as exc:
             raise ConfigError(
                 "num_nodes",

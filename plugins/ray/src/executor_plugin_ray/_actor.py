@@ -11,8 +11,7 @@ from typing import Any
 import attrs
 import ray
 
-from executor_channel.codec import KIND_READY, encode
-from executor_channel.shm import SegmentLayout, WorkerRings, serve_rings
+from executor_channel import Kind, SegmentLayout, WorkerRings, encode, serve_rings
 from executor_core.backend import RemoteFailure, WorkerWrapper, preload_worker, reserve_port
 
 from ._lifeline import ActorLifeline, Address, hold
@@ -113,7 +112,7 @@ class RayWorker:
         """Attach to the driver's rings as worker ``index`` of its node (the descriptors come
         over the Unix socket ``address``, to a holder of ``key``), say ready on them and
         serve calls from them on a thread of their own. None, or why it could not."""
-        from executor_channel.handoff import receive_fds  # the driver's node only
+        from executor_channel._handoff_client import receive_fds  # the driver's node only
 
         try:
             fds = receive_fds(address, key, index, _ATTACH_S)
@@ -121,7 +120,7 @@ class RayWorker:
         except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
             return Failed(RemoteFailure.capture(self._rank, "attach_rings", exc))
         self._rings = rings
-        rings.replies.write(*encode(KIND_READY, True, self._rank, 0, os.getpid()))
+        rings.replies.write(*encode(Kind.READY, True, self._rank, 0, os.getpid()))
         thread = threading.Thread(
             target=serve_rings,
             args=(self._handle, rings.calls, rings.replies, self._rank),
@@ -144,7 +143,7 @@ class RayWorker:
         this rank, authenticated with ``key``, and serve its calls. None, or why it could
         not."""
         from executor_channel import Secret  # zmq: workers on other nodes only
-        from executor_channel.member import MemberServer
+        from executor_channel._member import MemberServer
 
         try:
             self._member = MemberServer(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import ray
 from ray import ObjectRef
 
-from executor_channel.shm import release_receive_buffers, trim_receive_buffers
+from executor_channel import IdleTrim
 
 from ._ranks import WorkerPlacement
 
@@ -64,12 +64,12 @@ class DeathMonitor:
         finally:
             # The workers are gone or going: what this process kept warm for their messages
             # is of no more use.
-            release_receive_buffers()
+            IdleTrim.release()
 
     def _watch(self) -> None:
         # Runs until stopped, even with nothing pending: a rank replacement adds watches.
         while not self._stop.is_set():
-            trim_receive_buffers()  # nothing unless no large message came for IDLE_S
+            IdleTrim.trim_if_due()  # nothing unless no large message came for IDLE_S
             with self._lock:
                 refs = list(self._pending)
             if not refs:

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from executor_channel.options import ChannelOptions
+from executor_channel import ChannelOptions
 from executor_core.options import (
     boolean,
     integer,

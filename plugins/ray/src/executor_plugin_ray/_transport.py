@@ -27,8 +27,7 @@ from typing import Any
 import attrs
 import ray
 
-from executor_channel.driver import ChannelTransport
-from executor_channel.shm import Doorbell, NodeRings
+from executor_channel import ChannelTransport, Doorbell, NodeRings
 from executor_core import ExecutorClosedError, NodeLostError, WorkerContext, WorkerDiedError
 from executor_core.backend import TransportHost, WorkerWrapper, tcp_init_method
 
@@ -51,7 +50,7 @@ from ._replace import ActorSlots
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from executor_channel.hub import Hub
+    from executor_channel import Hub
 
 __all__ = ["RayTransport"]
 
@@ -211,7 +210,7 @@ class RayTransport(ChannelTransport):
         self, rings: NodeRings, ranks: Sequence[int], startup: Startup, deadline: float
     ) -> None:
         """Hand ``ranks`` (of :attr:`ranks_on_rings`) their rings, over a Unix socket."""
-        from executor_channel.handoff import RingHandoff  # Unix sockets: start-up only
+        from executor_channel._handoff_server import RingHandoff  # Unix sockets: start-up only
 
         options = self.options
         indices = [self.ranks_on_rings.index(rank) for rank in ranks]
@@ -238,8 +237,7 @@ class RayTransport(ChannelTransport):
         self, ranks: list[int], driver: ChannelTransport, startup: Startup, deadline: float
     ) -> Hub:
         """The hub that the ranks on other nodes join, over TCP at this node's IP."""
-        from executor_channel import Listener, Secret  # zmq: only with workers elsewhere
-        from executor_channel.hub import Hub
+        from executor_channel import Hub, Listener, Secret  # zmq: only with workers elsewhere
 
         from . import __version__
 
