@@ -23,9 +23,11 @@ Where ``/proc/self/pagemap`` cannot be read, or does not tell shared pages from 
 :meth:`SlotViews.open` returns None and the reader copies, as before.
 
 The row that keeps it: ``executor bench``'s ``tensor 16 MiB`` payload on ``mp`` at default
-options. Without it (every call copied out of its slot) that row took 3.25 times as long
-(5.94 ms against 1.83 ms) and 1.52 times vLLM's MessageQueue, behind it; ``tensor 4 MiB``
-2.0 times as long (one sitting, 2026-12-06; docs/benchmarks.md, "Calls read in place").
+options, whose worker reads one byte of every page of its argument. Without the views (every
+call copied out of its slot) that row took 2.2 times as long (4.5 ms against 2.0 ms) and
+1.02-1.05 times vLLM's MessageQueue, behind it; ``tensor 4 MiB`` 2.2 times as long, 1.12x of
+vLLM in one run (one sitting, 2 runs a side, 2026-12-06; docs/benchmarks.md, "Calls read in
+place").
 """
 
 from __future__ import annotations
