@@ -115,7 +115,9 @@ class Cluster:
         """Evict the pod (the kubelet under memory pressure): Failed, Evicted, killed."""
         with self.lock:
             obj = self.objects[("pods", self.pods()[pod]["metadata"]["namespace"], pod)]
-            obj["status"].update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
+            obj["status"].update(
+                phase="Failed", reason="Evicted", message="The node was low on resource: memory."
+            )
             self._end(obj)
 
     def close(self) -> None:
@@ -140,13 +142,17 @@ class Cluster:
             if (kind, ns, name) in self.objects:
                 return 409, _status(409, f'{kind} "{name}" already exists')
             meta = body["metadata"]
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_stamp(), resourceVersion="1", namespace=ns)
+            meta.update(
+                uid=str(uuid.uuid4()), creationTimestamp=_stamp(), resourceVersion="1", namespace=ns
+            )
             if kind == "pods":
                 body["status"] = {"phase": "Pending"}
             self.objects[(kind, ns, name)] = body
             return 201, body
 
-    def delete(self, kind: str, ns: str, name: str, grace: int | None) -> tuple[int, dict[str, Any]]:
+    def delete(
+        self, kind: str, ns: str, name: str, grace: int | None
+    ) -> tuple[int, dict[str, Any]]:
         with self.lock:
             obj = self.objects.get((kind, ns, name))
             if obj is None:
@@ -180,7 +186,12 @@ class Cluster:
                     o for (k, n, _), o in self.objects.items()
                     if k == kind and n == ns and labels.items() <= o["metadata"].get("labels", {}).items()
                 ]  # fmt: skip
-            return {"apiVersion": "v1", "kind": "List", "metadata": {}, "items": copy.deepcopy(items)}
+            return {
+                "apiVersion": "v1",
+                "kind": "List",
+                "metadata": {},
+                "items": copy.deepcopy(items),
+            }
 
     def review(self, body: dict[str, Any]) -> dict[str, Any]:
         attrs = body["spec"]["resourceAttributes"]
@@ -209,15 +220,26 @@ class Cluster:
 
     def _lws_pods(self, ns: str, lws: dict[str, Any]) -> None:
         template, name = lws["spec"]["leaderWorkerTemplate"], lws["metadata"]["name"]
-        owner = {"apiVersion": lws["apiVersion"], "kind": "LeaderWorkerSet", "name": name, "uid": lws["metadata"]["uid"]}
+        owner = {
+            "apiVersion": lws["apiVersion"],
+            "kind": "LeaderWorkerSet",
+            "name": name,
+            "uid": lws["metadata"]["uid"],
+        }
         for index in range(template["size"]):
             part = copy.deepcopy(template["leaderTemplate" if index == 0 else "workerTemplate"])
             labels = {**part["metadata"].get("labels", {}), _LWS_NAME: name, _LWS_INDEX: str(index)}
             for container in part["spec"]["containers"]:
-                container.setdefault("env", []).append({"name": "LWS_WORKER_INDEX", "value": str(index)})
+                container.setdefault("env", []).append(
+                    {"name": "LWS_WORKER_INDEX", "value": str(index)}
+                )
             pod = f"{name}-0" + (f"-{index}" if index else "")
             meta = {"name": pod, "labels": labels, "ownerReferences": [owner]}
-            self.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": part["spec"]})
+            self.create(
+                "pods",
+                ns,
+                {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": part["spec"]},
+            )
             self.sent.pop()  # the controller's, not the backend's
 
     def _sync(self, ns: str, name: str, pod: dict[str, Any]) -> None:
@@ -236,10 +258,19 @@ class Cluster:
                         "selector. preemption: 0/2 nodes are available: 2 Preemption is not "
                         "helpful for scheduling."
                     )
-                    status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]
+                    status["conditions"] = [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": message,
+                        }
+                    ]
                     self.event(pod, "FailedScheduling", message)
                 return
-            status.update(podIP=f"127.0.0.{next(self._ips)}", hostIP="127.0.0.1", startTime=_stamp())
+            status.update(
+                podIP=f"127.0.0.{next(self._ips)}", hostIP="127.0.0.1", startTime=_stamp()
+            )
             status["conditions"] = [{"type": "PodScheduled", "status": "True"}]
             spec["nodeName"] = "node-1"
         container = spec["containers"][0]
@@ -250,7 +281,12 @@ class Cluster:
                 self.event(pod, "Failed", f'Failed to pull image "{container["image"]}": not found')
                 cs["state"] = {"waiting": {"reason": "ErrImagePull", "message": "not found"}}
             else:
-                cs["state"] = {"waiting": {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{container["image"]}"'}}
+                cs["state"] = {
+                    "waiting": {
+                        "reason": "ImagePullBackOff",
+                        "message": f'Back-off pulling image "{container["image"]}"',
+                    }
+                }
             return
         proc = self.procs.get(uid)
         if proc is None:
@@ -265,7 +301,9 @@ class Cluster:
         reason = "OOMKilled" if uid in self._oom else ("Completed" if code == 0 else "Error")
         self._oom.discard(uid)
         exit_code = 128 - code if code < 0 else code
-        cs["lastState"] = {"terminated": {"exitCode": exit_code, "reason": reason, "finishedAt": _stamp()}}
+        cs["lastState"] = {
+            "terminated": {"exitCode": exit_code, "reason": reason, "finishedAt": _stamp()}
+        }
         policy = spec.get("restartPolicy", "Always")
         if policy == "Always" or (policy == "OnFailure" and exit_code):
             backoff = min(2.0 ** cs["restartCount"] * 0.5, 5.0)
@@ -288,16 +326,31 @@ class Cluster:
                 path.write_bytes(__import__("base64").b64decode(value))
                 path.chmod(secret.get("defaultMode", 0o644))
             mounts[mount["mountPath"]] = str(where)
-        fields = {"metadata.name": pod["metadata"]["name"], "metadata.uid": pod["metadata"]["uid"], "status.podIP": pod["status"]["podIP"]}
+        fields = {
+            "metadata.name": pod["metadata"]["name"],
+            "metadata.uid": pod["metadata"]["uid"],
+            "status.podIP": pod["status"]["podIP"],
+        }
         env: dict[str, str] = {}
         for item in container.get("env", []):
-            value = item["value"] if "value" in item else fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+            value = (
+                item["value"]
+                if "value" in item
+                else fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+            )
             for path, local in mounts.items():
                 value = value.replace(path, local) if value.startswith(path) else value
             env[item["name"]] = value
-        expand = lambda s: re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), s)  # noqa: E731
+
+        def expand(s):
+            return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), s)
+
         argv = [expand(a) for a in [*container["command"], *container.get("args", [])]]
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("KUBECONFIG", "POD_", "EXECUTOR_CHANNEL"))}
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("KUBECONFIG", "POD_", "EXECUTOR_CHANNEL"))
+        }
         base["PATH"] = f"{Path(sys.executable).parent}:{base.get('PATH', '')}"
         self.procs[pod["metadata"]["uid"]] = subprocess.Popen(
             argv, env={**base, **env}, stdin=subprocess.DEVNULL, start_new_session=True
@@ -323,7 +376,14 @@ class Cluster:
 
 def _status(code: int, message: str) -> dict[str, Any]:
     reason = {403: "Forbidden", 404: "NotFound", 409: "AlreadyExists"}.get(code, "Unknown")
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 def _handler(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
@@ -357,12 +417,20 @@ def _handler(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
             if kind is None:
                 known = ns in cluster.namespaces
                 meta = {"name": ns}
-                return self._answer(200, {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}) if known else self._answer(404, _status(404, f'namespaces "{ns}" not found'))
+                return (
+                    self._answer(200, {"apiVersion": "v1", "kind": "Namespace", "metadata": meta})
+                    if known
+                    else self._answer(404, _status(404, f'namespaces "{ns}" not found'))
+                )
             if method == "POST":
                 return self._answer(*cluster.create(kind, ns, body))
             if method == "DELETE":
-                grace = body.get("gracePeriodSeconds", parse_qs(url.query).get("gracePeriodSeconds", [None])[0])
-                return self._answer(*cluster.delete(kind, ns, name, None if grace is None else int(grace)))
+                grace = body.get(
+                    "gracePeriodSeconds", parse_qs(url.query).get("gracePeriodSeconds", [None])[0]
+                )
+                return self._answer(
+                    *cluster.delete(kind, ns, name, None if grace is None else int(grace))
+                )
             if name is None:
                 return self._answer(200, cluster.list(kind, ns, parse_qs(url.query)))
             with cluster.lock:
@@ -371,13 +439,13 @@ def _handler(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                     return self._answer(404, _status(404, f'{kind} "{name}" not found'))
                 return self._answer(200, copy.deepcopy(obj))
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self._route("GET")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._route("POST")
 
-        def do_DELETE(self) -> None:  # noqa: N802
+        def do_DELETE(self) -> None:
             self._route("DELETE")
 
     return Handler

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, ClassVar, Self
 
+from executor_channel import Secret
 from executor_core import ConfigError, ExecutorConfig, ExecutorError
 from executor_plugin_multiproc import MultiprocExecutor, MultiprocOptions
 from executor_plugin_multiproc.launcher import AgentLaunch, Placement
@@ -67,7 +68,10 @@ def said(pod: Any, since: datetime.datetime) -> tuple[str, bool]:
             fatal = c.state.waiting.reason != "CrashLoopBackOff" or recent
             return f"{c.state.waiting.reason}: {c.state.waiting.message}{last}", fatal
         if done is not None and (done.finished_at is None or done.finished_at > since):
-            return f"container {c.name} ended: {ended}{f' ({done.message})' if done.message else ''}", True
+            return (
+                f"container {c.name} ended: {ended}{f' ({done.message})' if done.message else ''}",
+                True,
+            )
     for cond in status.conditions or []:
         if cond.type == "DisruptionTarget" and cond.status == "True":
             return f"{cond.reason}: {cond.message}", True
@@ -100,13 +104,16 @@ class KubernetesPlacement(Placement):
         assert isinstance(options, KubernetesOptions)
         self.k8s = options
         if options.image is None:
-            raise ConfigError("backend_options", {"image": None}, "the pods need an image: set 'image'")
+            raise ConfigError(
+                "backend_options", {"image": None}, "the pods need an image: set 'image'"
+            )
         self.kube = Kube(options)
         #: This executor's name: of its Secret, Service, LWS, and in every object's label.
         self.name = f"executor-{secrets.token_hex(4)}"
         self.labels = {**options.labels, **m.MANAGED, m.EXECUTOR: self.name}
         self.owners = _driver_pod(self.kube.namespace)
         self._port = 0
+        self._secret: Secret | None = None
         self._asked = _now()  # when the current incarnation's pods were asked for
         self._created = False
         self._names: dict[int, str] = {}
@@ -120,6 +127,12 @@ class KubernetesPlacement(Placement):
             raise
 
     # --- the contract ------------------------------------------------------------------
+
+    def secret(self) -> Secret:
+        # One per executor, not per incarnation: surviving agents rejoin holding it.
+        if self._secret is None:
+            self._secret = Secret.generate()
+        return self._secret
 
     def port(self) -> int:
         # Fixed for the executor's life: surviving agents rejoin at the same address.
@@ -135,13 +148,19 @@ class KubernetesPlacement(Placement):
         if not self._created:
             self._created = True
             body = m.secret(self._meta(self.name), launch.secret.hex())
-            self.kube.call("creating the channel's Secret", self.kube.core.create_namespaced_secret, ns, body)
+            self.kube.call(
+                "creating the channel's Secret", self.kube.core.create_namespaced_secret, ns, body
+            )
             if self.k8s.shape == "pods":
                 svc = m.service(self._meta(self.name), {m.EXECUTOR: self.name})
-                self.kube.call("creating the Service", self.kube.core.create_namespaced_service, ns, svc)
+                self.kube.call(
+                    "creating the Service", self.kube.core.create_namespaced_service, ns, svc
+                )
             else:
                 self._create_lws(launch)
-            self._watcher = threading.Thread(target=self._watch, name="executor-k8s-watch", daemon=True)
+            self._watcher = threading.Thread(
+                target=self._watch, name="executor-k8s-watch", daemon=True
+            )
             self._watcher.start()
         if self.k8s.shape == "lws":
             self._names[rank] = f"{self.name}-0" + (f"-{rank}" if rank else "")
@@ -218,7 +237,9 @@ class KubernetesPlacement(Placement):
 
     def _read(self, name: str) -> Any:
         try:
-            return self.kube.call(f"reading pod {name}", self.kube.core.read_namespaced_pod, name, self.kube.namespace)
+            return self.kube.call(
+                f"reading pod {name}", self.kube.core.read_namespaced_pod, name, self.kube.namespace
+            )
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -240,7 +261,13 @@ class KubernetesPlacement(Placement):
         ns, core = self.kube.namespace, self.kube.core
         for name in names:
             with contextlib.suppress(ApiError):
-                self.kube.call(f"deleting pod {name}", core.delete_namespaced_pod, name, ns, grace_period_seconds=grace)
+                self.kube.call(
+                    f"deleting pod {name}",
+                    core.delete_namespaced_pod,
+                    name,
+                    ns,
+                    grace_period_seconds=grace,
+                )
         deadline = time.monotonic() + _GONE_S
         while any(self._read(name) is not None for name in names):
             if time.monotonic() > deadline:
@@ -270,7 +297,10 @@ class KubernetesPlacement(Placement):
                     group, version, ns, plural, name, propagation_policy="Background",
                 )  # fmt: skip
         self._delete_pods(pods, None)
-        for kind, delete in (("Service", core.delete_namespaced_service), ("Secret", core.delete_namespaced_secret)):
+        for kind, delete in (
+            ("Service", core.delete_namespaced_service),
+            ("Secret", core.delete_namespaced_secret),
+        ):
             if kind == "Service" and self.k8s.shape == "lws":
                 continue
             with contextlib.suppress(ApiError):
@@ -310,12 +340,18 @@ class KubernetesPlacement(Placement):
             for pod in pods:
                 name = pod.metadata.name
                 restarts = sum(c.restart_count for c in pod.status.container_statuses or [])
-                state = (pod.metadata.uid, restarts, pod.status.phase, pod.metadata.deletion_timestamp)
+                state = (
+                    pod.metadata.uid,
+                    restarts,
+                    pod.status.phase,
+                    pod.metadata.deletion_timestamp,
+                )
                 before, seen[name] = seen.get(name), state
                 if before is None or before == state or name not in ranks:
                     continue
                 what, fatal = said(pod, _now() - datetime.timedelta(seconds=5))
-                if fatal:
+                if fatal:  # the channel may have seen it first: then this is logged only
+                    logger.warning("k8s: node %d: Kubernetes: %s", ranks[name], what)
                     self.agent_lost(ranks[name], f"Kubernetes: {what}{self._events(name)}")
 
 
@@ -341,7 +377,9 @@ def _driver_pod(namespace: str) -> list[dict[str, Any]]:
     name, uid = os.environ.get("POD_NAME"), os.environ.get("POD_UID")
     if not name or not uid or os.environ.get("POD_NAMESPACE") != namespace:
         return []
-    return [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False}]
+    return [
+        {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False}
+    ]
 
 
 class KubernetesExecutor(MultiprocExecutor):

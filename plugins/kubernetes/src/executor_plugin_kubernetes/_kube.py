@@ -32,7 +32,7 @@ class Kube:
     """The clients of one executor, for one namespace (``namespace``)."""
 
     def __init__(self, options: KubernetesOptions) -> None:
-        from kubernetes import client, config  # noqa: PLC0415 (the client loads slowly)
+        from kubernetes import client, config
 
         self.timeout = options.api_timeout_s
         configuration = client.Configuration()
@@ -65,8 +65,8 @@ class Kube:
     def call(self, what: str, request: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``request(*args, **kwargs)`` bounded by ``api_timeout_s``; an ``ExecutorError``
         saying ``what`` failed and why (the API's status and message)."""
-        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
-        from urllib3.exceptions import HTTPError  # noqa: PLC0415
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         try:
             return request(*args, _request_timeout=self.timeout, **kwargs)
@@ -130,7 +130,7 @@ class ApiError(ExecutorError):
 
 
 def _message(exc: Any) -> str:
-    import json  # noqa: PLC0415
+    import json
 
     try:
         return str(json.loads(exc.body)["message"])

@@ -40,7 +40,13 @@ def meta(name: str, namespace: str, labels: dict[str, str], owners: list[Any]) -
 def secret(metadata: dict[str, Any], hex_key: str) -> dict[str, Any]:
     """The channel's secret, for the pods to mount as a file."""
     data = base64.b64encode(hex_key.encode()).decode()
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "type": "Opaque", "data": {"secret": data}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata,
+        "type": "Opaque",
+        "data": {"secret": data},
+    }
 
 
 def service(metadata: dict[str, Any], selector: dict[str, str]) -> dict[str, Any]:
@@ -95,7 +101,9 @@ def pod(metadata: dict[str, Any], spec: dict[str, Any], subdomain: str) -> dict[
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
-def lws(metadata: dict[str, Any], size: int, leader: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
+def lws(
+    metadata: dict[str, Any], size: int, leader: dict[str, Any], worker: dict[str, Any]
+) -> dict[str, Any]:
     """One LeaderWorkerSet group of ``size`` pods, each restarted alone (``None``: a pod
     that fails is not the group's end; the executor replaces what ran there)."""
     group, version, _ = ("leaderworkerset.x-k8s.io", "v1", "")
@@ -107,4 +115,9 @@ def lws(metadata: dict[str, Any], size: int, leader: dict[str, Any], worker: dic
         "workerTemplate": {"metadata": labels, "spec": worker},
     }
     spec = {"replicas": 1, "startupPolicy": "LeaderCreated", "leaderWorkerTemplate": template}
-    return {"apiVersion": f"{group}/{version}", "kind": "LeaderWorkerSet", "metadata": metadata, "spec": spec}
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata,
+        "spec": spec,
+    }

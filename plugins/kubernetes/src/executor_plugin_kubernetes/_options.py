@@ -15,7 +15,9 @@ __all__ = ["KubernetesOptions"]
 
 #: A DNS-1123 label (a namespace, a service account) and a label key or value.
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
 _VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 #: A resource quantity: "2", "500m", "16Gi", "1.5".
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
@@ -55,26 +57,44 @@ def _labels(what: str) -> Any:
 
 def _tolerations(value: Any) -> tuple[dict[str, Any], ...]:
     if isinstance(value, dict) or not isinstance(value, list | tuple):
-        raise ValueError("must be a list of tolerations, like [{'key': 'gpu', 'operator': 'Exists'}]")
+        raise ValueError(
+            "must be a list of tolerations, like [{'key': 'gpu', 'operator': 'Exists'}]"
+        )
     for item in value:
         if not isinstance(item, dict) or not set(item) <= _TOLERATION_KEYS:
             raise ValueError(f"each toleration is a mapping of {sorted(_TOLERATION_KEYS)}")
-        if not all(isinstance(item.get(k, ""), str) for k in _TOLERATION_KEYS - {"tolerationSeconds"}):
+        if not all(
+            isinstance(item.get(k, ""), str) for k in _TOLERATION_KEYS - {"tolerationSeconds"}
+        ):
             raise ValueError("a toleration's key, operator, value and effect are strings")
     return tuple(dict(item) for item in value)
 
 
 def _resources(value: Any) -> dict[str, dict[str, str]]:
     if not isinstance(value, dict) or not set(value) <= {"requests", "limits"}:
-        raise ValueError("must be a mapping with 'requests' and/or 'limits', like {'limits': {'memory': '16Gi'}}")
+        raise ValueError(
+            "must be a mapping with 'requests' and/or 'limits', like {'limits': {'memory': '16Gi'}}"
+        )
     out: dict[str, dict[str, str]] = {}
     for part, amounts in value.items():
         if not isinstance(amounts, dict):
-            raise ValueError(f"resources[{part!r}] must be a mapping of resource names to quantities")
+            raise ValueError(
+                f"resources[{part!r}] must be a mapping of resource names to quantities"
+            )
         for name, amount in amounts.items():
-            text = str(amount) if isinstance(amount, int | float) and not isinstance(amount, bool) else amount
-            if not isinstance(name, str) or not isinstance(text, str) or not _QUANTITY.fullmatch(text):
-                raise ValueError(f"resources[{part!r}][{name!r}] must be a quantity like '4', '500m' or '16Gi'")
+            text = (
+                str(amount)
+                if isinstance(amount, int | float) and not isinstance(amount, bool)
+                else amount
+            )
+            if (
+                not isinstance(name, str)
+                or not isinstance(text, str)
+                or not _QUANTITY.fullmatch(text)
+            ):
+                raise ValueError(
+                    f"resources[{part!r}][{name!r}] must be a quantity like '4', '500m' or '16Gi'"
+                )
             out.setdefault(part, {})[name] = text
     return out
 
