@@ -4,7 +4,6 @@ kubeconfig that points the backend's client at it (``KUBECONFIG``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from k8s_cluster import Cluster
@@ -39,8 +38,3 @@ def assert_clean(cluster: Cluster, bound: float = 10.0) -> None:
     while cluster.kinds() or cluster.procs:
         assert time.monotonic() < deadline, f"left behind: {cluster.kinds()} {cluster.procs}"
         time.sleep(0.05)
-
-
-@pytest.fixture
-def kubeconfig_dir(tmp_path: Path) -> Path:
-    return tmp_path

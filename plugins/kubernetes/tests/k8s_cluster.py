@@ -169,9 +169,9 @@ class Cluster:
             del self.objects[(kind, ns, name)]
         uid = obj["metadata"]["uid"]
         for key, other in list(self.objects.items()):  # the garbage collector
-            if any(ref["uid"] == uid for ref in other["metadata"].get("ownerReferences", [])):
-                if key in self.objects and "deletionTimestamp" not in other["metadata"]:
-                    self._remove(*key, now=False)
+            owned = any(r["uid"] == uid for r in other["metadata"].get("ownerReferences", []))
+            if owned and key in self.objects and "deletionTimestamp" not in other["metadata"]:
+                self._remove(*key, now=False)
 
     def list(self, kind: str, ns: str, query: dict[str, list[str]]) -> dict[str, Any]:
         labels = dict(p.split("=", 1) for p in query.get("labelSelector", [""])[0].split(",") if p)
@@ -184,7 +184,8 @@ class Cluster:
             else:
                 items = [
                     o for (k, n, _), o in self.objects.items()
-                    if k == kind and n == ns and labels.items() <= o["metadata"].get("labels", {}).items()
+                    if (k, n) == (kind, ns)
+                    and labels.items() <= o["metadata"].get("labels", {}).items()
                 ]  # fmt: skip
             return {
                 "apiVersion": "v1",
@@ -199,9 +200,9 @@ class Cluster:
         return {**body, "status": {"allowed": allowed}}
 
     def event(self, pod: dict[str, Any], reason: str, message: str) -> None:
-        meta = pod["metadata"]
+        meta, ns = pod["metadata"], pod["metadata"]["namespace"]
         self.events.append({
-            "metadata": {"name": f"{meta['name']}.{len(self.events)}", "namespace": meta["namespace"]},
+            "metadata": {"name": f"{meta['name']}.{len(self.events)}", "namespace": ns},
             "involvedObject": {"kind": "Pod", "name": meta["name"], "namespace": meta["namespace"]},
             "reason": reason, "message": message, "type": "Warning",
         })  # fmt: skip
@@ -274,8 +275,9 @@ class Cluster:
             status["conditions"] = [{"type": "PodScheduled", "status": "True"}]
             spec["nodeName"] = "node-1"
         container = spec["containers"][0]
-        statuses = status.setdefault("containerStatuses", [{"name": container["name"], "restartCount": 0, "state": {}, "image": container["image"], "imageID": "", "ready": False}])  # fmt: skip
-        cs = statuses[0]
+        fresh = {"name": container["name"], "restartCount": 0, "state": {},
+                 "image": container["image"], "imageID": "", "ready": False}  # fmt: skip
+        cs = status.setdefault("containerStatuses", [fresh])[0]
         if container["image"].startswith("unpullable/"):
             if not cs["state"]:
                 self.event(pod, "Failed", f'Failed to pull image "{container["image"]}": not found')
@@ -307,7 +309,10 @@ class Cluster:
         policy = spec.get("restartPolicy", "Always")
         if policy == "Always" or (policy == "OnFailure" and exit_code):
             backoff = min(2.0 ** cs["restartCount"] * 0.5, 5.0)
-            cs["state"] = {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {backoff:g}s restarting failed container", "until": time.monotonic() + backoff}}  # fmt: skip
+            message = f"back-off {backoff:g}s restarting failed container"
+            until = time.monotonic() + backoff
+            waiting = {"reason": "CrashLoopBackOff", "message": message, "until": until}
+            cs["state"] = {"waiting": waiting}
         else:
             cs["state"], cs["lastState"] = {"terminated": cs.pop("lastState")["terminated"]}, {}
             status["phase"] = "Succeeded" if exit_code == 0 else "Failed"

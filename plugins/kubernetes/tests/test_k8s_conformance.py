@@ -4,6 +4,7 @@ in a pod of the test cluster (``shape="pods"``), its agent joining over loopback
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import pytest
 from k8s_cluster import Cluster
@@ -21,7 +22,10 @@ class TestKubernetesConformance(ExecutorConformanceTests):
     backend = "k8s"
     world_size = 2
     num_nodes = 2
-    backend_options = {"image": "executor-test:1", "driver_runs_ranks": True}
+    backend_options: ClassVar[dict[str, Any]] = {
+        "image": "executor-test:1",
+        "driver_runs_ranks": True,
+    }
     recovery_kills = 3
 
     @pytest.fixture(scope="class", autouse=True)

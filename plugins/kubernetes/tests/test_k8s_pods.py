@@ -32,7 +32,7 @@ from executor_core import (
 )
 from executor_core.testing import conformance_config
 from executor_plugin_kubernetes import KubernetesOptions
-from executor_plugin_kubernetes._manifests import pod_spec
+from executor_plugin_kubernetes._kube import pod_spec
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"
@@ -79,27 +79,38 @@ def test_agents_run_in_pods_with_the_secret_as_a_0600_file(k8s: Cluster) -> None
             assert hex_key.encode() not in (proc / "environ").read_bytes()
 
 
-def test_a_killed_pod_is_restarted_alone_and_named(k8s: Cluster) -> None:
-    """The kubelet restarts the OOM-killed pod (restartPolicy OnFailure); the other pod and
-    its agent stay (pid unchanged); the executor comes back with both."""
+def test_a_killed_pod_is_restarted_alone_and_its_reason_told(
+    k8s: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kubelet restarts the OOM-killed pod (restartPolicy OnFailure) and the other pod
+    and its agent stay (pid unchanged); Kubernetes' reason reaches the caller; the executor
+    comes back with both. Its recovery is a group restart: the survivors' workers are new,
+    as mp replaces no rank of a node whose agent was lost (docs/kubernetes.md says why)."""
     recovery = RecoveryPolicy(max_restarts=3, backoff_s=0.0)
     with create_executor(_config(recovery=recovery, node_timeout_s=5.0)) as ex:
-        ex.collective_rpc("get_rank")
+        workers = ex.collective_rpc("get_pid")
         pods = sorted(k8s.pods())
         survivor = k8s.pid(pods[0])
         call = ex.collective_rpc("slow", args=(30.0,), non_block=True)
         k8s.kill(pods[1], oom=True)
-        with pytest.raises(WorkerDiedError, match=f"rank 1 on node {pods[1]}"):
+        with pytest.raises(WorkerDiedError, match=f"rank 1 on node {pods[1]}") as info:
             call.result(timeout=30)
+        # The first report of the death wins: the pod's (then the error says why) or the
+        # channel's (the agent's connection dropped; then the reason is logged).
+        _wait("the reason", lambda: "reason OOMKilled" in f"{info.value} {caplog.text}", 5.0)
         _wait("the recovery", lambda: ex.last_recovery is not None, 30.0)
         assert ex.collective_rpc("get_rank", timeout=30) == [0, 1]
         assert ex.state is ExecutorState.RUNNING
-        assert ex.last_recovery.ranks == (1,)  # type: ignore[union-attr]
+        record = ex.last_recovery
+        assert record is not None
+        assert (record.kind, record.ranks) == ("restart", (1,)), record
+        assert record.reason.startswith("replacing rank(s) [1] failed"), record
         after = k8s.pods()
         assert sorted(after) == pods
         assert k8s.pid(pods[0]) == survivor
         assert after[pods[0]]["status"]["containerStatuses"][0]["restartCount"] == 0
         assert after[pods[1]]["status"]["containerStatuses"][0]["restartCount"] == 1
+        assert ex.collective_rpc("get_pid")[0] != workers[0]  # a group restart
 
 
 def test_an_evicted_pod_fails_calls_and_is_made_again(
@@ -151,7 +162,8 @@ DRIVER = textwrap.dedent(
 
     if __name__ == "__main__":
         executor = create_executor(conformance_config(
-            "k8s", world_size=2, num_nodes=2, backend_options={"image": "executor-test:1"}
+            "k8s", world_size=2, num_nodes=2,
+            backend_options={"image": "executor-test:1", "node_timeout_s": 2.0},
         ))
         print(json.dumps(executor.collective_rpc("get_pid")), flush=True)
         executor.collective_rpc("slow", args=(60.0,))
@@ -191,12 +203,12 @@ def test_after_a_killed_driver_nothing_is_left(k8s: Cluster, tmp_path: Path) -> 
 
 def test_bad_input_is_refused_before_anything_is_created(k8s: Cluster, tmp_path: Path) -> None:
     sent = len(k8s.sent)
-    with pytest.raises(ExecutorError, match="may not create pods in namespace 'default'"):
-        k8s.denied.add(("create", "pods"))
-        try:
+    k8s.denied.add(("create", "pods"))
+    try:
+        with pytest.raises(ExecutorError, match="may not create pods in namespace 'default'"):
             create_executor(_config())
-        finally:
-            k8s.denied.clear()
+    finally:
+        k8s.denied.clear()
     with pytest.raises(ConfigError, match="no such namespace"):
         create_executor(_config(namespace="nowhere"))
     with pytest.raises(ConfigError, match="need an image"):
@@ -235,7 +247,8 @@ def test_a_leaderworkerset_group_and_every_manifest_validates(k8s: Cluster) -> N
         ex.collective_rpc("get_rank")
     with create_executor(_config(shape="lws", **options)) as ex:
         nodes = [c.node_id for c in ex.collective_rpc("get_context")]
-        assert nodes[0].endswith("-0") and nodes[1].endswith("-0-1"), nodes
+        assert nodes[0].endswith("-0"), nodes
+        assert nodes[1].endswith("-0-1"), nodes
     sent = k8s.sent[first:]
     kinds = sorted(body["kind"] for body in sent)
     assert kinds == ["LeaderWorkerSet", "Pod", "Pod", "Secret", "Secret", "Service"], kinds

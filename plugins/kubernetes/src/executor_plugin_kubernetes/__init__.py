@@ -1,10 +1,6 @@
-"""executor-plugin-kubernetes: the Kubernetes backend (``k8s``, alias ``kubernetes``):
-``mp``'s node agents run in pods, one per node (plain pods behind a headless Service, or a
-LeaderWorkerSet), created through the Kubernetes API with the official client.
-
-This module, which the registry imports, only declares the backend; ``KubernetesExecutor``
-and ``KubernetesOptions`` are imported on first use.
-"""
+"""executor-plugin-kubernetes: the Kubernetes backend (``k8s``, alias ``kubernetes``),
+``mp``'s node agents in pods. This module, which the registry imports, only declares the
+backend; ``KubernetesExecutor`` and ``KubernetesOptions`` are imported on first use."""
 
 from __future__ import annotations
 

@@ -13,13 +13,12 @@ from executor_plugin_multiproc import MultiprocOptions
 
 __all__ = ["KubernetesOptions"]
 
-#: A DNS-1123 label (a namespace, a service account) and a label key or value.
+#: A DNS-1123 label (a namespace, a service account), a label key and value, a quantity.
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _KEY = re.compile(
     r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 )
 _VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-#: A resource quantity: "2", "500m", "16Gi", "1.5".
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 
@@ -39,63 +38,38 @@ def _image(value: Any) -> str:
     return value
 
 
-def _labels(what: str) -> Any:
-    """A mapping of label keys to label values (a node selector, extra labels)."""
-
-    def check(value: Any) -> dict[str, str]:
-        if not isinstance(value, dict):
-            raise ValueError(f"must be a mapping of {what}, like {{'pool': 'gpu'}}")
-        for key, item in value.items():
-            if not isinstance(key, str) or not _KEY.fullmatch(key):
-                raise ValueError(f"{key!r} is not a valid label key")
-            if not isinstance(item, str) or not _VALUE.fullmatch(item):
-                raise ValueError(f"the value of {key!r} must be a label value (a string)")
-        return dict(value)
-
-    return check
+def _labels(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping of label keys to values, like {'pool': 'gpu'}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"{key!r} is not a valid label key")
+        if not isinstance(item, str) or not _VALUE.fullmatch(item):
+            raise ValueError(f"the value of {key!r} must be a label value (a string)")
+    return dict(value)
 
 
 def _tolerations(value: Any) -> tuple[dict[str, Any], ...]:
-    if isinstance(value, dict) or not isinstance(value, list | tuple):
-        raise ValueError(
-            "must be a list of tolerations, like [{'key': 'gpu', 'operator': 'Exists'}]"
-        )
+    if not isinstance(value, list | tuple):
+        raise ValueError("must be a list of tolerations, like [{'key': 'gpu'}]")
     for item in value:
         if not isinstance(item, dict) or not set(item) <= _TOLERATION_KEYS:
             raise ValueError(f"each toleration is a mapping of {sorted(_TOLERATION_KEYS)}")
-        if not all(
-            isinstance(item.get(k, ""), str) for k in _TOLERATION_KEYS - {"tolerationSeconds"}
-        ):
+        if not all(isinstance(v, str) for k, v in item.items() if k != "tolerationSeconds"):
             raise ValueError("a toleration's key, operator, value and effect are strings")
     return tuple(dict(item) for item in value)
 
 
 def _resources(value: Any) -> dict[str, dict[str, str]]:
     if not isinstance(value, dict) or not set(value) <= {"requests", "limits"}:
-        raise ValueError(
-            "must be a mapping with 'requests' and/or 'limits', like {'limits': {'memory': '16Gi'}}"
-        )
+        raise ValueError("must be a mapping of 'requests' and/or 'limits' to quantities")
     out: dict[str, dict[str, str]] = {}
     for part, amounts in value.items():
-        if not isinstance(amounts, dict):
-            raise ValueError(
-                f"resources[{part!r}] must be a mapping of resource names to quantities"
-            )
-        for name, amount in amounts.items():
-            text = (
-                str(amount)
-                if isinstance(amount, int | float) and not isinstance(amount, bool)
-                else amount
-            )
-            if (
-                not isinstance(name, str)
-                or not isinstance(text, str)
-                or not _QUANTITY.fullmatch(text)
-            ):
-                raise ValueError(
-                    f"resources[{part!r}][{name!r}] must be a quantity like '4', '500m' or '16Gi'"
-                )
-            out.setdefault(part, {})[name] = text
+        for name, amount in amounts.items() if isinstance(amounts, dict) else [("?", None)]:
+            text = amount if isinstance(amount, str) else str(amount)
+            if type(amount) not in (str, int, float) or not _QUANTITY.fullmatch(text):
+                raise ValueError(f"resources[{part!r}][{name!r}] must be a quantity like '16Gi'")
+            out.setdefault(part, {})[str(name)] = text
     return out
 
 
@@ -117,11 +91,11 @@ class KubernetesOptions(MultiprocOptions):
     #: The pods' service account (None: the namespace's default).
     service_account: str | None = option(None, optional(_name("a service account name")))
     #: The pods' ``nodeSelector``.
-    node_selector: dict[str, str] = option({}, _labels("node label keys to values"))
+    node_selector: dict[str, str] = option({}, _labels)
     #: The pods' ``tolerations``, as Kubernetes spells them.
     tolerations: tuple[dict[str, Any], ...] = option((), _tolerations)
     #: Labels added to every object this backend creates.
-    labels: dict[str, str] = option({}, _labels("label keys to values"))
+    labels: dict[str, str] = option({}, _labels)
     #: The agent container's ``resources`` (``requests``/``limits``); with
     #: ``device="cuda"``, ``nvidia.com/gpu`` is set to the ranks per node.
     resources: dict[str, dict[str, str]] = option({}, _resources)
