@@ -255,7 +255,7 @@ class KubernetesPlacement(Placement):
             except ExecutorError as exc:
                 logger.warning("k8s: %s", exc)
                 continue
-            ranks = {name: rank for rank, name in self._names.items()}
+            ranks = {name: rank for rank, name in dict(self._names).items()}  # a copy
             for pod in pods:
                 name, meta, status = pod.metadata.name, pod.metadata, pod.status
                 runs = [
