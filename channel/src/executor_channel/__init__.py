@@ -41,11 +41,10 @@ from ._hub import Hub
 from ._hub_protocol import Op, Refusal
 from ._link import ChannelError, ChannelTimeoutError
 from ._listener import Listener
-from ._node_rings import NodeRings, SegmentLayout, WorkerFds, WorkerRings
+from ._node_rings import NodeRings, SegmentLayout, WorkerFds, WorkerRings, serve_rings
 from ._options import ChannelOptions
 from ._ring import Received, Ring
 from ._secret import Secret, SecretError
-from ._serve import serve_rings
 
 __all__ = [
     "ChannelError",

@@ -5,7 +5,7 @@ It speaks the hub's protocol (:mod:`._hub_protocol`) as a node agent does: ``JOI
 ``SPEC`` (its content ignored), a ready frame for its rank (:mod:`._member_join`), replies.
 
 - The *call thread* runs the calls through the handler, one at a time, in order
-  (:func:`~._serve.answer_call`: the only unpickling, of frames the link has authenticated).
+  (:func:`~._node_rings.answer_call`: the only unpickling, of frames the link has authenticated).
   With no call queued it waits on the link and reads it itself, and it sends each reply
   itself: a call crosses no other thread. What else it reads goes to the link thread.
 - The *link thread* keeps the rest: heartbeats both ways (a ``PING`` after a quarter of
@@ -39,8 +39,8 @@ from ._hub import CALLER_HOLD_S, STARTUP_SILENCE_S
 from ._hub_protocol import Op
 from ._link import ChannelError, Message
 from ._member_join import join_hub
+from ._node_rings import Handler, answer_call
 from ._secret import Secret
-from ._serve import Handler, answer_call
 
 __all__ = ["Handler", "MemberServer"]
 
