@@ -1,6 +1,6 @@
 """The ``executor node`` subcommand: its options, read from the command line or the
 environment and checked before the agent dials anyone. Light on purpose: ``executor`` adds
-it every time it starts, and the agent itself (:mod:`._agent`) is imported only when the
+it every time it starts, and the agent itself (:mod:`._node_agent`) is imported only when the
 command runs.
 
 Every bad value is a usage error (exit status 2) that names the option (or the environment
@@ -273,7 +273,7 @@ def _node_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     except SecretError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="executor node: %(message)s")
-    from ._agent import run_agent  # zmq and the worker machinery: only when it runs
+    from ._node_agent import run_agent  # zmq and the worker machinery: only when it runs
 
     return run_agent(
         rank,

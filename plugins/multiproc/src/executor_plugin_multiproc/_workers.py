@@ -1,0 +1,739 @@
+"""One node's worker processes: what runs in each, the warm spares, the liveness probes, and
+the group that starts, watches, replaces and stops them.
+
+The driver runs this for the ranks on its own machine, and a node agent (``executor node``)
+for the ranks on its machine: one code path, so a worker cannot tell which started it.
+
+Warm spares: with a recovery policy each node keeps ``MultiprocOptions.spare_workers`` idle
+processes, started once its ranks are ready. A spare applies the node's environment, imports
+the worker class's module (torch with it, for a torch worker: most of a new process's start),
+then sleeps in ``recv``. A rank replacement hands it the dead rank's :class:`WorkerSpec`, the
+descriptors beside the bytes (SCM_RIGHTS), and it runs :func:`worker_main`. Not with "fork",
+where a worker starts from the driver's memory, imports included.
+
+Liveness probes: each worker answers every byte on its end of a socket pair from a thread of
+its own, so a worker busy in a long call answers; a stopped one, or one frozen holding the
+interpreter's lock, does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import multiprocessing
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing import reduction
+from multiprocessing.connection import wait as wait_for_ready
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import attrs
+
+from executor_channel.codec import KIND_READY, encode
+from executor_channel.shm import (
+    IdleTrim,
+    NodeRings,
+    SegmentLayout,
+    WorkerFds,
+    WorkerRings,
+    release_receive_buffers,
+    serve_rings,
+)
+from executor_core import ConfigError, WorkerDiedError
+from executor_core.backend import RemoteFailure, WorkerWrapper, preload_worker
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._executor import MultiprocOptions
+
+__all__ = [
+    "PARENT_DIED_EXIT",
+    "NodeSpec",
+    "WorkerGroup",
+    "WorkerLaunch",
+    "check_devices",
+    "worker_died_error",
+]
+
+logger = logging.getLogger("executor_plugin_multiproc")
+
+#: Exit status of a worker that left because its driver died.
+PARENT_DIED_EXIT = 70
+_HEADER = struct.Struct("!I")
+
+
+@attrs.frozen
+class WorkerLaunch:
+    """What one worker process is started with: its place in the job, its wrapper, pickled
+    (portable: it loads its own hooks), and the config's environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    wrapper: bytes
+    config_env: dict[str, str]
+
+    @classmethod
+    def of(cls, wrapper: WorkerWrapper, config_env: dict[str, str]) -> WorkerLaunch:
+        c = wrapper.context
+        data = pickle.dumps(wrapper.portable(), protocol=5)
+        return cls(c.rank, c.local_rank, c.world_size, c.local_world_size, data, dict(config_env))
+
+    def env(self, *, rank: bool = True) -> dict[str, str]:
+        """The torchrun-style variables (without the rank's for a spare), an OpenMP thread
+        count that shares this machine's cores between its workers, the config's env over
+        both."""
+        env = {"WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size)}
+        if rank:
+            env.update(RANK=str(self.rank), LOCAL_RANK=str(self.local_rank))
+        if "OMP_NUM_THREADS" not in self.config_env and "OMP_NUM_THREADS" not in os.environ:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            per_worker = (cores or os.cpu_count() or 1) // max(1, self.local_world_size)
+            env["OMP_NUM_THREADS"] = str(max(1, per_worker))
+        return env | self.config_env
+
+
+@attrs.frozen
+class NodeSpec:
+    """What a node agent needs to start its node's workers, sent once it has joined."""
+
+    node_rank: int
+    #: The name the driver gives this node (``WorkerContext.node_id`` of its ranks).
+    node_id: str
+    launches: tuple[WorkerLaunch, ...]
+    options: MultiprocOptions
+    #: The config's device type: the agent checks there is a GPU for each worker.
+    device: str
+    #: The driver's ``TransportHost.worker_env`` (forwarded NCCL and gloo variables).
+    worker_env: dict[str, str]
+    #: Warm spares the node keeps, and the ``"module:Class"`` they import.
+    spares: int
+    preload: str
+
+
+class InheritedFd:
+    """A descriptor handed to a process at its start: duplicated into it by multiprocessing
+    (spawn, forkserver), or inherited (fork)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
+
+
+@attrs.frozen(kw_only=True)
+class WorkerSpec:
+    """Everything one worker process needs, pickled to it at start (or to a spare)."""
+
+    rank: int
+    #: The pickled wrapper (unpickled in the worker: whoever starts it never imports the
+    #: user's code, and an import error is reported like any start-up error).
+    wrapper: bytes
+    env: dict[str, str]
+    layout: SegmentLayout
+    #: Its place among its node's workers: its reader on the call ring, its reply ring.
+    index: int
+    #: The death pipe, its probe's end, then its rings' (``WorkerFds``, in order).
+    fds: tuple[InheritedFd, ...]
+    #: PID of the driver, or None where the parent is not the driver (forkserver).
+    parent_pid: int | None
+    spin_s: float
+    idle_spin_s: float
+    #: What a forked child inherited and must close (the death pipe's write end, the
+    #: starting side's probe ends).
+    close_fds: tuple[int, ...] = ()
+
+
+def _enter(name: str, parent_pid: int | None, env: dict[str, str], death_fd: int) -> None:
+    """First thing in a worker or spare: leave Ctrl-C and its fate to the driver, die with
+    it (the parent death signal, and the death pipe for a forkserver parent or another OS)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME, for ps and top
+        if parent_pid is not None:
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if parent_pid is not None and os.getppid() != parent_pid:  # it died already
+        os._exit(PARENT_DIED_EXIT)
+    os.environ.update(env)
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(death_fd, 64):
+                pass
+        os._exit(PARENT_DIED_EXIT)
+
+    threading.Thread(target=watch, name="executor-mp-death-pipe", daemon=True).start()
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker process."""
+    for fd in spec.close_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    death, probe, *fds = (fd.fd for fd in spec.fds)
+    _enter(f"mp-worker-{spec.rank}", spec.parent_pid, spec.env, death)
+    _answer_probes(probe)
+    ring_fds = WorkerFds(**dict(zip(attrs.fields_dict(WorkerFds), fds, strict=True)))
+    rings = WorkerRings.attach(ring_fds, spec.layout, spec.index, spec.spin_s, spec.idle_spin_s)
+    wrapper: WorkerWrapper | None = None
+    try:
+        wrapper = pickle.loads(spec.wrapper)
+        assert isinstance(wrapper, WorkerWrapper)
+        wrapper.init_worker()
+    except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
+        failure = RemoteFailure.capture(spec.rank, "init_worker", exc)
+        rings.replies.write(*encode(KIND_READY, False, spec.rank, 0, failure))
+        if wrapper is not None:
+            wrapper.shutdown()
+        sys.exit(1)
+    rings.replies.write(*encode(KIND_READY, True, spec.rank, 0, os.getpid()))
+    try:
+        serve_rings(wrapper.handle, rings.calls, rings.replies, spec.rank)
+    finally:
+        wrapper.shutdown()
+
+
+def _spare_main(
+    env: dict[str, str], preload: str, handover: InheritedFd, death: InheritedFd, parent: int | None
+) -> None:
+    """Entry point of a spare process: warm up, wait for a rank, run it."""
+    _enter("mp-spare", parent, env, death.fd)
+    # A module that fails here fails again when the rank's wrapper is unpickled, and that
+    # error goes to the driver with its traceback.
+    with contextlib.suppress(Exception):
+        preload_worker(preload)
+    with socket.socket(fileno=handover.fd) as sock:
+        head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 16)
+        if not head:
+            return  # the node is shutting down
+        (size,) = _HEADER.unpack(head)
+        data = sock.recv(size, socket.MSG_WAITALL)
+    if len(data) != size:
+        raise EOFError("the hand-over to a spare ended early")
+    # The socket pair was made by this process's parent, which alone holds the other end.
+    spec: WorkerSpec = pickle.loads(data)
+    worker_main(attrs.evolve(spec, fds=tuple(map(InheritedFd, fds))))
+
+
+def worker_died_error(rank: int, exitcode: int, when: str) -> WorkerDiedError:
+    """What a worker process's exit code (negative: the signal) says of its death."""
+    if exitcode == PARENT_DIED_EXIT:
+        when = ", ".join(filter(None, [when, "it saw its driver die"]))
+    if exitcode < 0:
+        return WorkerDiedError(rank, signal=-exitcode, detail=when)
+    return WorkerDiedError(rank, exitcode=exitcode, detail=when)
+
+
+def check_devices(
+    options: MultiprocOptions, device: str, workers: int, env: dict[str, str]
+) -> None:
+    """Refuse, before any worker starts, what would fail in the workers: fork once CUDA is
+    initialised here (a forked child cannot use CUDA), or fewer GPUs than workers."""
+    torch = sys.modules.get("torch")
+    if options.start_method == "fork" and torch is not None and torch.cuda.is_initialized():
+        raise ConfigError(
+            "backend_options",
+            {"start_method": "fork"},
+            "CUDA is already initialised in this process, and a forked worker cannot use it "
+            "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' "
+            "(the default) or 'forkserver'",
+        )
+    if device == "cuda":
+        from executor_core.torch import check_gpu_per_local_rank  # imports torch: cuda only
+
+        check_gpu_per_local_rank(workers, env)
+
+
+# --- liveness probes ---------------------------------------------------------------------
+
+
+class Probes:
+    """The starting side's ends of its workers' probe sockets, by worker index."""
+
+    def __init__(self, count: int) -> None:
+        pairs = [socket.socketpair() for _ in range(count)]
+        self._ours = [ours for ours, _ in pairs]
+        #: The workers' ends, handed to each process at its start and closed here after.
+        self.theirs = [theirs for _, theirs in pairs]
+        for sock in self._ours:
+            sock.setblocking(False)
+        self._token = 0
+
+    def renew(self, index: int) -> None:
+        """A new pair for worker ``index`` (its process is being replaced)."""
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        self._ours[index].close()
+        self._ours[index], self.theirs[index] = ours, theirs
+
+    def fds(self) -> tuple[int, ...]:
+        return tuple(sock.fileno() for sock in self._ours)
+
+    def handed_over(self, indices: Iterable[int]) -> None:
+        """Those workers hold their ends now: close this process's copies."""
+        for index in indices:
+            self.theirs[index].close()
+
+    def probe(self, indices: Iterable[int], timeout: float) -> set[int]:
+        """The workers among ``indices`` that did not answer within ``timeout`` seconds."""
+        self._token = self._token % 255 + 1  # never 0: tells this probe from earlier ones
+        token = bytes([self._token])
+        pending: dict[socket.socket, int] = {}
+        silent: set[int] = set()
+        for index in indices:
+            sock = self._ours[index]
+            try:
+                _drain(sock)  # late answers to an earlier probe
+                sock.send(token)
+                pending[sock] = index
+            except OSError:  # the worker's end is closed: the process is gone
+                silent.add(index)
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for sock in pending:
+                selector.register(sock, selectors.EVENT_READ)
+            while pending and (remaining := deadline - time.monotonic()) > 0:
+                for key, _ in selector.select(remaining):
+                    sock = key.fileobj  # type: ignore[assignment]  # registered as sockets
+                    try:
+                        answer = _drain(sock)
+                    except OSError:
+                        answer = None
+                    if answer is None or answer.endswith(token):  # gone, or answered
+                        selector.unregister(sock)
+                        index = pending.pop(sock)
+                        if answer is None:
+                            silent.add(index)
+        return silent | set(pending.values())
+
+    def close(self) -> None:
+        for sock in (*self._ours, *self.theirs):
+            sock.close()
+
+
+def _drain(sock: socket.socket) -> bytes | None:
+    """Whatever is waiting on ``sock`` (non-blocking), or None at the end of the stream."""
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = sock.recv(256)
+        except BlockingIOError:
+            return b"".join(chunks)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+
+
+def _answer_probes(fd: int) -> None:
+    """In a worker: answer each probe byte read from ``fd``, from a thread of its own."""
+    sock = socket.socket(fileno=fd)
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            while data := sock.recv(256):
+                sock.sendall(data[-1:])
+
+    threading.Thread(target=run, name="executor-mp-probe", daemon=True).start()
+
+
+# --- spares ------------------------------------------------------------------------------
+
+
+class _Spare:
+    """One spare process, as the side that started it sees it."""
+
+    def __init__(self, ctx: Any, env: dict[str, str], preload: str, death: int, parent: int | None):
+        self._ours, self._theirs = socket.socketpair()
+        handover = InheritedFd(self._theirs.fileno())
+        self.process: BaseProcess = ctx.Process(
+            target=_spare_main,
+            args=(env, preload, handover, InheritedFd(death), parent),
+            name="executor-mp-spare",
+            daemon=True,
+        )
+        #: Its process runs a rank now: the group's to stop, not this object's.
+        self.handed_over = False
+        self._stopped = False
+
+    def start(self) -> None:
+        try:
+            self.process.start()
+        finally:
+            self._theirs.close()  # the child holds its copy, or there is no child
+
+    @property
+    def alive(self) -> bool:
+        return self.process.pid is not None and self.process.exitcode is None
+
+    def hand_over(self, spec: WorkerSpec) -> BaseProcess:
+        """Give this spare ``spec``'s rank; it is that rank's worker process from now on."""
+        data = pickle.dumps(attrs.evolve(spec, fds=()), protocol=5)
+        # Bounded: a spare reads once its imports are done; one that never does is stopped,
+        # and the rank gets a new process.
+        self._ours.settimeout(60.0)
+        with self._ours:
+            socket.send_fds(self._ours, [_HEADER.pack(len(data))], [fd.fd for fd in spec.fds])
+            self._ours.sendall(data)
+        self.handed_over = True
+        return self.process
+
+    def stop(self) -> None:
+        """End an idle spare (its ``recv`` returns; SIGTERM if it is still importing)."""
+        if self._stopped or self.handed_over:
+            return
+        self._stopped = True
+        self._ours.close()
+        process = self.process
+        if process.pid is None:
+            return
+        for end in (process.terminate, process.kill):
+            if process.exitcode is None:
+                end()
+                process.join(5.0)
+        if process.exitcode is not None:
+            process.close()
+
+
+# --- the group ---------------------------------------------------------------------------
+
+
+class WorkerGroup:
+    """The worker processes of one node's ``channel`` (the i-th reads its i-th rings), and the
+    thread that starts and watches them.
+
+    The monitor thread starts every process: PR_SET_PDEATHSIG fires when the *thread* that
+    created a child exits, and the monitor lives exactly as long as the workers do. It also
+    gives back the process's idle receive memory (``IdleTrim``): a driver reads replies only
+    while a caller waits, so the memory of a large reply would otherwise stay until the next.
+    ``on_death(index, exitcode)`` is called from it when a worker ends while :attr:`armed`
+    and not :attr:`closing`. Everything made is handed to ``add_cleanup``.
+    """
+
+    def __init__(
+        self,
+        channel: NodeRings,
+        launches: Sequence[WorkerLaunch],
+        options: MultiprocOptions,
+        add_cleanup: Callable[[Callable[[], None]], None],
+        on_death: Callable[[int, int], None],
+        spares: int = 0,
+        preload: str = "",
+    ) -> None:
+        self._channel = channel
+        self._options = options
+        self._on_death = on_death
+        self._ctx: Any = multiprocessing.get_context(options.start_method)
+        self._parent_pid = os.getpid() if options.start_method != "forkserver" else None
+        # Workers read the death pipe: it reaches EOF when this process dies, however it
+        # dies. The read end stays open here for the processes of a rank replacement.
+        self._death_r, self._death_w = os.pipe()
+        self.probes = Probes(len(launches))
+        for cleanup in (self.probes.close, *map(_fd_closer, (self._death_w, self._death_r))):
+            add_cleanup(cleanup)
+        self._lock = threading.RLock()
+        self._wake_r, self._wake_w = os.pipe()
+        #: Processes to start from the monitor (rank replacement): ``(index, start, done)``.
+        self._spawns: list[tuple[int, Callable[[], BaseProcess], threading.Event]] = []
+        self._start_error: BaseException | None = None
+        self._spare_args = (launches[0].env(rank=False), preload)
+        self._spares_wanted = spares if options.start_method != "fork" else 0
+        self._spares_on = False
+        self._spares: list[_Spare] = []
+        #: Deaths are reported only once the executor is ready and until it starts closing.
+        self.armed = False
+        self.closing = False
+        self._closed = False
+        self._processes = [self._process(i, launch) for i, launch in enumerate(launches)]
+        self._thread = threading.Thread(target=self._run, name="executor-mp-monitor", daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        try:
+            if not self._started.wait(60.0):
+                raise TimeoutError("worker processes were not started within 60 s")
+        finally:
+            self.probes.handed_over(range(len(launches)))  # the children hold their copies
+        if self._start_error is not None:
+            raise self._start_error
+
+    def _spec(self, index: int, launch: WorkerLaunch) -> WorkerSpec:
+        options, forked = self._options, self._options.start_method == "fork"
+        fds = (self._death_r, self.probes.theirs[index].fileno())
+        return WorkerSpec(
+            rank=launch.rank,
+            wrapper=launch.wrapper,
+            env=launch.env(),
+            layout=self._channel.layout,
+            index=index,
+            fds=tuple(map(InheritedFd, fds + self._channel.worker_fds(index).as_tuple())),
+            parent_pid=self._parent_pid,
+            spin_s=options.spin_s,
+            idle_spin_s=options.idle_spin_s,
+            close_fds=(self._death_w, *self.probes.fds()) if forked else (),
+        )
+
+    def _process(self, index: int, launch: WorkerLaunch) -> BaseProcess:
+        process: BaseProcess = self._ctx.Process(
+            target=worker_main,
+            args=(self._spec(index, launch),),
+            name=f"executor-mp-worker-{launch.rank}",
+            daemon=True,
+        )
+        return process
+
+    def exit_code(self, rank: int) -> int | None:
+        """The exit code of ``rank`` if it has ended (negative: killed by that signal)."""
+        with self._lock:
+            process = self._processes[rank]
+            return None if process.pid is None or self._closed else process.exitcode
+
+    def _run(self) -> None:
+        try:
+            for process in self._processes:
+                process.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        trim = IdleTrim()  # this thread's own: made, used and closed here
+        try:
+            self._watch(trim)
+        finally:
+            trim.close()
+            # The workers are gone: what this process kept warm for their messages is of no
+            # more use.
+            release_receive_buffers()
+
+    def _watch(self, trim: IdleTrim) -> None:
+        """Watch the sentinels until every worker ended and the group is closing (a worker
+        may be replaced even when it was the last one alive); meanwhile trim."""
+        watched = {p.sentinel: rank for rank, p in enumerate(self._processes)}
+        wake: list[int] = [self._wake_r, trim.fileno()]
+        while watched or (wake and not self.closing):
+            timeout = trim.timeout() if wake else None
+            ready = [fd for fd in wait_for_ready([*watched, *wake], timeout) if isinstance(fd, int)]
+            if self._wake_r in ready:
+                if self.closing or self._closed:
+                    wake = []  # it stays readable; from now on only sentinels matter
+                else:  # a process to start in place of a dead one, or spares to start
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 64)
+                    self._start_spawns(watched)
+                    self._top_up_spares()
+            if wake:
+                trim.run()  # trims only if a trim is due
+            for sentinel in ready:
+                rank = watched.pop(sentinel, None)
+                if rank is None:
+                    continue
+                with self._lock:
+                    if self._closed:  # stopped from a failure callback run by this thread
+                        return
+                    # The sentinel closes a moment before the process can be reaped.
+                    self._processes[rank].join(1.0)
+                code = self.exit_code(rank)
+                if self.armed and not self.closing:
+                    try:
+                        self._on_death(rank, code if code is not None else -1)
+                    except Exception:
+                        logger.exception("handling the death of worker rank %d failed", rank)
+
+    def _start_spawns(self, watched: dict[int, int]) -> None:
+        with self._lock:
+            spawns, self._spawns = self._spawns, []
+        for index, start, done in spawns:
+            old = self._processes[index]
+            for sentinel in [fd for fd, rank in watched.items() if rank == index]:
+                del watched[sentinel]  # the old process's death is not news any more
+            try:
+                process = start()
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread in replace()
+                self._start_error = exc
+            else:
+                with self._lock:
+                    if self.closing:  # stop() ended the others meanwhile: this one too
+                        process.kill()
+                        process.join(5.0)
+                    self._processes[index] = process
+                watched[process.sentinel] = index
+                old.close()  # its sentinel, after the new one is open: no number is reused
+            done.set()
+
+    def start_spares(self) -> None:
+        """Keep the spares from now on (the ranks are ready: a spare started earlier would
+        compete with them for the CPU)."""
+        if self._spares_wanted:
+            self._spares_on = True
+            self._wake()
+
+    def _top_up_spares(self) -> None:
+        while self._spares_on and self._wants_spare():
+            spare = _Spare(self._ctx, *self._spare_args, self._death_r, self._parent_pid)
+            try:
+                spare.start()
+            except Exception:
+                logger.warning("a warm spare worker could not be started", exc_info=True)
+                self._spares_on = False
+                return
+            with self._lock:
+                if self._wants_spare():
+                    self._spares.append(spare)
+                    continue
+            spare.stop()  # stop() took the others meanwhile
+            return
+
+    def _wants_spare(self) -> bool:
+        with self._lock:
+            return not self.closing and len(self._spares) < self._spares_wanted
+
+    def _take_spare(self) -> _Spare | None:
+        with self._lock:
+            while self._spares:
+                spare = self._spares.pop(0)
+                if spare.alive:
+                    self._wake()  # a new one in its place
+                    return spare
+                spare.stop()
+        return None
+
+    def replace(
+        self, launches: Sequence[WorkerLaunch], first_rank: int
+    ) -> list[tuple[int, Exception]]:
+        """Rank replacement: a spare or a new process for each launch (its rank's old one is
+        killed if it is not gone), on the same rings, reset so that it reads from the next call
+        written and writes into an empty reply ring, with a new probe; return once they are
+        started, with the ranks that could not be, and why."""
+        failed: list[tuple[int, Exception]] = []
+        for launch in launches:
+            index = launch.rank - first_rank
+            spare = None
+            try:
+                self._channel.resume_worker(index)
+                self.probes.renew(index)
+                spare = self._take_spare()
+                self._respawn(index, functools.partial(self._replacement, index, launch, spare))
+            except Exception as exc:  # noqa: BLE001 - returned: reported as a death
+                failed.append((launch.rank, exc))
+            finally:
+                if spare is not None:
+                    spare.stop()  # unless it runs the rank now
+                self.probes.handed_over([index])
+        return failed
+
+    def _replacement(self, index: int, launch: WorkerLaunch, spare: _Spare | None) -> BaseProcess:
+        """Monitor thread: hand the rank to ``spare``, or (without one, or if the hand-over
+        fails) start a new process."""
+        if spare is not None:
+            try:
+                return spare.hand_over(self._spec(index, launch))
+            except OSError as exc:
+                logger.warning("rank %d: a new process, the spare failed: %s", launch.rank, exc)
+                spare.stop()
+        process = self._process(index, launch)
+        process.start()
+        return process
+
+    def _respawn(self, index: int, start: Callable[[], BaseProcess]) -> None:
+        with self._lock:
+            if self._closed or self.closing:
+                raise RuntimeError("the worker group is closing")
+            old = self._processes[index]
+            if old.pid is not None and old.exitcode is None:
+                old.kill()
+            old.join(5.0)
+            if old.exitcode is None:
+                raise RuntimeError(f"worker {old.name} (pid {old.pid}) did not end")
+            done = threading.Event()
+            self._start_error = None
+            self._spawns.append((index, start, done))
+        self._wake()
+        deadline = time.monotonic() + 60.0
+        while not done.wait(0.05):
+            if self.closing or self._closed:
+                raise RuntimeError("the worker group closed while a worker was being replaced")
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                raise TimeoutError(f"worker {old.name}'s replacement was not started within 60 s")
+        if self._start_error is not None:
+            raise self._start_error
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _alive(self) -> list[BaseProcess]:
+        return [p for p in self._processes if p.pid is not None and p.exitcode is None]
+
+    def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while (alive := self._alive()) and (remaining := deadline - time.monotonic()) > 0:
+            wait_for_ready([p.sentinel for p in alive], remaining)
+        return not alive
+
+    def terminate(self, grace_s: float) -> None:
+        """SIGTERM the live workers, then SIGKILL those still alive after ``grace_s``."""
+        with self._lock:
+            if self._closed:  # already stopped and reaped (e.g. shutdown from a callback)
+                return
+            for process in self._alive():
+                process.terminate()
+            if not self._wait_exit(grace_s):
+                for process in self._alive():
+                    logger.warning("worker %s ignored SIGTERM; sending SIGKILL", process.name)
+                    process.kill()
+                self._wait_exit(5.0)
+
+    def stop(self, grace_s: float) -> None:
+        """Wait ``grace_s`` for the workers to exit by themselves, then SIGTERM, then SIGKILL
+        after ``grace_s`` again; reap them and join the monitor. Idempotent. 0: at once."""
+        with self._lock:
+            if self._closed:
+                return
+            self.closing = True
+            spares, self._spares = self._spares, []
+            for spare in spares:
+                spare.stop()
+            if not self._wait_exit(grace_s):
+                self.terminate(grace_s or 1.0)
+            self._closed = True
+        self._wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(10.0)
+        for process in self._processes:
+            if process.pid is not None and process.exitcode is not None:
+                process.close()  # releases the sentinel descriptor
+        for fd in (self._wake_r, self._wake_w):
+            _fd_closer(fd)()
+
+    def kill(self, indices: Iterable[int]) -> None:
+        """SIGKILL the workers at ``indices`` now (declared hung)."""
+        with self._lock:
+            for index in indices:
+                process = self._processes[index]
+                if process.pid is not None and process.exitcode is None:
+                    process.kill()
+
+
+def _fd_closer(fd: int) -> Callable[[], None]:
+    def close() -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    return close
