@@ -149,7 +149,7 @@ class MultiprocTransport(ChannelTransport):
         self._contexts = list(contexts)
         launches = [WorkerLaunch.of(host.wrapper(context), config.env) for context in contexts]
         spares = options.spare_workers if config.recovery is not None else 0
-        worker_cls = config.worker_cls
+        worker_cls = config.worker_cls  # its "module:Class", for the spares to import
         if not isinstance(worker_cls, str):
             worker_cls = f"{worker_cls.__module__}:{worker_cls.__qualname__}"
         if channel is not None:

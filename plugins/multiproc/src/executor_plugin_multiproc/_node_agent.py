@@ -28,14 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from executor_channel import (
-    ChannelError,
-    ChannelTimeoutError,
-    Connection,
-    Secret,
-    SecretError,
-    load_secret,
-)
+from executor_channel import ChannelError, ChannelTimeoutError, Connection, Secret
 from executor_channel import hub as wire
 from executor_channel.codec import KIND_STOP, copied_whole
 from executor_channel.shm import Doorbell, NodeRings, Received
@@ -65,6 +58,9 @@ _REMEDIES: dict[str, str] = {
         "start this agent with --num-nodes equal to the driver's num_nodes, or without it"
     ),
     wire.Refusal.OUT_OF_RANGE: "start it with one of those node ranks (--node-rank)",
+    wire.Refusal.TAKEN: (
+        "each node rank takes one agent, and every one has its agent: stop this one"
+    ),
     wire.Refusal.NOT_AWAITED: (
         "stop this agent; an agent joins a driver that is waiting for its node rank, so start "
         "it again for the next executor"
@@ -77,26 +73,13 @@ def run_agent(
     master_addr: str,
     master_port: int,
     join_timeout: float,
-    *,
-    num_nodes: int | None = None,
-    secret: Secret | None = None,
-    node_id: str | None = None,
-    address: str | None = None,
+    secret: Secret,
+    num_nodes: int | None,
+    node_id: str | None,
+    address: str | None,
 ) -> int:
-    """Join the driver at ``master_addr:master_port`` as ``node_rank`` and serve until it
-    stops this node; returns the process's exit status.
-
-    ``num_nodes``, if given, is what this agent expects of the driver's config. ``secret``
-    defaults to :func:`load_secret`'s. ``node_id`` (default: the host name) and ``address``
-    (default: the address this machine uses to reach the driver) are how the driver, the
-    workers and errors name this node. Every failure to join is one line on stderr.
-    """
-    if secret is None:
-        try:
-            secret = load_secret()
-        except SecretError as exc:
-            print(f"executor node: error: {exc}", file=sys.stderr)
-            return REFUSED_EXIT
+    """Join the driver at ``master_addr:master_port`` and serve until it stops this node
+    (``executor node``'s options); the exit status. Every failure to join is one line."""
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     driver = f"tcp://{host}:{master_port}"
     if address is None:  # the local address of the route to the driver (no packet is sent)
@@ -105,7 +88,14 @@ def run_agent(
         with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as route:
             route.connect((master_addr, master_port))
             address = str(route.getsockname()[0])
-    identity = {"node_id": node_id or socket.gethostname(), "address": address}
+    join = {
+        "node_rank": node_rank,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "expects": {} if num_nodes is None else {"num_nodes": num_nodes},
+        "node_id": node_id or socket.gethostname(),
+        "address": address,
+    }
     # SIGTERM (a scheduler stopping this job) ends the agent like Ctrl-C: workers stopped.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -131,7 +121,7 @@ def run_agent(
                 )
                 return DRIVER_LOST_EXIT
             with link:
-                status = NodeAgent(link, node_rank, join_timeout, num_nodes, identity).run()
+                status = NodeAgent(link, join_timeout, join).run()
             if status != _REJOIN:
                 return status
             # The driver restarts its workers (a recovery): join its next incarnation.
@@ -151,27 +141,15 @@ class _Killed(Exception):
 class NodeAgent:
     """One session of an agent with its driver: join, start this node's workers, relay."""
 
-    def __init__(
-        self,
-        link: Connection,
-        node_rank: int,
-        join_timeout: float,
-        num_nodes: int | None,
-        identity: dict[str, str],
-    ) -> None:
-        self._link = link
-        self._identity = identity
-        self._node_rank = node_rank
-        self._join_timeout = join_timeout
-        self._num_nodes = num_nodes
-        self._cleanups: list[Callable[[], None]] = []
-        self._deaths: collections.deque[tuple[int, int]] = collections.deque()
+    def __init__(self, link: Connection, join_timeout: float, join: dict[str, Any]) -> None:
+        self._link, self._join = link, join
+        self._node_rank: int = join["node_rank"]
+        self._join_timeout = self._timeout = join_timeout  # node_timeout_s once the spec came
         self._death_bell = Doorbell()
-        self._cleanups.append(self._death_bell.close)
+        self._cleanups: list[Callable[[], None]] = [self._death_bell.close]
+        self._deaths: collections.deque[tuple[int, int]] = collections.deque()
         self._group: WorkerGroup | None = None
-        self._timeout = join_timeout  # node_timeout_s, once the spec came
-        self._last_seen = time.monotonic()
-        self._last_sent = 0.0
+        self._last_seen, self._last_sent = time.monotonic(), 0.0
         self._all_ready = False
         #: A worker of this node died (the exit status is then 1).
         self._lost_worker = False
@@ -187,15 +165,13 @@ class NodeAgent:
         from . import __version__
 
         link, node_rank = self._link, self._node_rank
-        expects = {} if self._num_nodes is None else {"num_nodes": self._num_nodes}
         # Where node 0 hosts the torch rendezvous if the driver runs no ranks.
         try:
-            port = reserve_port(self._identity["address"] or "0.0.0.0")
+            port = reserve_port(self._join["address"] or "0.0.0.0")
         except OSError:
             port = 0
         try:
-            join = {"node_rank": node_rank, "hostname": socket.gethostname(), "pid": os.getpid()}
-            join |= {"version": __version__, "expects": expects, **self._identity, "port": port}
+            join = self._join | {"version": __version__, "port": port}
             self._send(wire.control(wire.JOIN, join))
             spec = self._receive_spec()
             if isinstance(spec, int):
@@ -250,19 +226,13 @@ class NodeAgent:
         op = bytes(message.parts[0]) if message.parts else b""
         if op == wire.REFUSED:
             info = wire.read_control(message.parts)
-            refusal = str(info.get("refusal", ""))
-            remedy = _REMEDIES.get(refusal, "")
-            if refusal == wire.Refusal.TAKEN:
-                awaited = info.get("awaited")
-                if isinstance(awaited, list) and awaited:
-                    remedy = (
-                        "each node rank takes one agent: stop this one, or start it with a node "
-                        f"rank still awaited (--node-rank {', '.join(map(str, awaited))})"
-                    )
-                else:
-                    remedy = (
-                        "each node rank takes one agent, and every one has its agent: stop this one"
-                    )
+            remedy = _REMEDIES.get(str(info.get("refusal", "")), "")
+            awaited = info.get("awaited")
+            if remedy == _REMEDIES[wire.Refusal.TAKEN] and isinstance(awaited, list) and awaited:
+                remedy = (
+                    "each node rank takes one agent: stop this one, or start it with a node "
+                    f"rank still awaited (--node-rank {', '.join(map(str, awaited))})"
+                )
             print(
                 f"executor node: the driver at {link.address} refused node rank "
                 f"{self._node_rank}: {info.get('reason', 'no reason given')}"

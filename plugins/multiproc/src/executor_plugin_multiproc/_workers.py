@@ -1,19 +1,13 @@
-"""One node's worker processes: what runs in each, the warm spares, the liveness probes, and
-the group that starts, watches, replaces and stops them.
+"""One node's worker processes (the driver's for its machine, a node agent's for its own):
+what runs in each, the warm spares, the liveness probes, and the group that starts, watches,
+replaces and stops them.
 
-The driver runs this for the ranks on its own machine, and a node agent (``executor node``)
-for the ranks on its machine: one code path, so a worker cannot tell which started it.
-
-Warm spares: with a recovery policy each node keeps ``MultiprocOptions.spare_workers`` idle
-processes, started once its ranks are ready. A spare applies the node's environment, imports
-the worker class's module (torch with it, for a torch worker: most of a new process's start),
-then sleeps in ``recv``. A rank replacement hands it the dead rank's :class:`WorkerSpec`, the
-descriptors beside the bytes (SCM_RIGHTS), and it runs :func:`worker_main`. Not with "fork",
-where a worker starts from the driver's memory, imports included.
-
-Liveness probes: each worker answers every byte on its end of a socket pair from a thread of
-its own, so a worker busy in a long call answers; a stopped one, or one frozen holding the
-interpreter's lock, does not.
+A warm spare (with a recovery policy; not with "fork", where a worker starts from the
+driver's memory anyway) applies the node's environment, imports the worker class's module
+(torch with it: most of a new process's start), then sleeps in ``recv`` until a rank
+replacement hands it a :class:`WorkerSpec`, its descriptors beside the bytes (SCM_RIGHTS).
+A liveness probe is a byte each worker echoes from a thread of its own: a worker busy in a
+long call answers; a stopped one, or one frozen holding the interpreter's lock, does not.
 """
 
 from __future__ import annotations
@@ -57,14 +51,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._executor import MultiprocOptions
 
-__all__ = [
-    "PARENT_DIED_EXIT",
-    "NodeSpec",
-    "WorkerGroup",
-    "WorkerLaunch",
-    "check_devices",
-    "worker_died_error",
-]
+__all__ = ["NodeSpec", "WorkerGroup", "WorkerLaunch", "check_devices", "worker_died_error"]
 
 logger = logging.getLogger("executor_plugin_multiproc")
 
@@ -142,11 +129,9 @@ def _rebuild_fd(dup: Any) -> InheritedFd:
 class WorkerSpec:
     """Everything one worker process needs, pickled to it at start (or to a spare)."""
 
-    rank: int
-    #: The pickled wrapper (unpickled in the worker: whoever starts it never imports the
-    #: user's code, and an import error is reported like any start-up error).
-    wrapper: bytes
-    env: dict[str, str]
+    #: Its wrapper is unpickled in the worker: whoever starts it never imports the user's
+    #: code, and an import error is reported like any start-up error.
+    launch: WorkerLaunch
     layout: SegmentLayout
     #: Its place among its node's workers: its reader on the call ring, its reply ring.
     index: int
@@ -154,8 +139,7 @@ class WorkerSpec:
     fds: tuple[InheritedFd, ...]
     #: PID of the driver, or None where the parent is not the driver (forkserver).
     parent_pid: int | None
-    spin_s: float
-    idle_spin_s: float
+    options: MultiprocOptions
     #: What a forked child inherited and must close (the death pipe's write end, the
     #: starting side's probe ends).
     close_fds: tuple[int, ...] = ()
@@ -189,24 +173,27 @@ def worker_main(spec: WorkerSpec) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     death, probe, *fds = (fd.fd for fd in spec.fds)
-    _enter(f"mp-worker-{spec.rank}", spec.parent_pid, spec.env, death)
+    rank, options = spec.launch.rank, spec.options
+    _enter(f"mp-worker-{rank}", spec.parent_pid, spec.launch.env(), death)
     _answer_probes(probe)
     ring_fds = WorkerFds(**dict(zip(attrs.fields_dict(WorkerFds), fds, strict=True)))
-    rings = WorkerRings.attach(ring_fds, spec.layout, spec.index, spec.spin_s, spec.idle_spin_s)
+    rings = WorkerRings.attach(
+        ring_fds, spec.layout, spec.index, options.spin_s, options.idle_spin_s
+    )
     wrapper: WorkerWrapper | None = None
     try:
-        wrapper = pickle.loads(spec.wrapper)
+        wrapper = pickle.loads(spec.launch.wrapper)
         assert isinstance(wrapper, WorkerWrapper)
         wrapper.init_worker()
     except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
-        failure = RemoteFailure.capture(spec.rank, "init_worker", exc)
-        rings.replies.write(*encode(KIND_READY, False, spec.rank, 0, failure))
+        failure = RemoteFailure.capture(rank, "init_worker", exc)
+        rings.replies.write(*encode(KIND_READY, False, rank, 0, failure))
         if wrapper is not None:
             wrapper.shutdown()
         sys.exit(1)
-    rings.replies.write(*encode(KIND_READY, True, spec.rank, 0, os.getpid()))
+    rings.replies.write(*encode(KIND_READY, True, rank, 0, os.getpid()))
     try:
-        serve_rings(wrapper.handle, rings.calls, rings.replies, spec.rank)
+        serve_rings(wrapper.handle, rings.calls, rings.replies, rank)
     finally:
         wrapper.shutdown()
 
@@ -417,14 +404,14 @@ class _Spare:
 
 class WorkerGroup:
     """The worker processes of one node's ``channel`` (the i-th reads its i-th rings), and the
-    thread that starts and watches them.
+    monitor thread that starts and watches them; returns once they are started.
 
-    The monitor thread starts every process: PR_SET_PDEATHSIG fires when the *thread* that
-    created a child exits, and the monitor lives exactly as long as the workers do. It also
-    gives back the process's idle receive memory (``IdleTrim``): a driver reads replies only
-    while a caller waits, so the memory of a large reply would otherwise stay until the next.
-    ``on_death(index, exitcode)`` is called from it when a worker ends while :attr:`armed`
-    and not :attr:`closing`. Everything made is handed to ``add_cleanup``.
+    The monitor starts every process (at start and for a rank replacement): PR_SET_PDEATHSIG
+    fires when the *thread* that created a child exits, and the monitor lives as long as the
+    workers do. It also gives back the process's idle receive memory (``IdleTrim``): a driver
+    reads replies only while a caller waits, so a large reply's memory would otherwise stay
+    until the next. It calls ``on_death(index, exitcode)`` when a worker ends while
+    :attr:`armed` and not :attr:`closing`. Everything made is handed to ``add_cleanup``.
     """
 
     def __init__(
@@ -437,11 +424,10 @@ class WorkerGroup:
         spares: int = 0,
         preload: str = "",
     ) -> None:
-        self._channel = channel
-        self._options = options
-        self._on_death = on_death
+        self._channel, self._options, self._on_death = channel, options, on_death
         self._ctx: Any = multiprocessing.get_context(options.start_method)
         self._parent_pid = os.getpid() if options.start_method != "forkserver" else None
+        self._forked = options.start_method == "fork"
         # Workers read the death pipe: it reaches EOF when this process dies, however it
         # dies. The read end stays open here for the processes of a rank replacement.
         self._death_r, self._death_w = os.pipe()
@@ -450,12 +436,12 @@ class WorkerGroup:
             add_cleanup(cleanup)
         self._lock = threading.RLock()
         self._wake_r, self._wake_w = os.pipe()
-        #: Processes to start from the monitor (rank replacement): ``(index, start, done)``.
-        self._spawns: list[tuple[int, Callable[[], BaseProcess], threading.Event]] = []
+        #: What the monitor is to start: ``({index: start}, done)``.
+        self._spawns: list[tuple[dict[int, Callable[[], BaseProcess]], threading.Event]] = []
         self._start_error: BaseException | None = None
-        self._spare_args = (launches[0].env(rank=False), preload)
-        self._spares_wanted = spares if options.start_method != "fork" else 0
-        self._spares_on = False
+        self._spare_args = (launches[0].env(rank=False), preload, self._death_r, self._parent_pid)
+        self._spare_count = 0 if self._forked else spares
+        self._spares_wanted = 0  # until start_spares
         self._spares: list[_Spare] = []
         #: Deaths are reported only once the executor is ready and until it starts closing.
         self.armed = False
@@ -463,30 +449,22 @@ class WorkerGroup:
         self._closed = False
         self._processes = [self._process(i, launch) for i, launch in enumerate(launches)]
         self._thread = threading.Thread(target=self._run, name="executor-mp-monitor", daemon=True)
-        self._started = threading.Event()
         self._thread.start()
         try:
-            if not self._started.wait(60.0):
-                raise TimeoutError("worker processes were not started within 60 s")
+            self._spawn({i: functools.partial(_started, p) for i, p in enumerate(self._processes)})
         finally:
             self.probes.handed_over(range(len(launches)))  # the children hold their copies
-        if self._start_error is not None:
-            raise self._start_error
 
     def _spec(self, index: int, launch: WorkerLaunch) -> WorkerSpec:
-        options, forked = self._options, self._options.start_method == "fork"
         fds = (self._death_r, self.probes.theirs[index].fileno())
         return WorkerSpec(
-            rank=launch.rank,
-            wrapper=launch.wrapper,
-            env=launch.env(),
+            launch=launch,
             layout=self._channel.layout,
             index=index,
             fds=tuple(map(InheritedFd, fds + self._channel.worker_fds(index).as_tuple())),
             parent_pid=self._parent_pid,
-            spin_s=options.spin_s,
-            idle_spin_s=options.idle_spin_s,
-            close_fds=(self._death_w, *self.probes.fds()) if forked else (),
+            options=self._options,
+            close_fds=(self._death_w, *self.probes.fds()) if self._forked else (),
         )
 
     def _process(self, index: int, launch: WorkerLaunch) -> BaseProcess:
@@ -505,93 +483,105 @@ class WorkerGroup:
             return None if process.pid is None or self._closed else process.exitcode
 
     def _run(self) -> None:
-        try:
-            for process in self._processes:
-                process.start()
-        except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits
-            self._start_error = exc
-            self._started.set()
-            return
-        self._started.set()
+        """The monitor: start what it is asked to, watch the sentinels until every worker
+        ended and the group is closing (a worker may be replaced even when it was the last
+        one alive); meanwhile trim."""
         trim = IdleTrim()  # this thread's own: made, used and closed here
+        watched: dict[int, int] = {}  # sentinel: index
+        wake: list[int] = [self._wake_r, trim.fileno()]
         try:
-            self._watch(trim)
+            while watched or (wake and not self.closing):
+                timeout = trim.timeout() if wake else None
+                ready = [
+                    fd for fd in wait_for_ready([*watched, *wake], timeout) if isinstance(fd, int)
+                ]
+                if self._wake_r in ready:
+                    if self.closing or self._closed:
+                        wake = []  # it stays readable; from now on only sentinels matter
+                    else:  # processes to start, or spares
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 64)
+                        self._start_spawns(watched)
+                        self._top_up_spares()
+                if wake:
+                    trim.run()  # trims only if a trim is due
+                for sentinel in ready:
+                    index = watched.pop(sentinel, None)
+                    if index is None:
+                        continue
+                    with self._lock:
+                        if self._closed:  # stopped from a failure callback run by this thread
+                            return
+                        # The sentinel closes a moment before the process can be reaped.
+                        self._processes[index].join(1.0)
+                    code = self.exit_code(index)
+                    if self.armed and not self.closing:
+                        try:
+                            self._on_death(index, code if code is not None else -1)
+                        except Exception:
+                            logger.exception("handling the death of worker rank %d failed", index)
         finally:
             trim.close()
-            # The workers are gone: what this process kept warm for their messages is of no
-            # more use.
+            # The workers are gone: what this process kept warm for their messages is of
+            # no more use.
             release_receive_buffers()
-
-    def _watch(self, trim: IdleTrim) -> None:
-        """Watch the sentinels until every worker ended and the group is closing (a worker
-        may be replaced even when it was the last one alive); meanwhile trim."""
-        watched = {p.sentinel: rank for rank, p in enumerate(self._processes)}
-        wake: list[int] = [self._wake_r, trim.fileno()]
-        while watched or (wake and not self.closing):
-            timeout = trim.timeout() if wake else None
-            ready = [fd for fd in wait_for_ready([*watched, *wake], timeout) if isinstance(fd, int)]
-            if self._wake_r in ready:
-                if self.closing or self._closed:
-                    wake = []  # it stays readable; from now on only sentinels matter
-                else:  # a process to start in place of a dead one, or spares to start
-                    with contextlib.suppress(OSError):
-                        os.read(self._wake_r, 64)
-                    self._start_spawns(watched)
-                    self._top_up_spares()
-            if wake:
-                trim.run()  # trims only if a trim is due
-            for sentinel in ready:
-                rank = watched.pop(sentinel, None)
-                if rank is None:
-                    continue
-                with self._lock:
-                    if self._closed:  # stopped from a failure callback run by this thread
-                        return
-                    # The sentinel closes a moment before the process can be reaped.
-                    self._processes[rank].join(1.0)
-                code = self.exit_code(rank)
-                if self.armed and not self.closing:
-                    try:
-                        self._on_death(rank, code if code is not None else -1)
-                    except Exception:
-                        logger.exception("handling the death of worker rank %d failed", rank)
 
     def _start_spawns(self, watched: dict[int, int]) -> None:
         with self._lock:
             spawns, self._spawns = self._spawns, []
-        for index, start, done in spawns:
-            old = self._processes[index]
-            for sentinel in [fd for fd, rank in watched.items() if rank == index]:
-                del watched[sentinel]  # the old process's death is not news any more
-            try:
-                process = start()
-            except BaseException as exc:  # noqa: BLE001 - handed to the thread in replace()
-                self._start_error = exc
-            else:
+        for starts, done in spawns:
+            for index, start in starts.items():
+                old = self._processes[index]
+                for sentinel in [fd for fd, i in watched.items() if i == index]:
+                    del watched[sentinel]  # the old process's death is not news any more
+                try:
+                    process = start()
+                except BaseException as exc:  # noqa: BLE001 - handed to the thread in _spawn
+                    self._start_error = exc
+                    break
                 with self._lock:
                     if self.closing:  # stop() ended the others meanwhile: this one too
                         process.kill()
                         process.join(5.0)
                     self._processes[index] = process
                 watched[process.sentinel] = index
-                old.close()  # its sentinel, after the new one is open: no number is reused
+                if old is not process:
+                    old.close()  # its sentinel, after the new one is open: none is reused
             done.set()
+
+    def _spawn(self, starts: dict[int, Callable[[], BaseProcess]]) -> None:
+        """Have the monitor start these processes; return once it has."""
+        done = threading.Event()
+        with self._lock:
+            if self._closed or self.closing:
+                raise RuntimeError("the worker group is closing")
+            self._start_error = None
+            self._spawns.append((starts, done))
+        self._wake()
+        deadline = time.monotonic() + 60.0
+        while not done.wait(0.05):
+            if self.closing or self._closed:
+                raise RuntimeError("the worker group closed while workers were being started")
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                raise TimeoutError("worker processes were not started within 60 s")
+        if self._start_error is not None:
+            raise self._start_error
 
     def start_spares(self) -> None:
         """Keep the spares from now on (the ranks are ready: a spare started earlier would
         compete with them for the CPU)."""
-        if self._spares_wanted:
-            self._spares_on = True
+        if self._spare_count:
+            self._spares_wanted = self._spare_count
             self._wake()
 
     def _top_up_spares(self) -> None:
-        while self._spares_on and self._wants_spare():
-            spare = _Spare(self._ctx, *self._spare_args, self._death_r, self._parent_pid)
+        while self._wants_spare():
+            spare = _Spare(self._ctx, *self._spare_args)
             try:
                 spare.start()
             except Exception:
                 logger.warning("a warm spare worker could not be started", exc_info=True)
-                self._spares_on = False
+                self._spares_wanted = 0
                 return
             with self._lock:
                 if self._wants_spare():
@@ -603,16 +593,6 @@ class WorkerGroup:
     def _wants_spare(self) -> bool:
         with self._lock:
             return not self.closing and len(self._spares) < self._spares_wanted
-
-    def _take_spare(self) -> _Spare | None:
-        with self._lock:
-            while self._spares:
-                spare = self._spares.pop(0)
-                if spare.alive:
-                    self._wake()  # a new one in its place
-                    return spare
-                spare.stop()
-        return None
 
     def replace(
         self, launches: Sequence[WorkerLaunch], first_rank: int
@@ -626,10 +606,19 @@ class WorkerGroup:
             index = launch.rank - first_rank
             spare = None
             try:
+                with self._lock:
+                    old = self._processes[index]
+                    if old.pid is not None and old.exitcode is None:
+                        old.kill()
+                    old.join(5.0)
+                    while self._spares and spare is None:  # an idle one, replaced at once
+                        spare = self._spares.pop(0)
+                        if not spare.alive:
+                            spare.stop()
+                            spare = None
                 self._channel.resume_worker(index)
                 self.probes.renew(index)
-                spare = self._take_spare()
-                self._respawn(index, functools.partial(self._replacement, index, launch, spare))
+                self._spawn({index: functools.partial(self._replacement, index, launch, spare)})
             except Exception as exc:  # noqa: BLE001 - returned: reported as a death
                 failed.append((launch.rank, exc))
             finally:
@@ -647,45 +636,20 @@ class WorkerGroup:
             except OSError as exc:
                 logger.warning("rank %d: a new process, the spare failed: %s", launch.rank, exc)
                 spare.stop()
-        process = self._process(index, launch)
-        process.start()
-        return process
-
-    def _respawn(self, index: int, start: Callable[[], BaseProcess]) -> None:
-        with self._lock:
-            if self._closed or self.closing:
-                raise RuntimeError("the worker group is closing")
-            old = self._processes[index]
-            if old.pid is not None and old.exitcode is None:
-                old.kill()
-            old.join(5.0)
-            if old.exitcode is None:
-                raise RuntimeError(f"worker {old.name} (pid {old.pid}) did not end")
-            done = threading.Event()
-            self._start_error = None
-            self._spawns.append((index, start, done))
-        self._wake()
-        deadline = time.monotonic() + 60.0
-        while not done.wait(0.05):
-            if self.closing or self._closed:
-                raise RuntimeError("the worker group closed while a worker was being replaced")
-            if time.monotonic() >= deadline or not self._thread.is_alive():
-                raise TimeoutError(f"worker {old.name}'s replacement was not started within 60 s")
-        if self._start_error is not None:
-            raise self._start_error
+        return _started(self._process(index, launch))
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
-
-    def _alive(self) -> list[BaseProcess]:
-        return [p for p in self._processes if p.pid is not None and p.exitcode is None]
 
     def _wait_exit(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while (alive := self._alive()) and (remaining := deadline - time.monotonic()) > 0:
             wait_for_ready([p.sentinel for p in alive], remaining)
         return not alive
+
+    def _alive(self) -> list[BaseProcess]:
+        return [p for p in self._processes if p.pid is not None and p.exitcode is None]
 
     def terminate(self, grace_s: float) -> None:
         """SIGTERM the live workers, then SIGKILL those still alive after ``grace_s``."""
@@ -702,7 +666,7 @@ class WorkerGroup:
 
     def stop(self, grace_s: float) -> None:
         """Wait ``grace_s`` for the workers to exit by themselves, then SIGTERM, then SIGKILL
-        after ``grace_s`` again; reap them and join the monitor. Idempotent. 0: at once."""
+        after ``grace_s`` again (1 s if 0); reap them and join the monitor. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -729,6 +693,11 @@ class WorkerGroup:
                 process = self._processes[index]
                 if process.pid is not None and process.exitcode is None:
                     process.kill()
+
+
+def _started(process: BaseProcess) -> BaseProcess:
+    process.start()
+    return process
 
 
 def _fd_closer(fd: int) -> Callable[[], None]:
