@@ -81,8 +81,7 @@ class MultiprocTransport(ChannelTransport):
     ) -> None:
         super().__init__(host)
         self._placement_cls = placement_cls
-        self._options_cls = options_cls
-        self._options: MultiprocOptions | None = None
+        self._options = options_cls.from_backend_options(host.config.backend_options)
         self._group: WorkerGroup | None = None
         #: Ranks on this node (0 .. _local - 1); 0 where the driver runs no ranks.
         self._local = 0
@@ -97,7 +96,7 @@ class MultiprocTransport(ChannelTransport):
     def start(self) -> None:
         host = self.host
         config = host.config
-        options = self._options = self._options_cls.from_backend_options(config.backend_options)
+        options = self._options
         if config.world_size % config.num_nodes:
             raise ConfigError(
                 "num_nodes",
@@ -290,7 +289,7 @@ class MultiprocTransport(ChannelTransport):
         remote = [rank for rank in ranks if rank >= self._local]
         wait_remote = hub.probe(remote, timeout) if hub is not None and remote else None
         local = [rank for rank in ranks if rank < self._local]
-        silent = group.probes.probe(local, timeout) if group is not None and local else set()
+        silent = group.probe(local, timeout) if group is not None and local else set()
         return silent | (wait_remote() if wait_remote is not None else set())
 
     def kill(self, ranks: Sequence[int]) -> None:
@@ -305,7 +304,6 @@ class MultiprocTransport(ChannelTransport):
         self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
     ) -> None:
         group, options, hub = self._group, self._options, self.hub
-        assert options is not None
         if group is None:
             # The rendezvous is on node 0's agent, at the port it chose for the first one:
             # a new one there is not built; the core restarts every rank.
@@ -366,15 +364,14 @@ class MultiprocTransport(ChannelTransport):
         if rank in self._killed:  # declared hung: the core failed its calls already
             return
         self.host.worker_died(worker_died_error(rank, exitcode, ""))
-        group, options = self._group, self._options
-        if group is not None and options is not None and self.host.config.recovery is None:
+        if self._group is not None and self.host.config.recovery is None:
             # Fail-stop: the survivors go now (with a policy they may rejoin, or the group
             # restart stops them).
-            group.terminate(options.shutdown_grace_s)
+            self._group.terminate(self._options.shutdown_grace_s)
 
     def close(self, graceful: bool) -> None:
         group, options, host = self._group, self._options, self.host
-        if options is None or not self.attached:
+        if not self.attached:
             return  # start-up failed before any process was made
         if self._placement is not None:
             self._placement._report_lost = None

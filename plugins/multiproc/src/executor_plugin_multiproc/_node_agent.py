@@ -176,14 +176,29 @@ class NodeAgent:
             spec = self._receive_spec()
             if isinstance(spec, int):
                 return spec
-            self._timeout = spec.options.node_timeout_s
+            options, launches = spec.options, spec.launches
+            self._timeout, self._grace = options.node_timeout_s, options.shutdown_grace_s
+            self._first_rank = first = launches[0].rank
             try:
-                self._start(spec)
+                check_devices(options, spec.device, len(launches), spec.worker_env)
+                self._channel = NodeRings(len(launches), options.ring_sizes, self._cleanups.append)
+                self._group = WorkerGroup(
+                    self._channel,
+                    launches,
+                    options,
+                    self._cleanups.append,
+                    self._on_death,
+                    spec.spares,
+                    spec.preload,
+                )
             except (ConfigError, ExecutorError, OSError) as exc:
                 reason = f"starting its workers: {exc}"
                 self._send(wire.control(wire.FAILED, {"reason": reason, "started": False}))
                 return 1
-            return self._relay(spec)
+            self._group.armed = True
+            last = first + len(launches) - 1
+            logger.info("node %d (%s): started ranks %d..%d", node_rank, spec.node_id, first, last)
+            return self._relay()
         except ChannelError as exc:
             # The link failed (a send that could not leave, a closed link): no traceback.
             print(
@@ -257,26 +272,6 @@ class NodeAgent:
             raise ExecutorError(f"the driver sent a {type(spec).__name__} as this node's spec")
         return spec
 
-    def _start(self, spec: NodeSpec) -> None:
-        check_devices(spec.options, spec.device, len(spec.launches), spec.worker_env)
-        self._channel = NodeRings(
-            len(spec.launches), spec.options.ring_sizes, self._cleanups.append
-        )
-        self._first_rank = first = spec.launches[0].rank
-        self._grace = spec.options.shutdown_grace_s
-        self._group = WorkerGroup(
-            self._channel,
-            spec.launches,
-            spec.options,
-            self._cleanups.append,
-            self._on_death,
-            spec.spares,
-            spec.preload,
-        )
-        self._group.armed = True
-        last = first + len(spec.launches) - 1
-        logger.info("node %d (%s): started ranks %d..%d", spec.node_rank, spec.node_id, first, last)
-
     def _on_death(self, index: int, exitcode: int) -> None:
         """Monitor thread: hand the death to the relay thread, which owns the link."""
         self._deaths.append((index, exitcode))
@@ -284,7 +279,7 @@ class NodeAgent:
 
     # --- the relay ------------------------------------------------------------------------
 
-    def _relay(self, spec: NodeSpec) -> int:
+    def _relay(self) -> int:
         interval = self._timeout / 4
         bells = (self._channel.reply_bell, self._death_bell)
         fds = [bell.fd for bell in bells]
@@ -344,14 +339,10 @@ class NodeAgent:
             elif op == wire.PROBE:
                 # Asked only once a call waited the hang bound (replies are stalled anyway).
                 info = wire.read_control(parts)
-                timeout = info.get("timeout_s")
-                timeout = float(timeout) if isinstance(timeout, int | float) else 1.0
-                silent = group.probes.probe(
-                    self._indices(info), min(max(timeout, 0.0), _MAX_PROBE_S)
-                )
-                silent_ranks = sorted(self._first_rank + index for index in silent)
-                reply = {"token": info.get("token"), "silent": silent_ranks}
-                self._send(wire.control(wire.PROBED, reply))
+                timeout = min(float(info["timeout_s"]), _MAX_PROBE_S)
+                silent = group.probe(self._indices(info), timeout)
+                ranks = sorted(self._first_rank + index for index in silent)
+                self._send(wire.control(wire.PROBED, {"token": info["token"], "silent": ranks}))
             elif op == wire.END:  # declared hung: their deaths are reported as any other
                 group.kill(self._indices(wire.read_control(parts)))
             elif op == wire.REPLACE and len(parts) == 3:
@@ -366,13 +357,9 @@ class NodeAgent:
 
     def _indices(self, info: dict[str, Any]) -> list[int]:
         """The indices of this node's workers among ``info["ranks"]``."""
-        first, ranks = self._first_rank, info.get("ranks")
+        first = self._first_rank
         held = range(first, first + len(self._channel.replies))
-        return [
-            r - first
-            for r in (ranks if isinstance(ranks, list) else [])
-            if type(r) is int and r in held
-        ]
+        return [rank - first for rank in info["ranks"] if rank in held]
 
     def _receive(self) -> int | None:
         """Handle what the driver sent, writing its calls into the ring in order; an exit

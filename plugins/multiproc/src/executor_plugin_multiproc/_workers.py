@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import selectors
 import signal
 import socket
 import struct
@@ -249,84 +248,25 @@ def check_devices(
         check_gpu_per_local_rank(workers, env)
 
 
-# --- liveness probes ---------------------------------------------------------------------
-
-
-class Probes:
-    """The starting side's ends of its workers' probe sockets, by worker index."""
-
-    def __init__(self, count: int) -> None:
-        pairs = [socket.socketpair() for _ in range(count)]
-        self._ours = [ours for ours, _ in pairs]
-        #: The workers' ends, handed to each process at its start and closed here after.
-        self.theirs = [theirs for _, theirs in pairs]
-        for sock in self._ours:
-            sock.setblocking(False)
-        self._token = 0
-
-    def renew(self, index: int) -> None:
-        """A new pair for worker ``index`` (its process is being replaced)."""
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-        self._ours[index].close()
-        self._ours[index], self.theirs[index] = ours, theirs
-
-    def fds(self) -> tuple[int, ...]:
-        return tuple(sock.fileno() for sock in self._ours)
-
-    def handed_over(self, indices: Iterable[int]) -> None:
-        """Those workers hold their ends now: close this process's copies."""
-        for index in indices:
-            self.theirs[index].close()
-
-    def probe(self, indices: Iterable[int], timeout: float) -> set[int]:
-        """The workers among ``indices`` that did not answer within ``timeout`` seconds."""
-        self._token = self._token % 255 + 1  # never 0: tells this probe from earlier ones
-        token = bytes([self._token])
-        pending: dict[socket.socket, int] = {}
-        silent: set[int] = set()
-        for index in indices:
-            sock = self._ours[index]
-            try:
-                _drain(sock)  # late answers to an earlier probe
-                sock.send(token)
-                pending[sock] = index
-            except OSError:  # the worker's end is closed: the process is gone
-                silent.add(index)
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            for sock in pending:
-                selector.register(sock, selectors.EVENT_READ)
-            while pending and (remaining := deadline - time.monotonic()) > 0:
-                for key, _ in selector.select(remaining):
-                    sock = key.fileobj  # type: ignore[assignment]  # registered as sockets
-                    try:
-                        answer = _drain(sock)
-                    except OSError:
-                        answer = None
-                    if answer is None or answer.endswith(token):  # gone, or answered
-                        selector.unregister(sock)
-                        index = pending.pop(sock)
-                        if answer is None:
-                            silent.add(index)
-        return silent | set(pending.values())
-
-    def close(self) -> None:
-        for sock in (*self._ours, *self.theirs):
-            sock.close()
+def _probe_pair() -> tuple[socket.socket, socket.socket]:
+    """A worker's liveness probe: the starting side's end (non-blocking), and the worker's."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    return ours, theirs
 
 
 def _drain(sock: socket.socket) -> bytes | None:
-    """Whatever is waiting on ``sock`` (non-blocking), or None at the end of the stream."""
+    """Whatever is waiting on ``sock`` (non-blocking), or None at the end of the stream (or
+    once it failed: the worker is gone)."""
     chunks: list[bytes] = []
-    while True:
-        try:
-            chunk = sock.recv(256)
-        except BlockingIOError:
-            return b"".join(chunks)
-        if not chunk:
-            return None
-        chunks.append(chunk)
+    try:
+        while chunk := sock.recv(256):
+            chunks.append(chunk)
+    except BlockingIOError:
+        return b"".join(chunks)
+    except OSError:
+        pass
+    return None
 
 
 def _answer_probes(fd: int) -> None:
@@ -341,34 +281,23 @@ def _answer_probes(fd: int) -> None:
     threading.Thread(target=run, name="executor-mp-probe", daemon=True).start()
 
 
-# --- spares ------------------------------------------------------------------------------
-
-
 class _Spare:
     """One spare process, as the side that started it sees it."""
 
     def __init__(self, ctx: Any, env: dict[str, str], preload: str, death: int, parent: int | None):
-        self._ours, self._theirs = socket.socketpair()
-        handover = InheritedFd(self._theirs.fileno())
+        self._ours, theirs = socket.socketpair()
         self.process: BaseProcess = ctx.Process(
             target=_spare_main,
-            args=(env, preload, handover, InheritedFd(death), parent),
+            args=(env, preload, InheritedFd(theirs.fileno()), InheritedFd(death), parent),
             name="executor-mp-spare",
             daemon=True,
         )
-        #: Its process runs a rank now: the group's to stop, not this object's.
-        self.handed_over = False
-        self._stopped = False
-
-    def start(self) -> None:
         try:
             self.process.start()
         finally:
-            self._theirs.close()  # the child holds its copy, or there is no child
-
-    @property
-    def alive(self) -> bool:
-        return self.process.pid is not None and self.process.exitcode is None
+            theirs.close()  # the child holds its copy, or there is no child
+        #: Its process runs a rank now: the group's to stop, not this object's.
+        self.handed_over = self._stopped = False
 
     def hand_over(self, spec: WorkerSpec) -> BaseProcess:
         """Give this spare ``spec``'s rank; it is that rank's worker process from now on."""
@@ -384,19 +313,34 @@ class _Spare:
 
     def stop(self) -> None:
         """End an idle spare (its ``recv`` returns; SIGTERM if it is still importing)."""
-        if self._stopped or self.handed_over:
-            return
-        self._stopped = True
-        self._ours.close()
-        process = self.process
-        if process.pid is None:
-            return
-        for end in (process.terminate, process.kill):
+        if not (self.handed_over or self._stopped):
+            self._stopped = True
+            self._ours.close()
+            _end([self.process], 5.0)
+            if self.process.exitcode is not None:
+                self.process.close()
+
+
+def _end(processes: Sequence[BaseProcess], grace_s: float) -> None:
+    """SIGTERM ``processes``, then SIGKILL those still alive after ``grace_s``; reap them."""
+    for process in processes:
+        process.terminate()
+    if not _wait_exit(processes, grace_s):
+        for process in processes:
             if process.exitcode is None:
-                end()
-                process.join(5.0)
-        if process.exitcode is not None:
-            process.close()
+                logger.warning("process %s ignored SIGTERM; sending SIGKILL", process.name)
+                process.kill()
+        _wait_exit(processes, 5.0)
+
+
+def _wait_exit(processes: Sequence[BaseProcess], timeout: float) -> bool:
+    """Wait up to ``timeout`` for ``processes`` to end; whether they all did."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in processes if p.exitcode is None]) and (
+        remaining := deadline - time.monotonic()
+    ) > 0:
+        wait_for_ready([p.sentinel for p in alive], remaining)
+    return not alive
 
 
 # --- the group ---------------------------------------------------------------------------
@@ -431,14 +375,19 @@ class WorkerGroup:
         # Workers read the death pipe: it reaches EOF when this process dies, however it
         # dies. The read end stays open here for the processes of a rank replacement.
         self._death_r, self._death_w = os.pipe()
-        self.probes = Probes(len(launches))
-        for cleanup in (self.probes.close, *map(_fd_closer, (self._death_w, self._death_r))):
-            add_cleanup(cleanup)
+        #: Each worker's liveness probe: this side's ends, and the workers' (closed here once
+        #: handed to their process).
+        pairs = [_probe_pair() for _ in launches]
+        self._probes, self._probe_ends = [p[0] for p in pairs], [p[1] for p in pairs]
+        for fd in (self._death_w, self._death_r):
+            add_cleanup(_fd_closer(fd))
+        add_cleanup(self._close_probes)
         self._lock = threading.RLock()
         self._wake_r, self._wake_w = os.pipe()
         #: What the monitor is to start: ``({index: start}, done)``.
         self._spawns: list[tuple[dict[int, Callable[[], BaseProcess]], threading.Event]] = []
         self._start_error: BaseException | None = None
+        self._token = 0
         self._spare_args = (launches[0].env(rank=False), preload, self._death_r, self._parent_pid)
         self._spare_count = 0 if self._forked else spares
         self._spares_wanted = 0  # until start_spares
@@ -453,10 +402,11 @@ class WorkerGroup:
         try:
             self._spawn({i: functools.partial(_started, p) for i, p in enumerate(self._processes)})
         finally:
-            self.probes.handed_over(range(len(launches)))  # the children hold their copies
+            for sock in self._probe_ends:
+                sock.close()  # the children hold their copies
 
     def _spec(self, index: int, launch: WorkerLaunch) -> WorkerSpec:
-        fds = (self._death_r, self.probes.theirs[index].fileno())
+        fds = (self._death_r, self._probe_ends[index].fileno())
         return WorkerSpec(
             launch=launch,
             layout=self._channel.layout,
@@ -464,7 +414,7 @@ class WorkerGroup:
             fds=tuple(map(InheritedFd, fds + self._channel.worker_fds(index).as_tuple())),
             parent_pid=self._parent_pid,
             options=self._options,
-            close_fds=(self._death_w, *self.probes.fds()) if self._forked else (),
+            close_fds=(self._death_w, *(s.fileno() for s in self._probes)) if self._forked else (),
         )
 
     def _process(self, index: int, launch: WorkerLaunch) -> BaseProcess:
@@ -576,9 +526,8 @@ class WorkerGroup:
 
     def _top_up_spares(self) -> None:
         while self._wants_spare():
-            spare = _Spare(self._ctx, *self._spare_args)
             try:
-                spare.start()
+                spare = _Spare(self._ctx, *self._spare_args)
             except Exception:
                 logger.warning("a warm spare worker could not be started", exc_info=True)
                 self._spares_wanted = 0
@@ -613,19 +562,45 @@ class WorkerGroup:
                     old.join(5.0)
                     while self._spares and spare is None:  # an idle one, replaced at once
                         spare = self._spares.pop(0)
-                        if not spare.alive:
+                        if spare.process.exitcode is not None:
                             spare.stop()
                             spare = None
                 self._channel.resume_worker(index)
-                self.probes.renew(index)
+                self._probes[index].close()
+                self._probes[index], self._probe_ends[index] = _probe_pair()
                 self._spawn({index: functools.partial(self._replacement, index, launch, spare)})
             except Exception as exc:  # noqa: BLE001 - returned: reported as a death
                 failed.append((launch.rank, exc))
             finally:
                 if spare is not None:
                     spare.stop()  # unless it runs the rank now
-                self.probes.handed_over([index])
+                self._probe_ends[index].close()
         return failed
+
+    def probe(self, indices: Iterable[int], timeout: float) -> set[int]:
+        """The workers among ``indices`` that did not answer their probe within ``timeout``
+        seconds (a byte each echoes from a thread of its own)."""
+        self._token = self._token % 255 + 1  # never 0: tells this probe from earlier ones
+        token = bytes([self._token])
+        pending: dict[socket.socket, int] = {}
+        silent: set[int] = set()
+        for index in indices:
+            sock = self._probes[index]
+            try:
+                _drain(sock)  # late answers to an earlier probe
+                sock.send(token)
+                pending[sock] = index
+            except OSError:  # the worker's end is closed: the process is gone
+                silent.add(index)
+        deadline = time.monotonic() + timeout
+        while pending and (remaining := deadline - time.monotonic()) > 0:
+            for sock in wait_for_ready(list(pending), remaining):  # type: ignore[assignment]
+                answer = _drain(sock)
+                if answer is None or answer.endswith(token):  # gone, or answered
+                    index = pending.pop(sock)
+                    if answer is None:
+                        silent.add(index)
+        return silent | set(pending.values())
 
     def _replacement(self, index: int, launch: WorkerLaunch, spare: _Spare | None) -> BaseProcess:
         """Monitor thread: hand the rank to ``spare``, or (without one, or if the hand-over
@@ -642,11 +617,9 @@ class WorkerGroup:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def _wait_exit(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while (alive := self._alive()) and (remaining := deadline - time.monotonic()) > 0:
-            wait_for_ready([p.sentinel for p in alive], remaining)
-        return not alive
+    def _close_probes(self) -> None:
+        for sock in (*self._probes, *self._probe_ends):
+            sock.close()
 
     def _alive(self) -> list[BaseProcess]:
         return [p for p in self._processes if p.pid is not None and p.exitcode is None]
@@ -654,15 +627,8 @@ class WorkerGroup:
     def terminate(self, grace_s: float) -> None:
         """SIGTERM the live workers, then SIGKILL those still alive after ``grace_s``."""
         with self._lock:
-            if self._closed:  # already stopped and reaped (e.g. shutdown from a callback)
-                return
-            for process in self._alive():
-                process.terminate()
-            if not self._wait_exit(grace_s):
-                for process in self._alive():
-                    logger.warning("worker %s ignored SIGTERM; sending SIGKILL", process.name)
-                    process.kill()
-                self._wait_exit(5.0)
+            if not self._closed:  # else stopped and reaped (e.g. shutdown from a callback)
+                _end(self._alive(), grace_s)
 
     def stop(self, grace_s: float) -> None:
         """Wait ``grace_s`` for the workers to exit by themselves, then SIGTERM, then SIGKILL
@@ -674,8 +640,8 @@ class WorkerGroup:
             spares, self._spares = self._spares, []
             for spare in spares:
                 spare.stop()
-            if not self._wait_exit(grace_s):
-                self.terminate(grace_s or 1.0)
+            if not _wait_exit(self._alive(), grace_s):
+                _end(self._alive(), grace_s or 1.0)
             self._closed = True
         self._wake()
         if self._thread is not threading.current_thread():
