@@ -8,26 +8,16 @@ from __future__ import annotations
 
 from executor_core.backend import BackendSpec, Capabilities, hookimpl, lazy_getattr
 
-# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
-# constant of this name as true.
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # not typing's (its import costs time); checkers take it as true
 if TYPE_CHECKING:
     import argparse
     from typing import Any
 
     from ._executor import MultiprocExecutor, MultiprocOptions
 
-__all__ = [
-    "MultiprocExecutor",
-    "MultiprocOptions",
-    "__version__",
-    "executor_register_backends",
-]
+__all__ = ["MultiprocExecutor", "MultiprocOptions", "__version__", "executor_register_backends"]
 
-_LAZY: dict[str, str] = {
-    "MultiprocExecutor": "._executor",
-    "MultiprocOptions": "._executor",
-}
+_LAZY = {"MultiprocExecutor": "._executor", "MultiprocOptions": "._executor"}
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 

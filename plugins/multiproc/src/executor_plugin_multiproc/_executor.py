@@ -1,12 +1,8 @@
 """MultiprocExecutor, its options and its transport: one worker process per rank, on this
-machine and on the other nodes' agents (``executor node``).
-
-The transport starts the workers (:class:`~._workers.WorkerGroup`), writes each call once into
-the broadcast ring and reads the replies in ``poll``, which the core calls from the thread that
-waits (the channel's :class:`~executor_channel.driver.ChannelTransport`). The other nodes join
-the channel's hub; a :class:`~.launcher.Placement` says who starts their agents. Every rule of a
-call (ordering, reply gathering, timeouts, failure) is the core's.
-"""
+machine and on the other nodes' agents (``executor node``), which a
+:class:`~.launcher.Placement` starts and the channel's hub joins. Calls and replies travel the
+channel (:class:`~executor_channel.driver.ChannelTransport`); every rule of a call is the
+core's."""
 
 from __future__ import annotations
 
@@ -162,20 +158,12 @@ class MultiprocTransport(ChannelTransport):
                 worker_cls,
             )
         if hub is not None:
+            common = (options, config.device, host.worker_env, spares, worker_cls)
             for node in hub.nodes:
-                first_rank = node.node_rank * per_node
-                node_launches = tuple(launches[first_rank : first_rank + per_node])
+                ranks = range(node.node_rank * per_node, (node.node_rank + 1) * per_node)
                 spec = NodeSpec(
-                    node.node_rank,
-                    node.node_id,
-                    node_launches,
-                    options,
-                    config.device,
-                    host.worker_env,
-                    spares,
-                    worker_cls,
+                    node.node_rank, node.node_id, tuple(launches[r] for r in ranks), *common
                 )
-                ranks = range(first_rank, first_rank + per_node)
                 hub.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
             hub.start()
             self.hub = hub
@@ -269,35 +257,26 @@ class MultiprocTransport(ChannelTransport):
 
     def _check_start(self, pending: set[int]) -> None:
         """Between waits for the ready frames: a local worker that died ends the start."""
-        group = self._group
-        for rank in sorted(pending):
-            if rank >= self._local or group is None:
-                continue
-            code = group.exit_code(rank)
-            if code is not None and not self._rings().replies[rank].poll():
+        for rank in sorted(rank for rank in pending if rank < self._local):
+            code = self._group.exit_code(rank) if self._group is not None else None
+            if code is not None and self.rings is not None and not self.rings.replies[rank].poll():
                 raise worker_died_error(rank, code, "during start-up; its stderr has the details")
-
-    def _rings(self) -> NodeRings:
-        assert self.rings is not None  # the driver's node runs ranks
-        return self.rings
 
     # --- probes, hangs and rank replacement -------------------------------------------------
 
     def probe(self, ranks: Sequence[int], timeout: float) -> set[int]:
         # The remote ranks' agents are asked first, and answer while the local ranks are.
-        hub, group = self.hub, self._group
-        remote = [rank for rank in ranks if rank >= self._local]
-        wait_remote = hub.probe(remote, timeout) if hub is not None and remote else None
         local = [rank for rank in ranks if rank < self._local]
-        silent = group.probe(local, timeout) if group is not None and local else set()
-        return silent | (wait_remote() if wait_remote is not None else set())
+        remote = [rank for rank in ranks if rank >= self._local]
+        wait_remote = self.hub.probe(remote, timeout) if self.hub is not None and remote else set
+        silent = self._group.probe(local, timeout) if self._group is not None and local else set()
+        return silent | wait_remote()
 
     def kill(self, ranks: Sequence[int]) -> None:
         self._killed.update(ranks)
         if self._group is not None:
             self._group.kill([rank for rank in ranks if rank < self._local])
-        remote = [rank for rank in ranks if rank >= self._local]
-        if self.hub is not None and remote:
+        if self.hub is not None and (remote := [rank for rank in ranks if rank >= self._local]):
             self.hub.end(remote)
 
     def replace(

@@ -1,17 +1,12 @@
 """``executor node``: the agent that runs one node's workers for a driver on another machine.
 
-The agent dials the driver's listener (authenticated with the shared secret), says which node
-it is, receives its :class:`~._workers.NodeSpec` (or, at once, the driver's refusal: one line
-on stderr with the reason and what to do, exit status 2; no driver within the join timeout is
-one line too, status 3), starts that node's workers on a shared-memory channel of its own, and
-then relays: each call frame from the driver is written once into the node's ring (every
-local worker reads it), and each reply frame is sent back as it is, never unpickled here. One
-thread owns the link; it sleeps in one poll on the link and the reply and death doorbells. It
-also answers the driver's liveness probes, ends the ranks declared hung and replaces ranks.
-
-Heartbeats both ways: if the driver falls silent for ``node_timeout_s``, the agent stops its
-workers and exits; if the agent dies, its workers see it (parent-death signal and death pipe)
-and exit, and the driver sees its silence.
+It dials the driver's hub (authenticated with the shared secret), says which node it is, and
+receives its :class:`~._workers.NodeSpec`, or the driver's refusal (one line on stderr with
+the reason and what to do, status 2; no driver within the join timeout: status 3). Then it
+starts the node's workers on rings of its own and relays, from one thread asleep on the link
+and the reply and death doorbells: each call frame is written once into the ring, each reply
+frame sent back unpickled. Heartbeats go both ways: a driver silent for ``node_timeout_s``
+stops the node; a dead agent's workers exit (parent-death signal, death pipe).
 """
 
 from __future__ import annotations
@@ -131,11 +126,8 @@ def run_agent(
 
 
 class _Killed(Exception):
-    """The driver said KILL while a call was being written into the full ring."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
+    """The driver said KILL (its status the argument) while a call was being written into
+    the full ring."""
 
 
 class NodeAgent:
@@ -215,7 +207,6 @@ class NodeAgent:
             return 130
         finally:
             if self._group is not None:
-                self._group.closing = True
                 self._group.stop(0.0)
             for cleanup in reversed(self._cleanups):
                 with contextlib.suppress(Exception):
@@ -378,7 +369,7 @@ class NodeAgent:
                 copied = copied_whole(frame[0], nbytes)
                 self._channel.calls.write(frame, nbytes, None, self._while_writing, copied=copied)
             except _Killed as killed:
-                return killed.status
+                return int(killed.args[0])
             if nbytes and frame[0][0] == KIND_STOP:
                 return self._stop()
         return None

@@ -58,26 +58,31 @@ def add_node_command(commands: argparse._SubParsersAction[Any]) -> None:
 # --- the checks (argparse ``type=`` functions) ------------------------------------------------
 
 
-def _integer(low: int, high: int | None, allowed: str) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer from ``low`` to ``high`` (no bound if None), else
-    an error saying it ``must be`` ``allowed``."""
+def _bounded(kind: type[Any], low: float, high: float, allowed: str) -> Callable[[str], Any]:
+    """An argparse ``type=``: a ``kind`` from ``low`` to ``high``, else an error saying it
+    ``must be`` ``allowed``."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text.strip())
+            value = kind(text.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {allowed}, not {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {allowed}, not {value}")
+        if not low <= value <= high:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be {allowed}, not {text.strip()}")
         return value
 
     return parse
 
 
-#: ``--node-rank``, ``--num-nodes``, ``--master-port``.
-_node_rank = _integer(0, None, "an integer >= 0")
-_num_nodes = _integer(2, None, "an integer >= 2 (a single node needs no agent)")
-_port = _integer(1, 65535, "a TCP port, an integer from 1 to 65535")
+_node_rank = _bounded(int, 0, math.inf, "an integer >= 0")
+_num_nodes = _bounded(int, 2, math.inf, "an integer >= 2 (a single node needs no agent)")
+_port = _bounded(int, 1, 65535, "a TCP port, an integer from 1 to 65535")
+_join_timeout = _bounded(  # from the least float above 0
+    float,
+    math.ulp(0.0),
+    MAX_JOIN_TIMEOUT_S,
+    f"a number of seconds more than 0 and at most {MAX_JOIN_TIMEOUT_S:.0f}",
+)
 
 
 def _node_id(text: str) -> str:
@@ -87,18 +92,6 @@ def _node_id(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"must be a printable name without spaces, 1 to 255 characters, not {text!r}"
         )
-    return value
-
-
-def _join_timeout(text: str) -> float:
-    """``--join-timeout``: seconds, more than 0 and at most :data:`MAX_JOIN_TIMEOUT_S`."""
-    allowed = f"a number of seconds more than 0 and at most {MAX_JOIN_TIMEOUT_S:.0f}"
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {allowed}, not {text!r}") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_JOIN_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"must be {allowed}, not {text.strip()}")
     return value
 
 
