@@ -401,6 +401,9 @@ class WorkerGroup:
         self._thread.start()
         try:
             self._spawn({i: functools.partial(_started, p) for i, p in enumerate(self._processes)})
+        except BaseException:
+            self.stop(0.0)  # those started, and the monitor
+            raise
         finally:
             for sock in self._probe_ends:
                 sock.close()  # the children hold their copies
