@@ -64,7 +64,7 @@ LINE_BUDGETS = {
     "core/torch": 1_100,
     "channel": 7_900,
     "plugins/uniproc": 250,
-    "plugins/multiproc": 2_900,
+    "plugins/multiproc": 2_020,
     "plugins/ray": 2_350,
     "plugins/slurm": 726,
     "plugins/kubernetes": 700,

@@ -1,39 +1,23 @@
 """executor-plugin-multiproc: the multi-process backend (``mp``, alias ``multiproc``).
 
-This module is the plugin the registry imports: it only declares the backend. The executor
-lives in :mod:`executor_plugin_multiproc._executor` and is imported when chosen.
-
-Its user-facing names (``MultiprocExecutor`` and ``MultiprocOptions``) import from this package
-and load their code on first use.
+The registry imports this module in every process: it only declares the backend and the
+``executor node`` command. ``MultiprocExecutor`` and ``MultiprocOptions`` load on first use.
 """
 
 from __future__ import annotations
 
 from executor_core.backend import BackendSpec, Capabilities, hookimpl, lazy_getattr
 
-# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
-# constant of this name as true.
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # not typing's (its import costs time); checkers take it as true
 if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-    from ._executor import MultiprocExecutor
-    from ._options import MultiprocOptions
+    from ._executor import MultiprocExecutor, MultiprocOptions
 
-__all__ = [
-    "MultiprocExecutor",
-    "MultiprocOptions",
-    "__version__",
-    "executor_register_backends",
-]
+__all__ = ["MultiprocExecutor", "MultiprocOptions", "__version__", "executor_register_backends"]
 
-#: The plugin's user-facing names, imported on first use: the registry imports this module
-#: in every process, and the names below pull in the backend's code.
-_LAZY: dict[str, str] = {
-    "MultiprocExecutor": "._executor",
-    "MultiprocOptions": "._options",
-}
+_LAZY = {"MultiprocExecutor": "._executor", "MultiprocOptions": "._executor"}
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 

@@ -1,6 +1,6 @@
 """The ``executor node`` subcommand: its options, read from the command line or the
 environment and checked before the agent dials anyone. Light on purpose: ``executor`` adds
-it every time it starts, and the agent itself (:mod:`._agent`) is imported only when the
+it every time it starts, and the agent itself (:mod:`._node_agent`) is imported only when the
 command runs.
 
 Every bad value is a usage error (exit status 2) that names the option (or the environment
@@ -17,38 +17,14 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
-
-__all__ = [
-    "ADDRESS_ENV",
-    "MASTER_ADDR_ENV",
-    "MASTER_PORT_ENV",
-    "MAX_JOIN_TIMEOUT_S",
-    "NODE_ID_ENV",
-    "NODE_RANK_ENV",
-    "NUM_NODES_ENV",
-    "add_node_command",
-]
-
-#: Environment variables read by ``executor node`` when its options are not given.
-NODE_RANK_ENV = "EXECUTOR_NODE_RANK"
-NUM_NODES_ENV = "EXECUTOR_NUM_NODES"
-MASTER_ADDR_ENV = "EXECUTOR_MASTER_ADDR"
-MASTER_PORT_ENV = "EXECUTOR_MASTER_PORT"
-NODE_ID_ENV = "EXECUTOR_NODE_ID"
-ADDRESS_ENV = "EXECUTOR_NODE_ADDRESS"
+from typing import Any
 
 #: The longest ``--join-timeout``, in seconds (about 11.5 days; zmq's send timeouts are
 #: 32-bit milliseconds).
 MAX_JOIN_TIMEOUT_S = 1_000_000.0
-
-_DEFAULT_ADDR = "127.0.0.1"
-_DEFAULT_PORT = 29550
 _DEFAULT_JOIN_TIMEOUT_S = 600.0
 # One label of a host name (RFC 1123; underscores too, as container names have them).
 _LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
-
-_T = TypeVar("_T")
 
 
 def add_node_command(commands: argparse._SubParsersAction[Any]) -> None:
@@ -65,61 +41,8 @@ def add_node_command(commands: argparse._SubParsersAction[Any]) -> None:
             "error does; one that finds no driver within --join-timeout exits with status 3."
         ),
     )
-    parser.add_argument(
-        "--node-rank",
-        type=_node_rank,
-        default=None,
-        help=(
-            f"this node's rank (env {NODE_RANK_ENV}): 1 .. num_nodes-1, node 0 being the "
-            "driver's machine; 0 .. num_nodes-1 for a driver that runs no ranks itself"
-        ),
-    )
-    parser.add_argument(
-        "--node-id",
-        type=_node_id,
-        default=None,
-        help=(
-            f"this node's name, as WorkerContext.node_id and errors give it (env {NODE_ID_ENV}; "
-            "default: this machine's host name)"
-        ),
-    )
-    parser.add_argument(
-        "--address",
-        type=_master_addr,
-        default=None,
-        help=(
-            f"this node's address as the others reach it (env {ADDRESS_ENV}; default: the "
-            "address this machine uses to reach the driver). WorkerContext.node_address gives "
-            "it, and node 0 hosts the torch rendezvous there when the driver runs no ranks"
-        ),
-    )
-    parser.add_argument(
-        "--num-nodes",
-        type=_num_nodes,
-        default=None,
-        help=(
-            f"the driver's num_nodes, if you want it checked (env {NUM_NODES_ENV}): a driver "
-            "with another one refuses this agent"
-        ),
-    )
-    parser.add_argument(
-        "--master-addr",
-        type=_master_addr,
-        default=None,
-        help=(
-            f"the driver's distributed_host: a host name or an IP address (env "
-            f"{MASTER_ADDR_ENV}; default {_DEFAULT_ADDR})"
-        ),
-    )
-    parser.add_argument(
-        "--master-port",
-        type=_port,
-        default=None,
-        help=(
-            f"the driver's backend_options['node_port'], 1 to 65535 (env {MASTER_PORT_ENV}; "
-            f"default {_DEFAULT_PORT})"
-        ),
-    )
+    for flag, (check, variable, text) in _OPTIONS.items():
+        parser.add_argument(flag, type=check, help=text.format(f"env {variable}"))
     parser.add_argument(
         "--join-timeout",
         type=_join_timeout,
@@ -135,26 +58,31 @@ def add_node_command(commands: argparse._SubParsersAction[Any]) -> None:
 # --- the checks (argparse ``type=`` functions) ------------------------------------------------
 
 
-def _integer(low: int, high: int | None, allowed: str) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer from ``low`` to ``high`` (no bound if None), else
-    an error saying it ``must be`` ``allowed``."""
+def _bounded(kind: type[Any], low: float, high: float, allowed: str) -> Callable[[str], Any]:
+    """An argparse ``type=``: a ``kind`` from ``low`` to ``high``, else an error saying it
+    ``must be`` ``allowed``."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text.strip())
+            value = kind(text.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {allowed}, not {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {allowed}, not {value}")
+        if not low <= value <= high:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be {allowed}, not {text.strip()}")
         return value
 
     return parse
 
 
-#: ``--node-rank``, ``--num-nodes``, ``--master-port``.
-_node_rank = _integer(0, None, "an integer >= 0")
-_num_nodes = _integer(2, None, "an integer >= 2 (a single node needs no agent)")
-_port = _integer(1, 65535, "a TCP port, an integer from 1 to 65535")
+_node_rank = _bounded(int, 0, math.inf, "an integer >= 0")
+_num_nodes = _bounded(int, 2, math.inf, "an integer >= 2 (a single node needs no agent)")
+_port = _bounded(int, 1, 65535, "a TCP port, an integer from 1 to 65535")
+_join_timeout = _bounded(  # from the least float above 0
+    float,
+    math.ulp(0.0),
+    MAX_JOIN_TIMEOUT_S,
+    f"a number of seconds more than 0 and at most {MAX_JOIN_TIMEOUT_S:.0f}",
+)
 
 
 def _node_id(text: str) -> str:
@@ -164,18 +92,6 @@ def _node_id(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"must be a printable name without spaces, 1 to 255 characters, not {text!r}"
         )
-    return value
-
-
-def _join_timeout(text: str) -> float:
-    """``--join-timeout``: seconds, more than 0 and at most :data:`MAX_JOIN_TIMEOUT_S`."""
-    allowed = f"a number of seconds more than 0 and at most {MAX_JOIN_TIMEOUT_S:.0f}"
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {allowed}, not {text!r}") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_JOIN_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"must be {allowed}, not {text.strip()}")
     return value
 
 
@@ -225,39 +141,65 @@ def _master_addr(text: str) -> str:
     return value
 
 
+#: Each option but --join-timeout: its check, the environment variable read when it is not
+#: given, and its help ("{}" names the variable).
+_OPTIONS: dict[str, tuple[Callable[[str], Any], str, str]] = {
+    "--node-rank": (
+        _node_rank,
+        "EXECUTOR_NODE_RANK",
+        "this node's rank ({}): 1 .. num_nodes-1, node 0 being the driver's machine; "
+        "0 .. num_nodes-1 for a driver that runs no ranks itself",
+    ),
+    "--node-id": (
+        _node_id,
+        "EXECUTOR_NODE_ID",
+        "this node's name, as WorkerContext.node_id and errors give it ({}; default: this "
+        "machine's host name)",
+    ),
+    "--address": (
+        _master_addr,
+        "EXECUTOR_NODE_ADDRESS",
+        "this node's address as the others reach it ({}; default: the address this machine "
+        "uses to reach the driver). WorkerContext.node_address gives it, and node 0 hosts the "
+        "torch rendezvous there when the driver runs no ranks",
+    ),
+    "--num-nodes": (
+        _num_nodes,
+        "EXECUTOR_NUM_NODES",
+        "the driver's num_nodes, if you want it checked ({}): a driver with another one "
+        "refuses this agent",
+    ),
+    "--master-addr": (
+        _master_addr,
+        "EXECUTOR_MASTER_ADDR",
+        "the driver's distributed_host: a host name or an IP address ({}; default 127.0.0.1)",
+    ),
+    "--master-port": (
+        _port,
+        "EXECUTOR_MASTER_PORT",
+        "the driver's backend_options['node_port'], 1 to 65535 ({}; default 29550)",
+    ),
+}
+
+
 # --- the command ---------------------------------------------------------------------------
 
 
-def _from_env(
-    parser: argparse.ArgumentParser,
-    given: _T | None,
-    name: str,
-    check: Callable[[str], _T],
-    flag: str,
-) -> _T | None:
-    """An option's value: as given, else the environment variable ``name``'s, checked like
-    the option (a bad one is a usage error naming the variable)."""
-    if given is not None:
-        return given
-    text = os.environ.get(name)
-    if text is None:
-        return None
-    try:
-        return check(text)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(f"environment variable {name} (read as {flag}): {exc}")
-
-
 def _node_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    rank = _from_env(parser, args.node_rank, NODE_RANK_ENV, _node_rank, "--node-rank")
-    nodes = _from_env(parser, args.num_nodes, NUM_NODES_ENV, _num_nodes, "--num-nodes")
-    addr = _from_env(parser, args.master_addr, MASTER_ADDR_ENV, _master_addr, "--master-addr")
-    master_port = _from_env(parser, args.master_port, MASTER_PORT_ENV, _port, "--master-port")
-    node_id = _from_env(parser, args.node_id, NODE_ID_ENV, _node_id, "--node-id")
-    address = _from_env(parser, args.address, ADDRESS_ENV, _master_addr, "--address")
+    values: dict[str, Any] = {}
+    for flag, (check, variable, _) in _OPTIONS.items():
+        # As given, else the variable's, checked like the option.
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None and (text := os.environ.get(variable)) is not None:
+            try:
+                value = check(text)
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"environment variable {variable} (read as {flag}): {exc}")
+        values[flag] = value
+    rank, nodes = values["--node-rank"], values["--num-nodes"]
     if rank is None:
         parser.error(
-            f"give --node-rank (or {NODE_RANK_ENV}), an integer >= 1; node 0 is the "
+            "give --node-rank (or EXECUTOR_NODE_RANK), an integer >= 1; node 0 is the "
             "driver's machine unless the driver runs no ranks"
         )
     if nodes is not None and rank >= nodes:
@@ -273,15 +215,15 @@ def _node_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     except SecretError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="executor node: %(message)s")
-    from ._agent import run_agent  # zmq and the worker machinery: only when it runs
+    from ._node_agent import run_agent  # zmq and the worker machinery: only when it runs
 
     return run_agent(
         rank,
-        _DEFAULT_ADDR if addr is None else addr,
-        _DEFAULT_PORT if master_port is None else master_port,
+        values["--master-addr"] or "127.0.0.1",
+        values["--master-port"] or 29550,
         args.join_timeout,
-        num_nodes=nodes,
-        secret=secret,
-        node_id=node_id,
-        address=address,
+        secret,
+        nodes,
+        values["--node-id"],
+        values["--address"],
     )

@@ -39,7 +39,9 @@ import attrs
 from executor_channel import Secret, SecretError
 from executor_core import ConfigError, ExecutorConfig
 
-from ._options import MultiprocOptions
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._executor import MultiprocOptions
 
 __all__ = ["AgentLaunch", "ManualPlacement", "Placement"]
 
