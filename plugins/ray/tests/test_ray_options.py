@@ -12,7 +12,7 @@ from executor_core.backend import Registry
 from executor_core.testing import conformance_config
 from executor_plugin_ray import _cluster
 from executor_plugin_ray._options import RayOptions
-from executor_plugin_ray._ranks import ActorInfo, assign_ranks
+from executor_plugin_ray._placement import ActorInfo, assign_ranks
 
 
 def test_backend_is_registered_with_its_capabilities() -> None:

@@ -10,23 +10,27 @@ from typing import Any
 
 import attrs
 import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from executor_channel.codec import KIND_READY, encode
-from executor_channel.shm import SegmentLayout, WorkerRings, serve_rings
+from executor_channel.shm import SegmentLayout, WorkerFds, WorkerRings, serve_rings
+from executor_core import ExecutorConfig
 from executor_core.backend import RemoteFailure, WorkerWrapper, preload_worker, reserve_port
 
 from ._lifeline import ActorLifeline, Address, hold
-from ._ranks import ActorInfo
+from ._options import RayOptions
+from ._placement import ActorInfo, bundle_for
 
-__all__ = ["MONITOR_GROUP", "Failed", "RayWorker", "RayWorkerActor"]
+__all__ = ["MONITOR_GROUP", "Failed", "RayWorker", "RayWorkerActor", "create_actor"]
 
 #: The actor's second thread: the liveness watch, so that it answers while the worker is
 #: busy in a long call.
 MONITOR_GROUP = "executor_monitor"
 
-#: Seconds a worker on the driver's node waits for the driver's rings (they are offered by
-#: then: the driver serves the handoff while this call runs).
-_ATTACH_S = 60.0
+#: Seconds a worker on the driver's node waits for its rings' descriptors (sent before
+#: ``attach_rings`` is called: they are there already).
+_ATTACH_S = 10.0
 
 
 @attrs.frozen
@@ -102,22 +106,19 @@ class RayWorker:
         return None
 
     def attach_rings(
-        self,
-        address: str,
-        key: bytes,
-        index: int,
-        layout: SegmentLayout,
-        spin_s: float,
-        idle_spin_s: float,
+        self, index: int, layout: SegmentLayout, spin_s: float, idle_spin_s: float
     ) -> Failed | None:
-        """Attach to the driver's rings as worker ``index`` of its node (the descriptors come
-        over the Unix socket ``address``, to a holder of ``key``), say ready on them and
-        serve calls from them on a thread of their own. None, or why it could not."""
-        from executor_channel.handoff import receive_fds  # the driver's node only
-
+        """Attach to the driver's rings as worker ``index`` of its node (their descriptors
+        come over this actor's lifeline), say ready on them and serve calls from them on a
+        thread of their own. None, or why it could not."""
         try:
-            fds = receive_fds(address, key, index, _ATTACH_S)
-            rings = WorkerRings.attach(fds, layout, index, spin_s, idle_spin_s)
+            if self._lifeline is None:
+                raise RuntimeError("this actor holds no lifeline to take the rings from")
+            fds = self._lifeline.take_fds(_ATTACH_S)
+            names = attrs.fields_dict(WorkerFds)
+            rings = WorkerRings.attach(
+                WorkerFds(**dict(zip(names, fds, strict=True))), layout, index, spin_s, idle_spin_s
+            )
         except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
             return Failed(RemoteFailure.capture(self._rank, "attach_rings", exc))
         self._rings = rings
@@ -203,3 +204,32 @@ class RayWorker:
 #: The actor class. ``max_concurrency=1`` for the default group keeps calls in order.
 # ray.remote's overloads omit concurrency_groups, which it accepts.
 RayWorkerActor = ray.remote(concurrency_groups={MONITOR_GROUP: 2})(RayWorker)  # type: ignore[call-overload]
+
+
+def create_actor(
+    group: PlacementGroup,
+    index: int,
+    options: RayOptions,
+    config: ExecutorConfig,
+    spare_env: dict[str, str] | None = None,
+) -> Any:
+    """An actor in bundle ``index`` of ``group``: at start, for a rank replacement (a bundle
+    stays on its node, so the new actor lands where the dead one ran), or a spare
+    (``spare_env``: asking Ray for nothing, see ``_spare``)."""
+    bundle = bundle_for(options, config.device)
+    resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    env = dict(config.env) if spare_env is None else spare_env
+    spare = spare_env is not None
+    return RayWorkerActor.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group,
+            placement_group_bundle_index=index,
+            placement_group_capture_child_tasks=True,
+        ),
+        num_cpus=0 if spare else options.num_cpus_per_worker,
+        num_gpus=0 if spare else bundle.get("GPU", 0),
+        max_restarts=0,
+        max_task_retries=0,
+        **({"resources": resources} if resources and not spare else {}),
+        **({"runtime_env": {"env_vars": env}} if env else {}),
+    ).remote()

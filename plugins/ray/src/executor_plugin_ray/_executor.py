@@ -8,7 +8,7 @@ from executor_core import Executor
 from executor_core.backend import Transport
 
 from ._options import RayOptions
-from ._ranks import WorkerPlacement
+from ._placement import WorkerPlacement
 from ._transport import RayTransport
 
 __all__ = ["RayExecutor"]

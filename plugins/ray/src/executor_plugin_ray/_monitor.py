@@ -16,7 +16,7 @@ from ray import ObjectRef
 
 from executor_channel.shm import release_receive_buffers, trim_receive_buffers
 
-from ._ranks import WorkerPlacement
+from ._placement import WorkerPlacement
 
 __all__ = ["DeathMonitor", "death_detail"]
 
