@@ -41,16 +41,14 @@ class Failed:
 
 
 class RayWorker:
-    """One rank. Ray calls its start-up steps and its shutdown; the calls of the executor come
-    through the channel, on a thread of their own (the driver's rings on its node, the hub
-    elsewhere). One at a time (a lock); the core's
-    :class:`~executor_core.backend.WorkerWrapper` runs each call and decides whether this rank
-    answers."""
+    """One rank. Ray calls its start-up steps and its shutdown; the executor's calls come
+    through the channel on a thread of their own (the driver's rings on its node, the hub
+    elsewhere), one at a time (a lock), each run by the core's
+    :class:`~executor_core.backend.WorkerWrapper`."""
 
     def __init__(self) -> None:
         self._wrapper: WorkerWrapper | None = None
         self._rank = -1
-        self._output_rank = -1
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._lifeline: ActorLifeline | None = None
@@ -71,15 +69,13 @@ class RayWorker:
         )
 
     def warm_up(self, worker_cls: type | str) -> None:
-        """A spare's wait (``_spare``): import what defines the worker class, so that the
-        rank it is handed starts without imports. A failing import is left to that rank's
-        start, which reports it with its traceback."""
+        """A spare's wait (``_spare``): import what defines the worker class. A failing
+        import is left to the start of the rank it is handed, which reports it."""
         with contextlib.suppress(Exception):
             preload_worker(worker_cls)
 
     def free_port(self, host: str) -> int:
-        """A TCP port on this node kept free for the torch.distributed rendezvous, which this
-        actor's rank (rank 0) hosts (``reserve_port``)."""
+        """A port on this node kept free for the torch.distributed rendezvous (rank 0's)."""
         return reserve_port(host)
 
     def init_worker(self, wrapper: WorkerWrapper) -> Failed | None:
@@ -87,7 +83,6 @@ class RayWorker:
         init_device and load_model."""
         context = wrapper.context
         self._rank = context.rank
-        self._output_rank = context.world_size - context.tensor_parallel_size
         self._wrapper = wrapper
         with self._lock:
             try:
@@ -141,9 +136,8 @@ class RayWorker:
         node_timeout_s: float,
         join_timeout: float,
     ) -> Failed | None:
-        """Join the driver's hub at ``address`` (another node's driver) as the member for
-        this rank, authenticated with ``key``, and serve its calls. None, or why it could
-        not."""
+        """Join the driver's hub at ``address`` (on another node) as this rank's member,
+        authenticated with ``key``, and serve its calls. None, or why it could not."""
         from executor_channel import Secret  # zmq: workers on other nodes only
         from executor_channel.member import MemberServer
 

@@ -14,16 +14,20 @@ an actor given them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
+import os
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import PlacementGroup
 
 from executor_core import ExecutorConfig
 
+from ._actor import create_actor
 from ._lifeline import HOLD_S, Address
 from ._options import RayOptions
 
@@ -42,26 +46,32 @@ def spares_wanted(options: RayOptions, config: ExecutorConfig) -> int:
 
 
 class Spares:
-    """``count`` spares, made by ``create(spare_env=env)``, holding a lifeline to
-    ``lifeline`` (address, key). Used by the thread that starts or recovers the executor."""
+    """The spares in bundle ``bundle`` of ``group``, holding a lifeline to ``lifeline``
+    (address, key). Used by the thread that starts or recovers the executor."""
 
     def __init__(
         self,
-        create: Callable[..., Any],
-        env: dict[str, str],
+        group: PlacementGroup,
+        bundle: int,
+        options: RayOptions,
+        config: ExecutorConfig,
         lifeline: tuple[Address, bytes],
-        worker_cls: type | str,
-        count: int,
     ) -> None:
-        self._create, self._env, self._lifeline = create, env, lifeline
-        self._worker_cls, self._count = worker_cls, count
+        env = dict(config.env)
+        if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in os.environ:
+            # Ray sets a rank's thread count from the CPUs it was given; a spare was given
+            # none, and torch reads the count when it loads, before the hand-over.
+            env["OMP_NUM_THREADS"] = str(max(1, math.floor(options.num_cpus_per_worker)))
+        self._create = functools.partial(create_actor, group, bundle, options, config, env)
+        self._lifeline, self._worker_cls = lifeline, config.worker_cls
+        self._count = spares_wanted(options, config)
         #: Each spare's actor and the reference of its warm-up, oldest first.
         self._waiting: deque[tuple[Any, Any]] = deque()
 
     def top_up(self) -> None:
         """Start spares until ``count`` wait (returns at once: they come up meanwhile)."""
         while len(self._waiting) < self._count:
-            actor = self._create(spare_env=self._env)
+            actor = self._create()
             actor.hold_lifeline.remote(*self._lifeline, HOLD_S)  # in order: then the imports
             self._waiting.append((actor, actor.warm_up.remote(self._worker_cls)))
 

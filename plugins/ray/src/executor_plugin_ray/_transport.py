@@ -1,13 +1,10 @@
 """RayTransport: Ray places, starts and watches the workers; the channel carries every call.
 
-Ray keeps placement groups, the actors' lifecycle and the death monitor (``_monitor``). Calls
-and replies never cross Ray: the workers on the driver's node read each call from the driver's
-shared-memory rings (their descriptors sent over each actor's lifeline, ``_lifeline``), the
-workers on other nodes join the driver's hub over authenticated TCP
-(``executor_channel.member``). The driver's side is a
-:class:`~executor_channel.driver.ChannelTransport`; this module starts the actors and
-connects them to it. Every wait at start is bounded by ``startup_timeout`` (one deadline)
-and ends early when the executor fails or closes meanwhile.
+Ray keeps placement groups, the actors' lifecycle and the death monitor (``_monitor``). The
+workers on the driver's node read each call from its shared-memory rings (the descriptors sent
+over each actor's lifeline, ``_lifeline``); those on other nodes join its hub over
+authenticated TCP (``executor_channel.member``). Every wait at start is bounded by
+``startup_timeout`` and ends early when the executor fails or closes meanwhile.
 """
 
 from __future__ import annotations
@@ -151,7 +148,7 @@ class RayTransport(ChannelTransport):
         # bundles, so every rank comes back on its node.
         group = host.take("ray_group")
         if group is None:
-            group, _bundles = reserve_placement_group(options, config.device, config.world_size)
+            group = reserve_placement_group(options, config.device, config.world_size)
         host.keep("ray_group", group, functools.partial(_remove_group, group))
         self._group = group
         self._created = actors = [
@@ -210,19 +207,10 @@ class RayTransport(ChannelTransport):
         remaining = max(0.0, deadline - time.monotonic())
         self.wait_until_ready(range(config.world_size), remaining, self._check_start)
         self.ready()
-        count = spares_wanted(options, config)
-        if local and count and self._unix is not None:  # this node's ranks are replaced
-            bundle = placements[local[0]].actor_index
-            env = {"OMP_NUM_THREADS": str(max(1, int(options.num_cpus_per_worker)))}
-            if "OMP_NUM_THREADS" in os.environ:
-                env = {}
-            self._spares = Spares(
-                functools.partial(create_actor, group, bundle, options, config),
-                {**env, **config.env},
-                (self._unix, self._lifelines.key),
-                config.worker_cls,
-                count,
-            )
+        if local and self._unix is not None and spares_wanted(options, config):
+            bundle = placements[local[0]].actor_index  # this node's ranks are replaced
+            lifeline = (self._unix, self._lifelines.key)
+            self._spares = Spares(group, bundle, options, config, lifeline)
             host.add_cleanup(self._spares.close)
             self._spares.top_up()
 
