@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from socket import AF_UNIX
 
 __all__ = ["EXIT_CODE", "HOLD_S", "ActorLifeline", "Address", "DriverLifelines", "hold"]
 
@@ -90,8 +91,8 @@ class DriverLifelines:
     def __init__(self) -> None:
         self.key = os.urandom(32)
         self._lock = threading.Lock()
-        self._listeners: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
+        #: Each listener and its accepting thread.
+        self._listening: dict[socket.socket, threading.Thread] = {}
         self._pending: set[socket.socket] = set()
         #: Each held connection, with its peer's pid on a Unix socket (None on TCP).
         self._held: dict[socket.socket, int | None] = {}
@@ -112,8 +113,7 @@ class DriverLifelines:
         thread = threading.Thread(
             target=self._accept, args=(listener,), name="executor-ray-lifeline", daemon=True
         )
-        self._listeners.append(listener)
-        self._threads.append(thread)
+        self._listening[listener] = thread
         thread.start()
         return address
 
@@ -185,21 +185,17 @@ class DriverLifelines:
     def stop_listening(self, keep_unix: bool = False) -> None:
         """Stop accepting actors (on TCP only with ``keep_unix``); drop unfinished
         handshakes."""
-        stopped = [
-            i for i, s in enumerate(self._listeners) if s.family != socket.AF_UNIX or not keep_unix
-        ]
-        listeners = [self._listeners[i] for i in stopped]
-        threads = [self._threads[i] for i in stopped]
-        self._listeners = [s for s in self._listeners if s not in listeners]
-        self._threads = [t for t in self._threads if t not in threads]
-        for listener in listeners:
+        kept = {s: t for s, t in self._listening.items() if keep_unix and s.family == AF_UNIX}
+        stopped = {s: t for s, t in self._listening.items() if s not in kept}
+        self._listening = kept
+        for listener in stopped:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); its thread closes it
         with self._lock:  # a handshake that passed has left _pending (under the lock)
             for sock in self._pending:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, which closes it
-        for thread in threads:
+        for thread in stopped.values():
             if thread is not threading.current_thread():
                 thread.join(HOLD_S)
 
