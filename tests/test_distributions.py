@@ -64,7 +64,7 @@ LINE_BUDGETS = {
     "channel": 7_209,
     "plugins/uniproc": 250,
     "plugins/multiproc": 2_900,
-    "plugins/ray": 2_080,
+    "plugins/ray": 2_070,
     "plugins/slurm": 726,
     "plugins/otel": 450,
     "examples/executor-threads": 150,
