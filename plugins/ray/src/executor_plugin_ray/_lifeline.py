@@ -180,7 +180,7 @@ class DriverLifelines:
         if not held:
             raise LookupError(f"the Ray actor of pid {pid} holds no lifeline on this node")
         message = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        held[-1].sendmsg([_FDS], message)
+        held[-1].sendmsg([_FDS], message, socket.MSG_DONTWAIT)  # an idle socket: never waits
 
     def stop_listening(self, keep_unix: bool = False) -> None:
         """Stop accepting actors (on TCP only with ``keep_unix``); drop unfinished
