@@ -3,20 +3,21 @@
 One public module, three parts:
 
 - **Within a node**, shared memory: a :class:`NodeRings` (the driver's, or a node agent's)
-  holds a broadcast :class:`Ring` of calls and a reply ring per worker in one segment; each
+  holds a broadcast ring of calls and a reply ring per worker in one segment; each
   worker attaches its :class:`WorkerRings` (from the :class:`WorkerFds` and the
   :class:`SegmentLayout` it was handed) and runs :func:`serve_rings`. A ring's waits spin
   briefly, then sleep on a :class:`Doorbell` (an eventfd), so idle processes use no CPU. Large
   messages are received into warm memory that the process gives back once idle
   (:class:`IdleTrim`).
 - **Between nodes**, authenticated links: a :class:`Listener` (zmq ROUTER, on loopback unless
-  told otherwise) and the :class:`Connection` objects that dial it exchange messages of
-  bytes-like parts. Every frame carries a MAC under keys derived from a shared
-  :class:`Secret` and is checked (structure, lengths, MAC, freshness) before the caller sees a
-  byte of it; frames that fail are dropped, counted per :class:`DropReason` and logged once per
-  peer, within the :class:`Limits`. The link never unpickles. A :class:`Hub` is the driver's
-  side: members (node agents) join it and speak its protocol (:class:`Op`; a refused join says
-  why, :class:`Refusal`). Frames are authenticated, not encrypted; see ``docs/security.md``.
+  told otherwise) and the :class:`Connection` objects that dial it exchange messages of bytes-
+  like parts. Every frame carries a MAC under keys derived from a shared :class:`Secret` and
+  is checked (structure, lengths, MAC, freshness) before the caller sees a byte of it; frames
+  that fail are dropped, counted per :class:`DropReason` and logged once per peer, within the
+  :class:`Limits`. The link never unpickles. A :class:`Hub` is the driver's side: members
+  (node agents, or a :class:`MemberServer` serving one rank itself) join it and speak its
+  protocol (:class:`Op`; a refused join says why, :class:`Refusal`). Frames are authenticated,
+  not encrypted; see ``docs/security.md``.
 - **The codec**: pickle protocol 5 with out-of-band buffers (CPU tensors, numpy arrays and
   large ``bytes`` travel beside the pickle stream); :func:`encode` makes a frame of a
   :class:`Kind`.
@@ -41,9 +42,10 @@ from ._hub import Hub
 from ._hub_protocol import Op, Refusal
 from ._link import ChannelError, ChannelTimeoutError
 from ._listener import Listener
+from ._member import MemberServer
 from ._node_rings import NodeRings, SegmentLayout, WorkerFds, WorkerRings, serve_rings
 from ._options import ChannelOptions
-from ._ring import Received, Ring
+from ._ring import Received
 from ._secret import Secret, SecretError
 
 __all__ = [
@@ -59,11 +61,11 @@ __all__ = [
     "Kind",
     "Limits",
     "Listener",
+    "MemberServer",
     "NodeRings",
     "Op",
     "Received",
     "Refusal",
-    "Ring",
     "Secret",
     "SecretError",
     "SegmentLayout",

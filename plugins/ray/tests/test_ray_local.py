@@ -272,7 +272,7 @@ def test_a_dead_rank_gets_a_new_actor_in_its_own_bundle() -> None:
 
 def _spare_pids(executor: RayExecutor, within_s: float = 60.0) -> list[int]:
     """The pids of the executor's spares, once each has imported the worker's module."""
-    spares = executor.transport._slots.spares  # type: ignore[attr-defined]  # RayTransport's
+    spares = executor.transport._spares  # RayTransport's
     if spares is None:
         return []
     waiting = list(spares._waiting)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from executor_core.backend import Registry
 from executor_core.testing import conformance_config
 from executor_plugin_ray import _cluster
 from executor_plugin_ray._options import RayOptions
-from executor_plugin_ray._ranks import ActorInfo, assign_ranks
+from executor_plugin_ray._placement import ActorInfo, assign_ranks
 
 
 def test_backend_is_registered_with_its_capabilities() -> None:
@@ -71,7 +72,7 @@ def test_bad_options_are_rejected_before_ray_starts(options: dict[str, object], 
 
 
 def test_local_instance_fits_the_workers_even_on_a_small_machine() -> None:
-    machine = _cluster._machine_cpus()
+    machine = len(os.sched_getaffinity(0))
     assert _cluster.local_num_cpus(RayOptions(), world_size=1) == machine
     big = RayOptions(num_cpus_per_worker=2)
     assert _cluster.local_num_cpus(big, world_size=machine) == 2 * machine

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     from ._cluster import acquire_ray
     from ._executor import RayExecutor
     from ._options import RayOptions
-    from ._placement import PlacementTimeoutError
-    from ._ranks import WorkerPlacement
+    from ._placement import PlacementTimeoutError, WorkerPlacement
 
 __all__ = [
     "PlacementTimeoutError",
@@ -38,7 +37,7 @@ _LAZY: dict[str, str] = {
     "PlacementTimeoutError": "._placement",
     "RayExecutor": "._executor",
     "RayOptions": "._options",
-    "WorkerPlacement": "._ranks",
+    "WorkerPlacement": "._placement",
     #: A lease on this process's Ray connection, made as the backend makes it (benchmarks).
     "acquire_ray": "._cluster",
 }

@@ -10,22 +10,26 @@ from typing import Any
 
 import attrs
 import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from executor_channel import Kind, SegmentLayout, WorkerRings, encode, serve_rings
+from executor_channel import Kind, SegmentLayout, WorkerFds, WorkerRings, encode, serve_rings
+from executor_core import ExecutorConfig
 from executor_core.backend import RemoteFailure, WorkerWrapper, preload_worker, reserve_port
 
 from ._lifeline import ActorLifeline, Address, hold
-from ._ranks import ActorInfo
+from ._options import RayOptions
+from ._placement import ActorInfo, bundle_for
 
-__all__ = ["MONITOR_GROUP", "Failed", "RayWorker", "RayWorkerActor"]
+__all__ = ["MONITOR_GROUP", "Failed", "RayWorker", "RayWorkerActor", "create_actor"]
 
 #: The actor's second thread: the liveness watch, so that it answers while the worker is
 #: busy in a long call.
 MONITOR_GROUP = "executor_monitor"
 
-#: Seconds a worker on the driver's node waits for the driver's rings (they are offered by
-#: then: the driver serves the handoff while this call runs).
-_ATTACH_S = 60.0
+#: Seconds a worker on the driver's node waits for its rings' descriptors (sent before
+#: ``attach_rings`` is called: they are there already).
+_ATTACH_S = 10.0
 
 
 @attrs.frozen
@@ -36,16 +40,14 @@ class Failed:
 
 
 class RayWorker:
-    """One rank. Ray calls its start-up steps and its shutdown; the calls of the executor come
-    through the channel, on a thread of their own (the driver's rings on its node, the hub
-    elsewhere). One at a time (a lock); the core's
-    :class:`~executor_core.backend.WorkerWrapper` runs each call and decides whether this rank
-    answers."""
+    """One rank. Ray calls its start-up steps and its shutdown; the executor's calls come
+    through the channel on a thread of their own (the driver's rings on its node, the hub
+    elsewhere), one at a time (a lock), each run by the core's
+    :class:`~executor_core.backend.WorkerWrapper`."""
 
     def __init__(self) -> None:
         self._wrapper: WorkerWrapper | None = None
         self._rank = -1
-        self._output_rank = -1
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._lifeline: ActorLifeline | None = None
@@ -66,15 +68,13 @@ class RayWorker:
         )
 
     def warm_up(self, worker_cls: type | str) -> None:
-        """A spare's wait (``_spare``): import what defines the worker class, so that the
-        rank it is handed starts without imports. A failing import is left to that rank's
-        start, which reports it with its traceback."""
+        """A spare's wait (``_spare``): import what defines the worker class. A failing
+        import is left to the start of the rank it is handed, which reports it."""
         with contextlib.suppress(Exception):
             preload_worker(worker_cls)
 
     def free_port(self, host: str) -> int:
-        """A TCP port on this node kept free for the torch.distributed rendezvous, which this
-        actor's rank (rank 0) hosts (``reserve_port``)."""
+        """A port on this node kept free for the torch.distributed rendezvous (rank 0's)."""
         return reserve_port(host)
 
     def init_worker(self, wrapper: WorkerWrapper) -> Failed | None:
@@ -82,7 +82,6 @@ class RayWorker:
         init_device and load_model."""
         context = wrapper.context
         self._rank = context.rank
-        self._output_rank = context.world_size - context.tensor_parallel_size
         self._wrapper = wrapper
         with self._lock:
             try:
@@ -101,22 +100,19 @@ class RayWorker:
         return None
 
     def attach_rings(
-        self,
-        address: str,
-        key: bytes,
-        index: int,
-        layout: SegmentLayout,
-        spin_s: float,
-        idle_spin_s: float,
+        self, index: int, layout: SegmentLayout, spin_s: float, idle_spin_s: float
     ) -> Failed | None:
-        """Attach to the driver's rings as worker ``index`` of its node (the descriptors come
-        over the Unix socket ``address``, to a holder of ``key``), say ready on them and
-        serve calls from them on a thread of their own. None, or why it could not."""
-        from executor_channel._handoff_client import receive_fds  # the driver's node only
-
+        """Attach to the driver's rings as worker ``index`` of its node (their descriptors
+        come over this actor's lifeline), say ready on them and serve calls from them on a
+        thread of their own. None, or why it could not."""
         try:
-            fds = receive_fds(address, key, index, _ATTACH_S)
-            rings = WorkerRings.attach(fds, layout, index, spin_s, idle_spin_s)
+            if self._lifeline is None:
+                raise RuntimeError("this actor holds no lifeline to take the rings from")
+            fds = self._lifeline.take_fds(_ATTACH_S)
+            names = attrs.fields_dict(WorkerFds)
+            rings = WorkerRings.attach(
+                WorkerFds(**dict(zip(names, fds, strict=True))), layout, index, spin_s, idle_spin_s
+            )
         except Exception as exc:  # noqa: BLE001 - shipped to the driver with its traceback
             return Failed(RemoteFailure.capture(self._rank, "attach_rings", exc))
         self._rings = rings
@@ -139,11 +135,12 @@ class RayWorker:
         node_timeout_s: float,
         join_timeout: float,
     ) -> Failed | None:
-        """Join the driver's hub at ``address`` (another node's driver) as the member for
-        this rank, authenticated with ``key``, and serve its calls. None, or why it could
-        not."""
-        from executor_channel import Secret  # zmq: workers on other nodes only
-        from executor_channel._member import MemberServer
+        """Join the driver's hub at ``address`` (on another node) as this rank's member,
+        authenticated with ``key``, and serve its calls. None, or why it could not."""
+        from executor_channel import (
+            MemberServer,
+            Secret,  # zmq: workers on other nodes only
+        )
 
         try:
             self._member = MemberServer(
@@ -202,3 +199,32 @@ class RayWorker:
 #: The actor class. ``max_concurrency=1`` for the default group keeps calls in order.
 # ray.remote's overloads omit concurrency_groups, which it accepts.
 RayWorkerActor = ray.remote(concurrency_groups={MONITOR_GROUP: 2})(RayWorker)  # type: ignore[call-overload]
+
+
+def create_actor(
+    group: PlacementGroup,
+    index: int,
+    options: RayOptions,
+    config: ExecutorConfig,
+    spare_env: dict[str, str] | None = None,
+) -> Any:
+    """An actor in bundle ``index`` of ``group``: at start, for a rank replacement (a bundle
+    stays on its node, so the new actor lands where the dead one ran), or a spare
+    (``spare_env``: asking Ray for nothing, see ``_spare``)."""
+    bundle = bundle_for(options, config.device)
+    resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    env = dict(config.env) if spare_env is None else spare_env
+    spare = spare_env is not None
+    return RayWorkerActor.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group,
+            placement_group_bundle_index=index,
+            placement_group_capture_child_tasks=True,
+        ),
+        num_cpus=0 if spare else options.num_cpus_per_worker,
+        num_gpus=0 if spare else bundle.get("GPU", 0),
+        max_restarts=0,
+        max_task_retries=0,
+        **({"resources": resources} if resources and not spare else {}),
+        **({"runtime_env": {"env_vars": env}} if env else {}),
+    ).remote()

@@ -1,10 +1,9 @@
-"""Connecting to Ray: the connection this process already has, a cluster, or a new local one.
+"""Which Ray: the connection this process already has, a cluster, or a new local instance.
 
 Ray is one connection per process, shared by every executor in it. :func:`acquire_ray` hands
-out leases: the first one connects (or starts a local instance), later ones reuse it, and
-:meth:`RayLease.release` shuts Ray down only when the last lease that this module took is
-released, and only if this module connected or started it. A Ray session the user (or a test
-fixture) initialised stays up. See :func:`acquire_ray` for the order in which Ray is chosen.
+out leases; :meth:`RayLease.release` shuts Ray down only when the last lease this module took
+is released, and only if this module connected or started it. A Ray session the user (or a
+test fixture) initialised stays up.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ logger = logging.getLogger("executor_plugin_ray")
 
 #: Seconds the reaper lets Ray's processes exit by themselves before it kills them.
 _REAPER_GRACE_S = 3.0
-
 _TOKEN_ENV = "RAY_AUTH_TOKEN"
 _TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 #: ray.init sets this in the process environment when it starts a token-auth instance.
@@ -81,18 +79,11 @@ class RayLease:
 
 
 def acquire_ray(options: RayOptions, *, world_size: int) -> RayLease:
-    """Make sure this process is connected to Ray and return a lease on the connection.
-
-    Order:
-
-    1. Ray already initialised in this process is used as it is, whatever ``address`` says
-       (one process holds one Ray connection): the connection this module made for another
-       executor, or one the user made (logged at INFO when an ``address`` is then ignored);
-    2. else the ``address`` option: connect to it;
-    3. else ``$RAY_ADDRESS``: connect to it;
-    4. else a new local instance sized to the machine (and big enough for ``world_size``
-       workers).
-    """
+    """Make sure this process is connected to Ray and return a lease on the connection: Ray
+    already initialised in this process, as it is (one process holds one connection; an
+    ``address`` then ignored is logged at INFO); else the ``address`` option; else
+    ``$RAY_ADDRESS``; else a new local instance sized to the machine (and big enough for
+    ``world_size`` workers)."""
     with _state.lock:
         if _state.owned and ray.is_initialized():
             _state.leases += 1
@@ -110,9 +101,7 @@ def acquire_ray(options: RayOptions, *, world_size: int) -> RayLease:
             _connect(address, options)
         else:
             _start_local(options, world_size)
-        _state.owned = True
-        _state.started_local = address is None
-        _state.leases = 1
+        _state.owned, _state.started_local, _state.leases = True, address is None, 1
         return RayLease(owned=True, started_local=_state.started_local)
 
 
@@ -120,9 +109,7 @@ def _connect(address: str, options: RayOptions) -> None:
     _reset_token_cache()  # load the token the environment or ~/.ray holds now
     try:
         ray.init(
-            address=address,
-            log_to_driver=options.log_to_driver,
-            logging_level=logging.WARNING,
+            address=address, log_to_driver=options.log_to_driver, logging_level=logging.WARNING
         )
     except Exception as exc:
         raise ConnectionError(
@@ -133,18 +120,12 @@ def _connect(address: str, options: RayOptions) -> None:
         ) from exc
 
 
-def _machine_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def local_num_cpus(options: RayOptions, world_size: int) -> float:
     """Logical CPUs of a local instance: the machine's, or enough for the workers if more."""
     if options.local_num_cpus is not None:
         return options.local_num_cpus
-    return max(float(_machine_cpus()), world_size * options.num_cpus_per_worker)
+    machine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(float(machine or 1), world_size * options.num_cpus_per_worker)
 
 
 def _start_local(options: RayOptions, world_size: int) -> None:
@@ -154,13 +135,12 @@ def _start_local(options: RayOptions, world_size: int) -> None:
     else:
         temp_dir, remove = tempfile.mkdtemp(prefix="executor-ray-"), True
     before = {proc.pid for proc in psutil.Process().children()}
+    gpus = options.local_num_gpus
     try:
         with _token_env(), _quiet_auth_notice():
             ray.init(
                 num_cpus=math.ceil(local_num_cpus(options, world_size)),
-                num_gpus=None
-                if options.local_num_gpus is None
-                else math.ceil(options.local_num_gpus),
+                num_gpus=None if gpus is None else math.ceil(gpus),
                 include_dashboard=False,
                 log_to_driver=options.log_to_driver,
                 logging_level=logging.WARNING,
@@ -173,25 +153,20 @@ def _start_local(options: RayOptions, world_size: int) -> None:
         reap(_new_processes(before), temp_dir if remove else None, grace_s=1.0)
         _restore_token_env()
         raise
-    _state.temp_dir = temp_dir
-    _state.remove_temp_dir = remove
+    _state.temp_dir, _state.remove_temp_dir = temp_dir, remove
     _state.reaper = _start_reaper(before, temp_dir if remove else None)
 
 
 @contextlib.contextmanager
 def _token_env() -> Iterator[None]:
-    """Give a new local instance a token without writing one into the home directory.
-
-    Ray 2.5x+ turns token authentication on for a new local instance and, if no token exists,
-    generates one into ~/.ray/auth_token, a file that outlives the instance. When the user has
-    chosen no auth mode and has no token, this process's own random token is passed through
-    the environment instead (Ray's processes inherit it), and removed again at shutdown.
-    """
+    """Give a new local instance a token without writing one into the home directory: Ray
+    turns token authentication on for it and, without a token, writes ~/.ray/auth_token, a
+    file that outlives the instance. With no auth mode chosen and no token, this process's
+    random token goes through the environment instead (removed again at shutdown)."""
     if os.environ.get(_AUTH_MODE_ENV) is None and not _has_token():
         os.environ[_TOKEN_ENV] = _process_token
         _state.token_set = True
-    # Ray caches the token it loaded last; the environment or ~/.ray may have changed since.
-    _reset_token_cache()
+    _reset_token_cache()  # Ray caches the token it loaded last
     yield
 
 
@@ -205,8 +180,7 @@ def _restore_token_env() -> None:
     if _state.token_set:
         if os.environ.get(_TOKEN_ENV) == _process_token:
             del os.environ[_TOKEN_ENV]
-        # The token was set only where RAY_AUTH_MODE was unset, and ray.init then set it to
-        # "token" in this process's environment; kept, it would make the next local instance
+        # Set by ray.init where it was unset; kept, it would make the next local instance
         # (here or in a child process) write ~/.ray/auth_token.
         os.environ.pop(_AUTH_MODE_ENV, None)
         _state.token_set = False
@@ -214,8 +188,7 @@ def _restore_token_env() -> None:
 
 
 def _reset_token_cache() -> None:
-    # Ray caches the token it loaded. Looked up by name: older Rays have no token auth at all,
-    # and ray/_raylet.pyi does not declare the loader.
+    # Looked up by name: older Rays have no token auth, and ray/_raylet.pyi does not declare it.
     loader = getattr(ray._raylet, "AuthenticationTokenLoader", None)
     if loader is not None:
         loader.instance().reset_cache()
@@ -228,8 +201,8 @@ class _DropAuthNotice(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_auth_notice() -> Iterator[None]:
-    """Drop Ray's "token authentication is enabled" notice: token auth is this backend's
-    documented default for a local instance, not news worth a warning on every start."""
+    """Drop Ray's "token authentication is enabled" notice: it is this backend's documented
+    default for a local instance, not news worth a warning on every start."""
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     notice_filter = _DropAuthNotice()
     auth_logger.addFilter(notice_filter)
@@ -243,25 +216,22 @@ def _new_processes(before: set[int]) -> list[tuple[int, float]]:
     """``(pid, create_time)`` of this process's children not in ``before``, and theirs."""
     pids: list[tuple[int, float]] = []
     for child in psutil.Process().children():
-        if child.pid in before:
-            continue
-        try:
-            for proc in (child, *child.children(recursive=True)):
-                pids.append((proc.pid, proc.create_time()))
-        except psutil.Error:
-            continue
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                procs = (child, *child.children(recursive=True))
+                pids.extend((proc.pid, proc.create_time()) for proc in procs)
     return pids
 
 
 def _start_reaper(before: set[int], temp_dir: str | None) -> subprocess.Popen[bytes] | None:
-    pids = _new_processes(before)
-    spec = json.dumps({"pids": pids, "temp_dir": temp_dir, "grace_s": _REAPER_GRACE_S})
+    """The watchdog of a local instance (``_reaper``), fed its processes; its own session,
+    so that a Ctrl-C sent to the terminal's process group does not end it."""
+    spec = {"pids": _new_processes(before), "temp_dir": temp_dir, "grace_s": _REAPER_GRACE_S}
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "executor_plugin_ray._reaper", spec],
+            [sys.executable, "-m", "executor_plugin_ray._reaper", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
-            # Its own session: a Ctrl-C sent to the terminal's process group must not end it.
             start_new_session=True,
         )
     except OSError:
@@ -276,8 +246,7 @@ def _release_owned() -> None:
             return
         _state.owned = False
         reaper, _state.reaper = _state.reaper, None
-        temp_dir, remove = _state.temp_dir, _state.remove_temp_dir
-        _state.temp_dir = None
+        temp_dir, _state.temp_dir = _state.temp_dir, None
         started_local, _state.started_local = _state.started_local, False
         try:
             ray.shutdown()
@@ -286,7 +255,7 @@ def _release_owned() -> None:
                 _restore_token_env()
             if reaper is not None:
                 _stop_reaper(reaper)
-            if remove and temp_dir is not None:
+            if _state.remove_temp_dir and temp_dir is not None:
                 shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -8,22 +8,16 @@ from executor_core import Executor
 from executor_core.backend import Transport
 
 from ._options import RayOptions
-from ._ranks import WorkerPlacement
+from ._placement import WorkerPlacement
 from ._transport import RayTransport
 
 __all__ = ["RayExecutor"]
 
 
 class RayExecutor(Executor):
-    """Runs each rank's worker in a Ray actor (backend ``"ray"``); see the distribution's
-    README for options, and :class:`~._transport.RayTransport` for how calls travel.
-
-    Ray places the workers and watches them; calls and replies go through the channel
-    (``executor-channel``): shared-memory rings for the workers on the driver's node, the
-    authenticated hub for the others. A monitor fails the executor with
-    :class:`~executor_core.WorkerDiedError` (rank and node) as soon as Ray reports an actor or
-    its node dead.
-    """
+    """Runs each rank's worker in a Ray actor (backend ``"ray"``): Ray places and watches
+    them; calls go through the channel (the driver node's shared-memory rings, the hub for
+    other nodes). See the distribution's README and :class:`~._transport.RayTransport`."""
 
     transport_cls: ClassVar[type[Transport]] = RayTransport
     #: The backend_options it takes (the core refuses any other key).

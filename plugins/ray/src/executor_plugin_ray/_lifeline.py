@@ -1,42 +1,38 @@
-"""Lifelines: each actor exits within moments of its driver's death, whatever Ray notices.
+"""Lifelines: each actor exits within moments of its driver's death, and takes its rings.
 
-Ray ends a job's actors once it learns that the driver is gone, which it learns from the
-driver's connection to its raylet. Anything that keeps that connection open keeps the actors
-alive: a child the driver forked (``multiprocessing``'s default on Linux) holds a copy of it
-for as long as the child lives, so a SIGKILLed driver's actors (and their GPUs) stay taken
-for that long (measured: as long as the child lived, 30 s and counting). So each actor also
-holds a socket of its own to the driver, which the kernel closes the moment the driver's
-process dies, on any node: the actor's thread, blocked in ``recv`` (no polling, nothing per
-call), then sees end-of-file and ends the process with ``os._exit``, running nothing that
-could hang (no Ray call, no atexit handler, no lock).
+Ray ends a job's actors once its raylet sees the driver's connection close, which a child the
+driver forked keeps open (its copy) for as long as the child lives. So each actor also holds
+a socket of its own to the driver, which the kernel closes when the driver's process dies:
+the actor's thread, blocked in ``recvmsg`` (nothing per call), then ends the process with
+``os._exit``, running nothing that could hang. A fork of the driver closes its copies at once
+(``os.register_at_fork``). The driver listens only while the actors connect (an abstract Unix
+socket on its node, TCP at its node IP for the others).
 
-The driver listens while the actors connect at start (an abstract Unix socket when every
-actor is on its node; else TCP at its node's IP, which Ray's own traffic
-reaches), then stops listening; no port stays open and no worker node opens one. A fork of
-the driver closes its copies of these sockets at once (``os.register_at_fork``), so a child
-does not keep the actors alive.
-
-Nothing is ever unpickled from these sockets. Each side proves it holds a per-executor key,
-given to the actors through Ray, in a fixed-size handshake (random nonces and HMAC-SHA256
-tags of them); the driver answers only a peer that passed. After it the only message is the
-driver's goodbye, one byte sent when the executor shuts down, before it closes its end: that
-end-of-file is then no death (the executor kills its actors through Ray anyway). Any other
-end of the connection (end-of-file, a reset) ends the actor.
+Each side proves it holds a per-executor key (given to the actors through Ray): random nonces
+and HMAC-SHA256 tags of them, fixed sizes; on a Unix socket the driver also checks that the
+peer runs as its user. Nothing is ever unpickled. After the handshake the driver sends only
+the descriptors of an actor's rings (``F`` with ``SCM_RIGHTS``: an actor is not the driver's
+child and cannot inherit them) and its goodbye (one byte) at shutdown, before it closes its
+end; any other end of the connection ends the actor.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
+from collections.abc import Sequence
+from socket import AF_UNIX
 
-__all__ = ["EXIT_CODE", "HOLD_S", "ActorLifeline", "DriverLifelines", "hold"]
+__all__ = ["EXIT_CODE", "HOLD_S", "ActorLifeline", "Address", "DriverLifelines", "hold"]
 
 logger = logging.getLogger("executor_plugin_ray")
 
@@ -48,28 +44,24 @@ EXIT_CODE = 70
 #: Seconds each side gives the handshake (connecting included); it takes milliseconds.
 HOLD_S = 5.0
 
-_NONCE = 32
-_TAG = 32  # SHA-256
-_ACTOR = b"executor-ray-lifeline/actor/"
-_DRIVER = b"executor-ray-lifeline/driver/"
-_BYE = b"\0"
-_GONE_MESSAGE = b"executor_plugin_ray: the driver is gone (its lifeline closed); exiting\n"
+_NONCE = _TAG = 32
+_ACTOR, _DRIVER = b"executor-ray-lifeline/actor/", b"executor-ray-lifeline/driver/"
+_BYE, _FDS = b"\0", b"F"
+_GONE = b"executor_plugin_ray: the driver is gone (its lifeline closed); exiting\n"
+_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 #: The driver's sockets in this process (listeners and held ones), closed in a forked child.
 _DRIVER_SOCKETS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 
 def _close_in_child() -> None:
-    """After ``fork``, in the child: close the copies of the driver's lifeline sockets, so
-    that the child does not keep the actors of a dead driver alive."""
     for sock in list(_DRIVER_SOCKETS):
         with contextlib.suppress(OSError):
             sock.close()
     _DRIVER_SOCKETS.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _tag(key: bytes, role: bytes, nonce: bytes) -> bytes:
@@ -93,24 +85,22 @@ def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
 
 class DriverLifelines:
     """The driver's end: listens (:meth:`listen`) while the actors connect, holds each
-    authenticated connection until :meth:`close`.
-
-    Each connection's handshake runs on a thread of its own, bounded by :data:`HOLD_S`, so a
-    peer that connects and stalls holds no one up; one that fails it is dropped.
-    """
+    authenticated connection until :meth:`close`. Each handshake runs on a thread of its own,
+    bounded by :data:`HOLD_S`, so a peer that stalls holds no one up."""
 
     def __init__(self) -> None:
         self.key = os.urandom(32)
         self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._accepting: threading.Thread | None = None
+        #: Each listener and its accepting thread.
+        self._listening: dict[socket.socket, threading.Thread] = {}
         self._pending: set[socket.socket] = set()
-        self._held: list[socket.socket] = []
+        #: Each held connection, with its peer's pid on a Unix socket (None on TCP).
+        self._held: dict[socket.socket, int | None] = {}
         self._closed = False
 
     def listen(self, host: str | None) -> Address:
-        """Start listening: on an abstract Unix socket (``host=None``: every actor is on this
-        node) or on TCP at ``host``. The address for the actors."""
+        """Listen (again) for actors: on an abstract Unix socket (``host=None``: the actors on
+        this node, which can take descriptors) or on TCP at ``host``. Their address."""
         if host is None:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             address: Address = f"\0executor-ray-lifeline-{os.getpid()}-{os.urandom(8).hex()}"
@@ -120,11 +110,11 @@ class DriverLifelines:
             listener = socket.create_server((host, 0))
             address = (host, listener.getsockname()[1])
         _DRIVER_SOCKETS.add(listener)
-        self._listener = listener
-        self._accepting = threading.Thread(
+        thread = threading.Thread(
             target=self._accept, args=(listener,), name="executor-ray-lifeline", daemon=True
         )
-        self._accepting.start()
+        self._listening[listener] = thread
+        thread.start()
         return address
 
     @property
@@ -156,73 +146,82 @@ class DriverLifelines:
     def _handshake(self, sock: socket.socket) -> None:
         deadline = time.monotonic() + HOLD_S
         try:
+            pid = None
+            if sock.family == socket.AF_UNIX:
+                pid, uid, _gid = _CRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+                )
+                if uid != os.getuid():
+                    raise ConnectionError(f"a peer of another user (uid {uid})")
             ours = os.urandom(_NONCE)
             sock.settimeout(HOLD_S)
             sock.sendall(ours)
             reply = _recv_exact(sock, _NONCE + _TAG, deadline)
-            theirs, tag = reply[:_NONCE], reply[_NONCE:]
-            if not hmac.compare_digest(tag, _tag(self.key, _ACTOR, ours)):
-                logger.warning("refused a connection to the lifeline: bad key")
+            if not hmac.compare_digest(reply[_NONCE:], _tag(self.key, _ACTOR, ours)):
                 raise ConnectionError("bad key")
             with self._lock:
                 self._pending.discard(sock)
                 if self._closed:
                     raise ConnectionError("closed")
-                sock.settimeout(HOLD_S)
-                sock.sendall(_tag(self.key, _DRIVER, theirs))
+                sock.sendall(_tag(self.key, _DRIVER, reply[:_NONCE]))
                 sock.settimeout(None)
-                self._held.append(sock)
-        except OSError:  # ConnectionError, TimeoutError too: the peer is dropped
+                self._held[sock] = pid
+        except OSError as exc:  # ConnectionError, TimeoutError too: the peer is dropped
+            logger.debug("refused a connection to the lifeline: %s", exc)
             with self._lock:
                 self._pending.discard(sock)
             sock.close()
 
-    def stop_listening(self) -> None:
-        """Stop accepting actors (once every actor reported); drop unfinished handshakes."""
-        listener, self._listener = self._listener, None
-        if listener is not None:
+    def send_fds(self, pid: int, fds: Sequence[int]) -> None:
+        """Hand ``fds`` to the actor of process ``pid`` (on this node) over its lifeline.
+        ``LookupError`` if it holds none."""
+        with self._lock:
+            held = [sock for sock, peer in self._held.items() if peer == pid]
+        if not held:
+            raise LookupError(f"the Ray actor of pid {pid} holds no lifeline on this node")
+        message = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        held[-1].sendmsg([_FDS], message, socket.MSG_DONTWAIT)  # an idle socket: never waits
+
+    def stop_listening(self, keep_unix: bool = False) -> None:
+        """Stop accepting actors (on TCP only with ``keep_unix``); drop unfinished
+        handshakes."""
+        kept = {s: t for s, t in self._listening.items() if keep_unix and s.family == AF_UNIX}
+        stopped = {s: t for s, t in self._listening.items() if s not in kept}
+        self._listening = kept
+        for listener in stopped:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); its thread closes it
-        # Under the lock: a handshake that passed has left _pending (under the lock) before
-        # its actor could know it passed, so no actor's lifeline is shut down here.
-        with self._lock:
+        with self._lock:  # a handshake that passed has left _pending (under the lock)
             for sock in self._pending:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)  # wakes its thread, which closes it
-        thread = self._accepting
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(HOLD_S)
+        for thread in stopped.values():
+            if thread is not threading.current_thread():
+                thread.join(HOLD_S)
 
     def prune(self) -> None:
-        """Close the lifelines whose actor is gone (after a rank replacement: the dead
-        actor's connection keeps no one alive, only a descriptor open). An actor sends
-        nothing after the handshake, so a held socket with something to read (end of file, a
-        reset) has lost its actor."""
-        with self._lock:
-            held = list(self._held)
+        """Close the lifelines whose actor is gone (after a rank replacement). An actor sends
+        nothing after the handshake: something to read (end of file, a reset) means gone."""
         gone = []
-        for sock in held:
-            try:
-                data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                continue  # nothing to read: its actor lives
-            except OSError:
-                data = b""  # reset: its actor is gone
-            if not data:
-                gone.append(sock)
-        if not gone:
-            return
         with self._lock:
-            self._held = [sock for sock in self._held if sock not in gone]
+            for sock in self._held:
+                try:
+                    if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        gone.append(sock)
+                except BlockingIOError:
+                    continue  # nothing to read: its actor lives
+                except OSError:
+                    gone.append(sock)  # reset: its actor is gone
+            for sock in gone:
+                del self._held[sock]
         for sock in gone:
             sock.close()
 
     def close(self) -> None:
-        """Stop listening, say goodbye on every lifeline and close it: the executor shuts
-        down and kills its actors itself."""
+        """Stop listening, say goodbye on every lifeline and close it (a cleanup)."""
         with self._lock:
             self._closed = True
-            held, self._held = self._held, []
+            held, self._held = list(self._held), {}
         self.stop_listening()
         for sock in held:
             with contextlib.suppress(OSError):  # the actor is gone already
@@ -233,30 +232,49 @@ class DriverLifelines:
 
 class ActorLifeline:
     """The actor's end: a daemon thread blocked on the socket; ``os._exit`` when it closes,
-    unless the driver said goodbye first."""
+    unless the driver said goodbye first. It keeps the descriptors the driver sends."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._thread = threading.Thread(
-            target=self._watch, name="executor-ray-lifeline", daemon=True
-        )
-        self._thread.start()
+        self._fds: list[int] = []
+        self._got_fds = threading.Condition()
+        threading.Thread(target=self._watch, name="executor-ray-lifeline", daemon=True).start()
+
+    def take_fds(self, timeout: float) -> list[int]:
+        """The descriptors the driver sent last (waits up to ``timeout`` s for them)."""
+        with self._got_fds:
+            if not self._got_fds.wait_for(lambda: self._fds, timeout):
+                raise TimeoutError(f"the driver sent no descriptors within {timeout:g} s")
+            fds, self._fds = self._fds, []
+        return fds
 
     def _watch(self) -> None:
         sock = self._sock
+        space = socket.CMSG_SPACE(16 * array.array("i").itemsize)
         with sock:
             try:
-                if sock.recv(1):  # blocks until the driver says goodbye or its end closes
-                    return  # goodbye (the only message): a clean shutdown
+                while True:  # until the driver says goodbye or its end closes
+                    data, ancillary, _flags, _ = sock.recvmsg(1, space)
+                    if data == _BYE:
+                        return  # a clean shutdown
+                    if data != _FDS:
+                        break
+                    fds = array.array("i")
+                    for level, kind, payload in ancillary:
+                        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                    with self._got_fds:
+                        self._fds = list(fds)
+                        self._got_fds.notify_all()
             except OSError:
                 pass  # reset: the driver's end is gone
             _exit_now()
 
 
 def _exit_now() -> None:
-    """End the process at once. A line on stderr says why (written by a helper thread,
-    given a moment: a write to a full pipe must not keep the process alive)."""
-    writer = threading.Thread(target=os.write, args=(2, _GONE_MESSAGE), daemon=True)
+    """End the process at once; a line on stderr says why (from a helper thread, given a
+    moment: a write to a full pipe must not keep the process alive)."""
+    writer = threading.Thread(target=os.write, args=(2, _GONE), daemon=True)
     with contextlib.suppress(Exception):
         writer.start()
         writer.join(0.1)
@@ -265,26 +283,19 @@ def _exit_now() -> None:
 
 def hold(address: Address, key: bytes, timeout_s: float = HOLD_S) -> ActorLifeline:
     """In the actor: connect to the driver's lifeline at ``address``, prove and check the
-    key, and watch it. ``OSError`` (``ConnectionError``, ``TimeoutError``) if the driver
-    cannot be reached or does not prove the key."""
+    key, and watch it. ``OSError`` if the driver cannot be reached or does not prove it."""
     deadline = time.monotonic() + timeout_s
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout_s)
-            sock.connect(address)
-        except BaseException:
-            sock.close()
-            raise
     else:
-        sock = socket.create_connection(address, timeout=timeout_s)
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET)
     try:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
         theirs = _recv_exact(sock, _NONCE, deadline)
         ours = os.urandom(_NONCE)
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(ours + _tag(key, _ACTOR, theirs))
-        tag = _recv_exact(sock, _TAG, deadline)
-        if not hmac.compare_digest(tag, _tag(key, _DRIVER, ours)):
+        if not hmac.compare_digest(_recv_exact(sock, _TAG, deadline), _tag(key, _DRIVER, ours)):
             raise ConnectionError("the lifeline's peer does not hold the key")
         sock.settimeout(None)
     except BaseException:

@@ -1,8 +1,7 @@
 """The death monitor: one long-pending "watch" call per actor, resolved when the actor dies.
 
-Its thread also gives back the driver's idle receive memory: the driver reads replies only
-while a caller waits, so nothing else in it would trim the memory of a large reply dropped
-afterwards (``executor_channel.shm.trim_receive_buffers``; it wakes every second anyway).
+Its thread also gives back the driver's idle receive memory (nothing else in the driver would
+trim the memory of a large reply dropped once its caller stopped waiting).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from ray import ObjectRef
 
 from executor_channel import IdleTrim
 
-from ._ranks import WorkerPlacement
+from ._placement import WorkerPlacement
 
 __all__ = ["DeathMonitor", "death_detail"]
 
@@ -27,13 +26,10 @@ _POLL_S = 1.0
 
 
 class DeathMonitor:
-    """Calls ``on_death(rank, error)`` when an actor's watch call fails.
-
-    Each actor's ``watch`` runs on its monitor thread and returns only at shutdown, so its
-    reference resolves with Ray's ActorDiedError (or ActorUnavailableError) as soon as Ray
-    knows the actor or its node is gone, typically well under a second after a node is
-    removed or a process is killed. The monitor holds no reference to the executor.
-    """
+    """Calls ``on_death(rank, error)`` when an actor's watch call fails: it returns only at
+    shutdown, so it fails as soon as Ray knows the actor or its node is gone, typically well
+    under a second after a node is removed or a process killed. Holds no reference to the
+    executor."""
 
     def __init__(
         self, watches: Sequence[ObjectRef[None]], on_death: Callable[[int, BaseException], None]
