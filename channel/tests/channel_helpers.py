@@ -10,9 +10,9 @@ from typing import Any
 
 import zmq
 
-from executor_channel import ChannelTimeoutError, Connection, Doorbell, Listener, Ring
+from executor_channel import ChannelTimeoutError, Connection, Doorbell, Listener
 from executor_channel._link import Message
-from executor_channel._ring import RingLayout
+from executor_channel._ring import Ring, RingLayout
 from executor_channel._segment import SharedSegment
 from executor_channel._slot_views import SlotViews
 

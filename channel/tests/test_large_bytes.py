@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from executor_channel import Doorbell, Received, Ring, _buffers, _heap, encode
+from executor_channel import Doorbell, Received, _buffers, _heap, encode
 from executor_channel._codec import OOB_BYTES_THRESHOLD, copied_whole, decode, plan_assembly
-from executor_channel._ring import STREAM_CHUNK, RingLayout
+from executor_channel._ring import STREAM_CHUNK, Ring, RingLayout
 from executor_channel._segment import SharedSegment
 
 MIB = 1 << 20

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from executor_channel import Doorbell, Ring, _fence, _ring
-from executor_channel._ring import RingLayout
+from executor_channel import Doorbell, _fence, _ring
+from executor_channel._ring import Ring, RingLayout
 from executor_channel._segment import SharedSegment
 
 WAIT = 10.0  # every wait in these tests is bounded by this

@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 
-from executor_channel import Doorbell, Received, Ring, _fence
-from executor_channel._ring import RingLayout
+from executor_channel import Doorbell, Received, _fence
+from executor_channel._ring import Ring, RingLayout
 from executor_channel._segment import SharedSegment
 
 #: Messages in the test's main run (the default takes about 20 s on 2 cores shared by the

@@ -123,8 +123,8 @@ class _Pair:
     the ring meanwhile (None: nothing)."""
 
     def __init__(self, spinner: Spinner, *, ends_bulk: bool = True) -> None:
-        from executor_channel import Doorbell, Ring
-        from executor_channel._ring import RingLayout
+        from executor_channel import Doorbell
+        from executor_channel._ring import Ring, RingLayout
         from executor_channel._segment import SharedSegment
 
         layout = RingLayout(0, 1, 4, 4096)

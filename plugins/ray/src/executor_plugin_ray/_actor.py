@@ -137,10 +137,7 @@ class RayWorker:
     ) -> Failed | None:
         """Join the driver's hub at ``address`` (on another node) as this rank's member,
         authenticated with ``key``, and serve its calls. None, or why it could not."""
-        from executor_channel import (
-            MemberServer,
-            Secret,  # zmq: workers on other nodes only
-        )
+        from executor_channel import MemberServer, Secret
 
         try:
             self._member = MemberServer(
