@@ -340,7 +340,7 @@ def test_release_unmaps_free_blocks_only(cache: _buffers.BufferCache) -> None:
 
 def test_module_release_uses_the_process_cache(cache: _buffers.BufferCache) -> None:
     del cache  # the fixture made it the process's cache
-    view = _buffers.take(2 * MIB)
+    view = _buffers.cache.take(2 * MIB)
     del view
     assert _buffers.IdleTrim.release() == 2 * MIB
 

@@ -2,13 +2,11 @@
 
 One public module, three parts:
 
-- **Within a node**, shared memory: a :class:`NodeRings` (the driver's, or a node agent's)
-  holds a broadcast ring of calls and a reply ring per worker in one segment; each
-  worker attaches its :class:`WorkerRings` (from the :class:`WorkerFds` and the
-  :class:`SegmentLayout` it was handed) and runs :func:`serve_rings`. A ring's waits spin
-  briefly, then sleep on a :class:`Doorbell` (an eventfd), so idle processes use no CPU. Large
-  messages are received into warm memory that the process gives back once idle
-  (:class:`IdleTrim`).
+- **Within a node**, shared memory: a :class:`NodeRings` holds a broadcast ring of calls and
+  a reply ring per worker; a worker attaches its :class:`WorkerRings` (from its
+  :class:`WorkerFds` and :class:`SegmentLayout`) and runs :func:`serve_rings`. Waits spin
+  briefly, then sleep on a :class:`Doorbell` (an eventfd); :class:`IdleTrim` gives idle
+  receive memory back.
 - **Between nodes**, authenticated links: a :class:`Listener` (zmq ROUTER, on loopback unless
   told otherwise) and the :class:`Connection` objects that dial it exchange messages of bytes-
   like parts. Every frame carries a MAC under keys derived from a shared :class:`Secret` and
@@ -22,11 +20,9 @@ One public module, three parts:
   large ``bytes`` travel beside the pickle stream); :func:`encode` makes a frame of a
   :class:`Kind`.
 
-:class:`ChannelTransport` is the driver's end, the base of a backend whose workers run out of
-process (``mp``, ``ray``): it sends each call to every rank (the rings of this machine, the
-hub of the others) and hands their replies to the core; :class:`ChannelOptions` are the
-options every such backend shares. Errors: :class:`ChannelError`,
-:class:`ChannelTimeoutError`, :class:`SecretError`. Helpers for hostile-peer tests live in
+:class:`ChannelTransport` is the driver's end, the base of ``mp``'s and ``ray``'s transports;
+:class:`ChannelOptions`, the options they share. Errors: :class:`ChannelError`,
+:class:`ChannelTimeoutError`, :class:`SecretError`. Hostile-peer test helpers:
 :mod:`executor_channel.testing`.
 """
 
@@ -34,19 +30,38 @@ from __future__ import annotations
 
 from ._buffers import IdleTrim
 from ._codec import Kind, encode
-from ._connection import Connection
 from ._doorbell import Doorbell
 from ._driver import ChannelTransport
-from ._frames import DropReason, Limits
-from ._hub import Hub
 from ._hub_protocol import Op, Refusal
-from ._link import ChannelError, ChannelTimeoutError
-from ._listener import Listener
-from ._member import MemberServer
 from ._node_rings import NodeRings, SegmentLayout, WorkerFds, WorkerRings, serve_rings
 from ._options import ChannelOptions
 from ._ring import Received
 from ._secret import Secret, SecretError
+
+# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
+# constant of this name as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._connection import Connection
+    from ._frames import DropReason, Limits
+    from ._hub import Hub
+    from ._link import ChannelError, ChannelTimeoutError
+    from ._listener import Listener
+    from ._member import MemberServer
+
+#: The names of the links between nodes, imported on first use: they import zmq and
+#: cryptography, which a process whose ranks are all on one node never needs (its workers
+#: start without them: ``test_one_node_never_imports_zmq``).
+_BETWEEN_NODES = {
+    "ChannelError": "._link",
+    "ChannelTimeoutError": "._link",
+    "Connection": "._connection",
+    "DropReason": "._frames",
+    "Hub": "._hub",
+    "Limits": "._frames",
+    "Listener": "._listener",
+    "MemberServer": "._member",
+}
 
 __all__ = [
     "ChannelError",
@@ -77,3 +92,16 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
+
+# Hidden from type checkers, which then check every name against the imports above.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> object:
+        module = _BETWEEN_NODES.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value

@@ -21,7 +21,6 @@ __all__ = [
     "BufferCache",
     "IdleTrim",
     "cache",
-    "take",
 ]
 
 
@@ -89,8 +88,3 @@ class IdleTrim:
 #: The process's cache, shared by every ring reader and the codec.
 cache = BufferCache()
 os.register_at_fork(after_in_child=lambda: cache._after_fork())  # the cache at fork time
-
-
-def take(nbytes: int) -> memoryview:
-    """:meth:`BufferCache.take` on the process's cache."""
-    return cache.take(nbytes)

@@ -362,9 +362,7 @@ KIND_REPLY = 4
 
 
 class Kind:
-    """A frame's kinds, as a backend's workers send them (:func:`encode`'s first argument):
-    :attr:`READY` (a worker is ready for calls, its body its process id; not ok: why it could
-    not start) and :attr:`STOP` (the stop message); calls and replies are the channel's."""
+    """A frame's kind, :func:`encode`'s first argument (``KIND_*`` above say what each holds)."""
 
     CALL = KIND_CALL
     STOP = KIND_STOP

@@ -1,43 +1,26 @@
 """A hub: the driver's links to the members that run ranks on other machines.
 
 Members (an ``executor node`` agent for a node's ranks, say) dial the hub's listener, join
-under an index, and get a spec of what to run; one the hub cannot admit (its index taken,
-out of range or not awaited, another version) is refused at once with the reason, during
-start-up and while the pump runs. Then a caller sends its call to every member itself
-(:meth:`Hub.broadcast`) and reads the replies itself while it waits (:meth:`Hub.read_replies`,
-from the backend's poll), and one thread (the hub's pump) does the rest: it exchanges
-heartbeats, reports a member that stops answering or a worker that died there, sends what
-could not go at once, and hands the replies it reads to the backend's poll (through
-:attr:`Hub.inbox` and a doorbell).
+under an index and get a spec of what to run; one the hub cannot admit (its index taken, out
+of range or not awaited, another version: :func:`_refusal`) is refused at once with the
+reason. Then a caller sends its call to every member itself (:meth:`Hub.broadcast`) and reads
+the replies itself while it waits (:meth:`Hub.read_replies`), and the pump thread (the
+``_pump`` methods) does the rest: heartbeats both ways, members lost to silence or a failed
+send, their reports (a worker died, a start failed, a probe's answer, a goodbye), late joins,
+what callers could not send at once, and replies when no caller reads them (through
+:attr:`Hub.inbox` and a doorbell). :class:`Member` is what the hub knows of a joined member;
+:class:`Probes` matches the answers of the liveness probes (the hang bound's
+``Transport.probe``) to their question; a member that does not answer in time counts all the
+ranks it was asked about as silent.
 
-Admission: :func:`_refusal` gives the reason a joining member cannot be admitted (a
-:class:`~._hub_protocol.Refusal` and a sentence for its log), or none. What the hub knows of
-a joined member: :class:`Member`, from which its errors name the member
-(:meth:`~Member.describe`) or the rank that died there (:func:`died_on`).
-
-Liveness probes of remote ranks (the hang bound's ``Transport.probe``): a caller asks the
-members that hold some ranks (``PROBE``, through the pump, which owns the listener) and waits
-for their ``PROBED`` answers; :class:`Probes` matches the answers to the question by token. A
-member that does not answer in time counts all the ranks it was asked about as silent: a
-member too busy to answer is no better, for the bound, than its workers.
-
-The listener, shared by the pump thread and the callers (:class:`SharedListener`). A call to
-a rank on another machine should cross no thread of the driver's: the caller sends it to
-every member itself, and while it waits it reads the replies itself. A zmq socket is not
-thread-safe, so every use of the listener holds one lock, and no thread sleeps in a zmq poll
-of the socket: each sleeps on zmq's signal descriptor instead
-(:meth:`~._link.LinkEnd.wait_shared`). That signal fires on a change, not while frames wait,
-so whoever sends checks afterwards whether a frame waits, and if so wakes both the pump and a
-waiting caller. The pump handles everything but replies (heartbeats, deaths, probes, late
-joins; a caller hands over what it read of those), and sends what callers queued. But while
-callers use the link (one did within :data:`CALLER_HOLD_S`), the pump leaves the link's
-signal to them and looks only that often: two threads woken by every reply fight for the
-same two cores and the same interpreter lock, and the reply waits.
-
-The pump thread (the ``_pump`` methods of :class:`Hub`): heartbeats both ways, members lost
-to silence or a failed send, the members' reports (a worker died, a start failed, a probe's
-answer, a goodbye), late joins, and what callers could not send at once. It reads replies
-too when no caller is reading them.
+The listener is shared by the pump and the callers (:class:`SharedListener`): a call to a
+rank on another machine crosses no thread of the driver's. A zmq socket is not thread-safe,
+so every use holds one lock, and no thread sleeps in a zmq poll of the socket: each sleeps on
+zmq's signal descriptor (:meth:`~._link.LinkEnd.wait_shared`), which fires on a change, not
+while frames wait; so whoever sends checks afterwards whether a frame waits, and if so wakes
+both the pump and a waiting caller. While callers use the link (one did within
+:data:`CALLER_HOLD_S`), the pump leaves its signal to them and looks only that often: two
+threads woken by every reply fight for the same two cores and interpreter lock.
 """
 
 from __future__ import annotations

@@ -62,10 +62,13 @@ class Agents:
         return agent
 
     def stop_all(self) -> None:
+        """End the agents still running (one that awaits a driver that will not come, say):
+        SIGTERM, which stops an agent's workers as Ctrl-C does, then SIGKILL after 5 s."""
         for agent in self.started:
             if agent.poll() is None:
+                agent.terminate()
                 try:
-                    agent.wait(10)
+                    agent.wait(5)
                 except subprocess.TimeoutExpired:
                     agent.kill()
                     agent.wait(10)

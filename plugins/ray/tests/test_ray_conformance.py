@@ -1,6 +1,8 @@
 """The Ray backend runs the core's whole conformance kit on both halves of the channel: tp2
-and tp1 x pp2 with the workers on the driver's node (shared-memory rings), and tp2 on a
-simulated cluster with the workers on the other nodes (the authenticated hub)."""
+with the workers on the driver's node (shared-memory rings), and tp2 on a simulated cluster
+with the workers on the other nodes (the authenticated hub). The pipeline layout's rules are
+the core's and the wrapper's, which ``mp``'s tp1 x pp2 kit checks on the same rings
+(``TestMultiprocPipelineConformance``; across nodes, ``TestTwoNodePipelineConformance``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from ray.cluster_utils import Cluster
 
 from executor_core import Executor, create_executor
 from executor_core.backend import Registry
-from executor_core.testing import ExecutorConformanceTests, ExecutorFactory, layout_variant
+from executor_core.testing import ExecutorConformanceTests, ExecutorFactory
 from executor_plugin_ray._executor import RayExecutor
 
 
@@ -47,14 +49,6 @@ class _LocalKit(_RayKit):
 
 class TestRayConformance(_LocalKit):
     """Two tensor-parallel workers on the driver's node."""
-
-
-@layout_variant
-class TestRayPipelineConformance(_LocalKit):
-    """tp1 x pp2 on the driver's node: two ranks on the rings, as in TestRayConformance; the
-    tests that do not see the layout are TestRayConformance's alone (``layout_variant``)."""
-
-    pipeline_parallel_size = 2
 
 
 class TestRayClusterConformance(_RayKit):
