@@ -137,7 +137,7 @@ def tag(
     """The tag of a frame given the header's fields and the frame's ``total`` bytes, as the
     sender and a receiver that parsed the header know them."""
     # Authenticating reads every payload byte once more, on each side; GMAC does it several
-    # times faster than an HMAC (see :mod:`._frames`' docstring).
+    # times faster than an HMAC (see this module's docstring).
     if total <= COMPACT_AT_MOST:
         data = b"".join((header, *parts))
         return tag_joined(key, direction, session, epoch, sequence, salt, data)
