@@ -10,9 +10,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from channel_helpers import WAIT
 
-from executor_channel import Connection, Hub, Listener, Op, Refusal, Secret
+from executor_channel import ChannelTimeoutError, Connection, Hub, Listener, Op, Refusal, Secret
 from executor_channel._doorbell import Doorbell
 from executor_core import ExecutorFailedError
 
@@ -155,14 +156,25 @@ def test_refusals_once_every_member_has_joined() -> None:
         assert took < 2.0
         refusal, _, _ = agents.refusal(0)
         assert refusal == Refusal.OUT_OF_RANGE
-        # A node whose agent was lost is not awaited again (a lost node fails the executor).
-        hub.nodes[0].lost = True
+        # A node lost after the start is awaited again: a member joining for it is admitted
+        # and sent nothing until the recovery sends it the node's spec, in the lost one's place.
+        hub.lose(hub.nodes[0], "gone")
+        assert hub.awaited == frozenset({1})
+        again = agents.join(1)
+        member = hub.rejoined(1, WAIT)
+        assert member is not None
+        assert member.pid == 100 + len(agents.links)
+        assert hub.awaited == frozenset()
         refusal, reason, _ = agents.refusal(1)
-        assert refusal == Refusal.NOT_AWAITED
-        assert reason == (
-            "node rank 1 is not awaited: its member was lost, and the executor awaits no other "
-            "member for it"
-        )
+        assert refusal == Refusal.TAKEN
+        assert f"member pid {member.pid}" in reason
+        assert hub.rejoined(2, 0.2) is None  # not lost: nobody joins for it
+        with pytest.raises(ChannelTimeoutError):
+            again.recv(0.3)  # no ping, call or READY before its spec
+        hub.send_spec(member, "node-1", [1], b"its spec")
+        message = again.recv(WAIT)
+        assert [bytes(part) for part in message.parts] == [Op.SPEC, b"its spec"]
+        assert hub.nodes[0] is member
         hub.nodes[1].done = True
         refusal, reason, _ = agents.refusal(2)
         assert refusal == Refusal.NOT_AWAITED

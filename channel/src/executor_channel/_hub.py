@@ -128,21 +128,22 @@ class Probes:
     def __init__(self) -> None:
         self._tokens = itertools.count(1)
         self._cond = threading.Condition()
-        #: token -> {node rank: silent ranks}, filled by :meth:`answer`.
-        self._answers: dict[int, dict[int, list[int]]] = {}
+        #: token -> {node rank: its answer}, filled by :meth:`answer`.
+        self._answers: dict[int, dict[int, dict[str, Any]]] = {}
 
     def ask(
-        self, nodes: Iterable[Member], ranks: Sequence[int], timeout: float
+        self, nodes: Iterable[Member], ranks: Sequence[int], timeout: float, port: bool = False
     ) -> tuple[int, list[tuple[Member, list[bytes]]]]:
-        """A token and the ``PROBE`` message for each member holding some of ``ranks``."""
+        """A token and the ``PROBE`` message for each member holding some of ``ranks`` (with
+        ``port``: for each of ``nodes``, which also names a free port in its answer)."""
         token = next(self._tokens)
         with self._cond:
             self._answers[token] = {}
         messages = []
         for node in nodes:
             asked = [rank for rank in ranks if rank in node.ranks]
-            if asked:
-                payload = {"token": token, "ranks": asked, "timeout_s": timeout}
+            if asked or port:
+                payload = {"token": token, "ranks": asked, "timeout_s": timeout, "port": port}
                 messages.append((node, Op.frame(Op.PROBE, payload)))
         return token, messages
 
@@ -154,24 +155,29 @@ class Probes:
         with self._cond:
             answers = self._answers.get(token)
             if answers is not None:
-                answers[node.node_rank] = [r for r in silent if r in node.ranks]
+                answers[node.node_rank] = info | {"silent": [r for r in silent if r in node.ranks]}
                 self._cond.notify_all()
+
+    def answers(self, token: int, asked: int, timeout: float) -> dict[int, dict[str, Any]]:
+        """The answers to ``token`` by node rank, once ``asked`` members answered or
+        ``timeout`` (plus slack) passed."""
+        deadline = time.monotonic() + timeout + _ANSWER_SLACK_S
+        with self._cond:
+            answers = self._answers[token]
+            while len(answers) < asked:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return self._answers.pop(token)
 
     def wait(
         self, token: int, asked: Sequence[Member], ranks: Sequence[int], timeout: float
     ) -> set[int]:
         """The ranks among ``ranks`` that ``asked`` reported silent, or that a member which
         did not answer within ``timeout`` (plus slack) holds."""
-        deadline = time.monotonic() + timeout + _ANSWER_SLACK_S
-        with self._cond:
-            answers = self._answers[token]
-            while len(answers) < len(asked):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            del self._answers[token]
-        silent = {rank for reported in answers.values() for rank in reported}
+        answers = self.answers(token, len(asked), timeout)
+        silent = {rank for answer in answers.values() for rank in answer["silent"]}
         for node in asked:
             if node.node_rank not in answers:
                 silent.update(rank for rank in ranks if rank in node.ranks)
@@ -479,6 +485,9 @@ class Hub:
         # The admission state (see join): the job's node ranks and those awaited now.
         self._node_ranks: frozenset[int] = frozenset()
         self._awaited: set[int] = set()
+        #: Members admitted after the start for a lost node (see :meth:`rejoined`), by node
+        #: rank, until :meth:`send_spec` puts each in :attr:`nodes` in its lost one's place.
+        self._late: dict[int, Member] = {}
         self._version = ""
         self._terms: dict[str, Any] = {}
         #: Replies (and ready frames) from the members, for the transport's poll.
@@ -552,10 +561,28 @@ class Hub:
     @property
     def awaited(self) -> frozenset[int]:
         """The node ranks whose member is awaited now: a member joining for one of them is
-        admitted, any other is refused. Empty once :meth:`join` has returned; admitting a
-        member again for a lost node would mean putting its rank back here (and sending the
-        new member its spec from the pump)."""
+        admitted, any other is refused. Empty once :meth:`join` has returned, until a node is
+        lost after the start (:meth:`lose`): its node rank is awaited again."""
         return frozenset(self._awaited)
+
+    def rejoined(
+        self, node_rank: int, timeout: float, check: Callable[[], None] = lambda: None
+    ) -> Member | None:
+        """The member admitted for ``node_rank``, a node lost after the start, once one has
+        joined again (within ``timeout``; None if none did). ``check()`` runs about once a
+        second meanwhile and raises if none can come. The member waits for its spec
+        (:meth:`send_spec`); until then it is sent nothing else."""
+        deadline = time.monotonic() + timeout
+        next_check = 0.0
+        while (member := self._late.get(node_rank)) is None:
+            now = time.monotonic()
+            if now >= deadline or self._thread is None:
+                return None
+            if now >= next_check:
+                check()
+                next_check = now + 1.0
+            time.sleep(0.05)
+        return member
 
     def _on_join(self, message: Message) -> Member | None:
         """Admit the member that sent this ``JOIN``, or refuse it at once (whoever owns the
@@ -569,7 +596,7 @@ class Hub:
             terms=self._terms,
             node_ranks=self._node_ranks,
             awaited=self._awaited,
-            nodes=self.nodes,
+            nodes=[*self.nodes, *self._late.values()],
             ready=self.ready,
         )
         if refused is not None:
@@ -587,16 +614,40 @@ class Hub:
             return None
         node = Member.joined(info, message.peer)
         self._awaited.discard(node.node_rank)
-        self.nodes.append(node)
+        if self._thread is None:
+            self.nodes.append(node)
+        else:  # for a lost node: its spec comes from the recovery (rejoined)
+            logger.info("node rank %d: a member joined again (pid %d)", node.node_rank, node.pid)
+            self._late[node.node_rank] = node
         self._by_peer[message.peer] = node
         return node
 
     def send_spec(self, member: Member, node_id: str, ranks: Sequence[int], spec: bytes) -> None:
-        """Send a joined member what it runs (before :meth:`start`): ``spec`` is the
-        backend's (pickled, say); ``ranks`` are the ranks whose replies it may send."""
+        """Send a joined member what it runs: before :meth:`start`, or to a member that
+        joined again for a lost node (:meth:`rejoined`), which then takes that node's place.
+        ``spec`` is the backend's (pickled, say); ``ranks`` are the ranks whose replies it
+        may send."""
         member.node_id = node_id
         member.ranks = tuple(ranks)
         self._send_now(member.peer, [Op.SPEC, spec])
+        if self._late.get(member.node_rank) is member:
+            member.last_seen = time.monotonic()
+            at = next(i for i, n in enumerate(self.nodes) if n.node_rank == member.node_rank)
+            self.nodes[at] = member
+            del self._late[member.node_rank]
+
+    def announce(self, member: Member) -> None:
+        """Tell ``member``, which took a lost node's place, that its ranks are ready."""
+        self._link.send_later([(member, [Op.READY])])
+
+    def fresh_port(self, member: Member, timeout: float) -> int:
+        """A TCP port that ``member`` found free on its address, asked now (a new
+        rendezvous hosted on its machine); 0 if it did not answer within ``timeout``."""
+        token, messages = self._probes.ask([member], [], timeout, port=True)
+        self._link.send_later(messages)
+        answer = self._probes.answers(token, 1, timeout).get(member.node_rank, {})
+        port = answer.get("port")
+        return port if type(port) is int else 0
 
     def _send_now(self, peer: PeerId, parts: Sequence[bytes]) -> None:
         try:
@@ -815,6 +866,8 @@ class Hub:
         if node.lost or node.done:
             return
         node.lost = True
+        if self._thread is not None and not self._stopped:  # a member may join in its place
+            self._awaited.add(node.node_rank)
         first = min(node.ranks, default=-1)
         self._on_failure(WorkerDiedError(first, detail=why, ranks=node.ranks, node=node.node_id))
 
@@ -822,7 +875,7 @@ class Hub:
         """Tell every member not done yet to stop its workers now (best effort); with
         ``rejoin``, to join again afterwards."""
         message = Op.frame(Op.KILL, {"rejoin": True}) if rejoin else [Op.KILL]
-        for node in self.nodes:
+        for node in [*self.nodes, *self._late.values()]:
             if not node.lost and not node.done:
                 with contextlib.suppress(ChannelError):
                     self._link.send_to(node.peer, message, timeout=0.1)

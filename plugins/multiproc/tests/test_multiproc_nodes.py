@@ -136,9 +136,9 @@ class TestNodes:
     def test_a_lost_agent_comes_back_when_one_joins_again(self, agents: Agents) -> None:
         """With a recovery policy, a killed agent's node comes back once an agent for its node
         rank joins again (started by systemd, a scheduler or a person) within
-        startup_timeout: a group restart, whose record says why (the agent is gone, so its
-        ranks could not be replaced). If none joins, the executor fails after that one
-        attempt, with budget left (issue 48, item 6), naming the node that is gone."""
+        startup_timeout: its ranks are replaced there, and the driver's rank keeps its
+        process. If none joins, the executor fails after that one attempt, with budget left
+        (issue 48, item 6), naming the node that is gone."""
         port = find_free_port()
         agents.start(port)
         config = conformance_config(
@@ -149,7 +149,7 @@ class TestNodes:
             backend_options={"node_port": port, "shutdown_grace_s": 1.0, "startup_timeout": 10.0},
         )
         with create_executor(config) as executor:
-            executor.collective_rpc("get_rank", timeout=30)
+            pids = executor.collective_rpc("get_pid", timeout=30)
             agents.started[-1].kill()
             deadline = time.monotonic() + 10
             while executor.state is ExecutorState.RUNNING:
@@ -161,9 +161,10 @@ class TestNodes:
             assert executor.state is ExecutorState.RUNNING
             record = executor.last_recovery
             assert record is not None
-            assert record.kind == "restart"
-            assert "the agent of node" in record.reason, record
-            assert "is gone" in record.reason, record
+            assert (record.kind, record.ranks) == ("replace", (1,)), record
+            after = executor.collective_rpc("get_pid", timeout=30)
+            assert after[0] == pids[0]
+            assert after[1] != pids[1]
             # Lost again, and no agent comes: one bounded attempt, then the node is named.
             nodes = [c.node_id for c in executor.collective_rpc("get_context", timeout=30)]
             agents.started[-1].kill()

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from executor_core.backend import BackendSpec, Capabilities, hookimpl, lazy_getattr
 
-# Not typing.TYPE_CHECKING (importing typing costs time here); type checkers treat any
-# constant of this name as true.
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # not typing's: importing typing costs time here
 if TYPE_CHECKING:
     from ._executor import KubernetesExecutor
     from ._options import KubernetesOptions
@@ -16,10 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["KubernetesExecutor", "KubernetesOptions", "__version__", "executor_register_backends"]
 
 #: The plugin's user-facing names, imported on first use.
-_LAZY: dict[str, str] = {
-    "KubernetesExecutor": "._executor",
-    "KubernetesOptions": "._options",
-}
+_LAZY: dict[str, str] = {"KubernetesExecutor": "._executor", "KubernetesOptions": "._options"}
 
 __version__ = "0.1.0"  # the one source of the distribution's version (pyproject reads it)
 
@@ -48,6 +43,5 @@ def executor_register_backends() -> list[BackendSpec]:
     ]
 
 
-# Hidden from type checkers, which then check every imported name against the table above.
-if not TYPE_CHECKING:
+if not TYPE_CHECKING:  # type checkers check the imported names instead
     __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -32,6 +32,8 @@ _STUCK = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContain
           "CreateContainerError", "CrashLoopBackOff", "RunContainerError"}  # fmt: skip
 #: Seconds between two looks at the pods after the start (one request each).
 _WATCH_S = 0.1
+#: Seconds a lost node's error waits for Kubernetes to say why its pod ended.
+_EXPLAIN_S = 3.0
 #: Seconds a deleted pod may take to go before it is force-deleted.
 _GONE_S = 20.0
 
@@ -74,11 +76,11 @@ class KubernetesPlacement(Placement):
     """Creates, at the first start, the channel's ``Secret`` and either a headless
     ``Service`` and a pod per node (``shape="pods"``) or a ``LeaderWorkerSet`` of
     ``num_nodes`` pods (``shape="lws"``), each running that node's ``executor node``. A pod
-    is restarted alone (its own restart policy, never the group's) and its agent joins the
-    next incarnation (``agents_rejoin``), as the other pods' agents do. A pod that cannot
-    start fails the start with Kubernetes' reason; one that dies later is reported through
-    ``agent_lost`` with it. With ``backend_options['driver_runs_ranks']`` this process runs
-    node 0's ranks (``driver_runs_ranks``) and the pods are nodes 1 .. ``num_nodes - 1``."""
+    is restarted alone (its own restart policy, never the group's): its agent joins again in
+    its lost one's place, where only its ranks are replaced. A pod that cannot start fails
+    the start with Kubernetes' reason; one that dies later is reported with it
+    (``agent_lost``, :meth:`explain`). With ``backend_options['driver_runs_ranks']`` this
+    process runs node 0's ranks and the pods are nodes 1 .. ``num_nodes - 1``."""
 
     agents_rejoin: ClassVar[bool] = True
 
@@ -113,6 +115,19 @@ class KubernetesPlacement(Placement):
             kube.close()
             raise
 
+    def explain(self, node_rank: int) -> str:
+        """Kubernetes' reason for the end of ``node_rank``'s pod, awaited for at most
+        ``_EXPLAIN_S`` (a kubelet reports a container's end within a second or two)."""
+        name = self._names.get(node_rank)
+        deadline = time.monotonic() + _EXPLAIN_S
+        while name is not None and time.monotonic() < deadline:
+            pod = self.kube.pod(name)
+            what, fatal = said(pod, self._asked) if pod else (f"pod {name} is gone", True)
+            if fatal:  # as the watcher tells it (the SDK adds it to an error once)
+                return f"Kubernetes: {what}"
+            time.sleep(_WATCH_S)
+        return ""
+
     def node_id(self) -> str:
         return os.environ.get("POD_NAME") or super().node_id()
 
@@ -132,7 +147,9 @@ class KubernetesPlacement(Placement):
 
     def start(self, launch: AgentLaunch) -> None:
         self._asked, rank = _now(), launch.node_rank
-        args, gpus = launch.argv[3:], self._gpus()  # past the driver's "python -m executor_core"
+        config = self.config  # argv: past the driver's "python -m executor_core"
+        args = launch.argv[3:]
+        gpus = config.world_size // config.num_nodes if config.device == "cuda" else 0
         if self._watcher is None:  # the first start: what every incarnation shares
             data = {"secret": base64.b64encode(launch.secret.hex().encode()).decode()}
             self.kube.create(k.obj("Secret", self._meta(self.name), type="Opaque", data=data))
@@ -208,10 +225,6 @@ class KubernetesPlacement(Placement):
         return {(p.metadata.name, c.restart_count) for p in pods
                 for c in p.status.container_statuses or [] if c.state.running}  # fmt: skip
 
-    def _gpus(self) -> int:
-        config = self.config
-        return config.world_size // config.num_nodes if config.device == "cuda" else 0
-
     def _delete_pods(self, names: list[str], grace: int | None) -> None:
         """Delete pods and wait until they are gone (force-deleted after ``_GONE_S``)."""
         for name in names:
@@ -246,8 +259,7 @@ class KubernetesPlacement(Placement):
     def _watch(self) -> None:
         """Every ``_WATCH_S``: a pod whose container ended, or that was restarted, failed or
         deleted since the last look is reported (``agent_lost``) with Kubernetes' reason. If
-        the channel saw the agent go first, the executor keeps that first report, and the
-        reason is only logged."""
+        the channel saw the agent go first, its error has the reason from :meth:`explain`."""
         seen: dict[str, Any] = {}
         while not self._stop.wait(_WATCH_S):
             try:

@@ -212,11 +212,8 @@ def pod_spec(
     if resources:
         container["resources"] = resources
     volume = {"name": "channel-secret", "secret": {"secretName": secret_name, "defaultMode": 0o600}}
-    spec: dict[str, Any] = {
-        "restartPolicy": restart,
-        "containers": [container],
-        "volumes": [volume],
-    }
+    spec: dict[str, Any] = {"restartPolicy": restart, "volumes": [volume]}
+    spec["containers"] = [container]
     if options.service_account:
         spec["serviceAccountName"] = options.service_account
     if options.node_selector:

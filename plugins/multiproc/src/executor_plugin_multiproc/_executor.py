@@ -7,10 +7,12 @@ core's."""
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
 import socket
-from collections.abc import Callable, Sequence
-from typing import ClassVar
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import attrs
 
@@ -39,6 +41,8 @@ __all__ = ["MultiprocExecutor", "MultiprocOptions", "MultiprocTransport"]
 #: Under these names a group restart hands the next incarnation its placement, and the nodes
 #: whose agents were lost (``{node_rank: (node_id, ranks)}``).
 _KEPT, _LOST = "placement", "lost_nodes"
+
+logger = logging.getLogger("executor_plugin_multiproc")
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +88,10 @@ class MultiprocTransport(ChannelTransport):
         #: Ranks killed as hung (:meth:`kill`): their death is not news to the core.
         self._killed: set[int] = set()
         self._placement: Placement | None = None
+        #: Each placed node's agent launch, by node rank (started again if it is lost).
+        self._launches: dict[int, AgentLaunch] = {}
+        #: What every node's spec holds besides its ranks' launches.
+        self._common: tuple[MultiprocOptions, str, dict[str, str], int, str] | None = None
 
     # --- start-up ----------------------------------------------------------------------
 
@@ -156,13 +164,9 @@ class MultiprocTransport(ChannelTransport):
                 worker_cls,
             )
         if hub is not None:
-            common = (options, config.device, host.worker_env, spares, worker_cls)
+            self._common = (options, config.device, host.worker_env, spares, worker_cls)
             for node in hub.nodes:
-                ranks = range(node.node_rank * per_node, (node.node_rank + 1) * per_node)
-                spec = NodeSpec(
-                    node.node_rank, node.node_id, tuple(launches[r] for r in ranks), *common
-                )
-                hub.send_spec(node, spec.node_id, ranks, pickle.dumps(spec, protocol=5))
+                self._send_spec(hub, node, node.node_id, dict(enumerate(launches)))
             hub.start()
             self.hub = hub
         self.wait_until_ready(range(config.world_size), options.startup_timeout, self._check_start)
@@ -180,6 +184,15 @@ class MultiprocTransport(ChannelTransport):
         if placement is not None:
             placement._report_lost = self._agent_lost
         self._placement = placement
+
+    def _send_spec(
+        self, hub: Hub, node: Any, node_id: str, launches: Mapping[int, WorkerLaunch]
+    ) -> None:
+        """Send ``node`` (a member of ``hub``) its spec: its ranks' ``launches``."""
+        assert self._common is not None
+        ranks = self._node_ranks(node.node_rank)
+        spec = NodeSpec(node.node_rank, node_id, tuple(launches[r] for r in ranks), *self._common)
+        hub.send_spec(node, node_id, ranks, pickle.dumps(spec, protocol=5))
 
     def _join_nodes(self, placement: Placement, options: MultiprocOptions) -> Hub:
         """Listen for the agents of the nodes without the driver's ranks, have the placement
@@ -214,6 +227,7 @@ class MultiprocTransport(ChannelTransport):
             )
             for node_rank in range(int(bool(self._local)), config.num_nodes)
         }
+        self._launches = launches
         hub = Hub(listener, options.node_timeout_s, self.reply_bell, self._remote_failure)
         # Cleanups run last in, first out: the hub tells the agents to stop, then the
         # placement reaps them.
@@ -279,44 +293,87 @@ class MultiprocTransport(ChannelTransport):
     def replace(
         self, ranks: Sequence[int], rejoin: Callable[[Sequence[WorkerContext]], None]
     ) -> None:
-        group, options, hub = self._group, self._options, self.hub
-        if group is None:
-            # The rendezvous is on node 0's agent, at the port it chose for the first one:
-            # a new one there is not built; the core restarts every rank.
-            raise NotImplementedError("the driver runs no ranks: every rank is restarted")
-        host = self.host
+        group, options, hub, host = self._group, self._options, self.hub, self.host
         self.resume()
-        # A new rendezvous on this host, as at start (the driver's node hosts it).
-        init_method = host.rendezvous()
-        contexts = [attrs.evolve(c, distributed_init_method=init_method) for c in self._contexts]
+        remote = [rank for rank in ranks if rank >= self._local]
+        # A lost node's ranks go to the agent that joins again in its place.
+        rejoined = self._rejoined(remote) if hub is not None else {}
+        moved = {rank: m for m in rejoined.values() for rank in self._node_ranks(m.node_rank)}
+        if group is not None:  # a new rendezvous on this host, as at start
+            init_method = host.rendezvous()
+        else:  # on node 0's machine, as at start, at a port its agent found free now
+            assert hub is not None
+            first = rejoined.get(0) or next(n for n in hub.nodes if n.node_rank == 0)
+            port = first.port if 0 in rejoined else hub.fresh_port(first, options.node_timeout_s)
+            if not port:
+                raise ExecutorError(f"node {first.describe()} named no free port for a rendezvous")
+            init_method = tcp_init_method(first.address, port)
+        contexts = [
+            attrs.evolve(
+                c,
+                distributed_init_method=init_method,
+                node_address=moved[c.rank].address if c.rank in moved else c.node_address,
+            )
+            for c in self._contexts
+        ]
         launches = {
             rank: WorkerLaunch.of(host.wrapper(contexts[rank]), host.config.env) for rank in ranks
         }
-        remote = [rank for rank in ranks if rank >= self._local]
-        for node in hub.nodes if hub is not None else []:
-            if node.lost and set(node.ranks) & set(remote):
-                # Its agent is gone, and a hub admits agents only while it starts: the group
-                # restart waits for one to join again (start names the node if none).
-                raise ExecutorError(
-                    f"the agent of node {node.node_id} (node rank {node.node_rank}, ranks "
-                    f"{list(node.ranks)}) is gone, so its ranks cannot be replaced where they "
-                    f"ran; the group restart waits up to startup_timeout="
-                    f"{options.startup_timeout:g} s for an agent of node rank "
-                    f"{node.node_rank} to join again"
-                )
+        for member in rejoined.values():
+            ours = [contexts[rank].node_id for rank in self._node_ranks(member.node_rank)]
+            self._send_spec(hub, member, ours[0], launches)  # type: ignore[arg-type]
+        remote = [rank for rank in remote if rank not in moved]
         if remote:
             # Their agents start them, in order with the calls (the stale ones before).
             assert hub is not None
             hub.replace(remote, pickle.dumps(tuple(launches[r] for r in remote), protocol=5))
-        local = [launches[rank] for rank in ranks if rank < self._local]
-        failed = group.replace(local, 0)
-        if failed:
-            rank, exc = failed[0]
-            raise ExecutorError(f"rank {rank} could not be started again: {exc}") from exc
+        if group is not None:
+            failed = group.replace([launches[rank] for rank in ranks if rank < self._local], 0)
+            if failed:
+                rank, exc = failed[0]
+                raise ExecutorError(f"rank {rank} could not be started again: {exc}") from exc
         self._killed.difference_update(ranks)
         rejoin(contexts)
         self.wait_until_ready(ranks, options.startup_timeout, self._check_start)
+        for member in rejoined.values():
+            hub.announce(member)  # type: ignore[union-attr]  # members rejoined: a hub
         self._contexts = contexts
+
+    def _node_ranks(self, node_rank: int) -> range:
+        per_node = self.host.config.world_size // self.host.config.num_nodes
+        return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+    def _rejoined(self, remote: Sequence[int]) -> dict[int, Any]:
+        """For each lost node holding some of ``remote``: its agent started again by the
+        placement, and the member that joined in its place (within ``startup_timeout``)."""
+        hub, placement = self.hub, self._placement
+        assert hub is not None
+        timeout = self._options.startup_timeout
+        members = {}
+        for node in list(hub.nodes):
+            if not node.lost or not set(node.ranks) & set(remote):
+                continue
+            if not set(node.ranks) <= set(remote):
+                raise ExecutorError(f"node {node.describe()} is lost, and not all its ranks died")
+            check: Callable[[], None] = lambda: None  # noqa: E731
+            launch = self._launches.get(node.node_rank)
+            if placement is not None and launch is not None:
+                placement.stop(launch)
+                placement.start(launch)
+                check = functools.partial(placement.check, launch)
+            logger.info("node rank %d: awaiting an agent in the lost one's place", node.node_rank)
+            member = hub.rejoined(node.node_rank, timeout, check)
+            if member is None:
+                raise NodeLostError(
+                    node.node_id,
+                    node.ranks,
+                    f"its agent was lost, and a new one did not join within startup_timeout="
+                    f"{timeout:g} s",
+                    f"start an agent for node rank {node.node_rank} there, then call recover() "
+                    "(or create a new executor)",
+                )
+            members[node.node_rank] = member
+        return members
 
     # --- failure and stop ------------------------------------------------------------------
 
@@ -329,11 +386,30 @@ class MultiprocTransport(ChannelTransport):
 
     def _remote_failure(self, error: ExecutorFailedError) -> None:
         """The hub's pump: a remote worker or node is gone (a rank killed as hung is not
-        news: the core failed its calls already)."""
+        news: the core failed its calls already). A lost node's error waits for what its
+        placement says of it (:meth:`~.launcher.Placement.explain`), on a thread."""
         ranks = getattr(error, "ranks", None)
         if isinstance(error, WorkerDiedError) and ranks and set(ranks) <= self._killed:
             return
-        self.report_failure(error)
+        lost = [n for n in self.hub.nodes if n.lost and n.ranks == ranks] if self.hub else []
+        placement = self._placement
+        if not lost or placement is None or type(placement).explain is Placement.explain:
+            self.report_failure(error)
+            return
+        node_rank, seen = lost[0].node_rank, error
+
+        def explained() -> None:
+            try:
+                why = placement.explain(node_rank)
+            except Exception as exc:  # noqa: BLE001 - the death is reported all the same
+                why = f"(the placement could not say why: {exc})"
+            told = seen
+            if why and why not in str(seen) and isinstance(seen, WorkerDiedError):
+                detail = f"{seen.detail}; {why}" if seen.detail else why
+                told = WorkerDiedError(seen.rank, detail=detail, ranks=seen.ranks, node=seen.node)
+            self.report_failure(told)
+
+        threading.Thread(target=explained, name="executor-explain", daemon=True).start()
 
     def _on_worker_death(self, rank: int, exitcode: int) -> None:
         """Monitor thread: a worker ended while the executor was running."""

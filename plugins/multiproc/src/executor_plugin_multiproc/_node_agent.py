@@ -164,13 +164,8 @@ class NodeAgent:
         from . import __version__
 
         link, node_rank = self._link, self._node_rank
-        # Where node 0 hosts the torch rendezvous if the driver runs no ranks.
         try:
-            port = reserve_port(self._join["address"] or "0.0.0.0")
-        except OSError:
-            port = 0
-        try:
-            join = self._join | {"version": __version__, "port": port}
+            join = self._join | {"version": __version__, "port": self._free_port()}
             self._send(Op.frame(Op.JOIN, join))
             spec = self._receive_spec()
             if isinstance(spec, int):
@@ -218,6 +213,14 @@ class NodeAgent:
             for cleanup in reversed(self._cleanups):
                 with contextlib.suppress(Exception):
                     cleanup()
+
+    def _free_port(self) -> int:
+        """A port kept free on this machine's address, where node 0 hosts the torch
+        rendezvous if the driver runs no ranks (0: none could be had)."""
+        try:
+            return reserve_port(self._join["address"] or "0.0.0.0")
+        except OSError:
+            return 0
 
     def _receive_spec(self) -> NodeSpec | int:
         """The answer to the join: this node's spec, or the exit status (said why on stderr)
@@ -337,8 +340,13 @@ class NodeAgent:
                 info = Op.read(parts)
                 timeout = min(float(info["timeout_s"]), _MAX_PROBE_S)
                 silent = group.probe(self._indices(info), timeout)
-                ranks = sorted(self._first_rank + index for index in silent)
-                self._send(Op.frame(Op.PROBED, {"token": info["token"], "silent": ranks}))
+                answer = {
+                    "token": info["token"],
+                    "silent": sorted(self._first_rank + index for index in silent),
+                }
+                if info.get("port"):  # a new rendezvous on this machine (a replacement)
+                    answer["port"] = self._free_port()
+                self._send(Op.frame(Op.PROBED, answer))
             elif op == Op.END:  # declared hung: their deaths are reported as any other
                 group.kill(self._indices(Op.read(parts)))
             elif op == Op.REPLACE and len(parts) == 3:

@@ -24,7 +24,10 @@ agents to stop (at shutdown, after a failed start, or from the finalizer of an e
 dropped without shutdown). A group restart (a recovery) keeps the same placement: it stops the
 agents and starts the next incarnation's through the same instance, so what it holds for
 all of them (a scheduler's allocation) lives on; :meth:`Placement.close` runs once, when the
-executor is done with it.
+executor is done with it. A node lost after the start is asked of
+:meth:`Placement.explain` (why), and its rank replacement calls :meth:`Placement.stop` and
+:meth:`Placement.start` for it again, then awaits its new agent (``check`` meanwhile); the
+other nodes' agents and workers stay.
 """
 
 from __future__ import annotations
@@ -104,6 +107,13 @@ class Placement:
         if report is not None:
             report(node_rank, detail)
 
+    def explain(self, node_rank: int) -> str:
+        """Why the agent of ``node_rank`` is gone, as the scheduler tells it ("OOMKilled"):
+        asked from a thread of the SDK's when the channel lost that node after the start,
+        and awaited for at most a few seconds, during which the executor's error waits (it
+        then ends with the answer). The default cannot tell: "" at once."""
+        return ""
+
     def node_id(self) -> str:
         """What the driver's node is called in ``WorkerContext.node_id`` when it runs node
         0's ranks (:attr:`driver_runs_ranks`): by default this machine's host name; a
@@ -123,7 +133,9 @@ class Placement:
     def start(self, launch: AgentLaunch) -> None:
         """Start the agent for ``launch.node_rank`` (submit it to the scheduler). Return once
         it is on its way; its join is awaited for ``startup_timeout``. Raise to fail the
-        start (the agents started before are stopped)."""
+        start (the agents started before are stopped). Called again, after :meth:`stop`, for
+        a node lost after the start: start a new agent unless the scheduler restarts the old
+        one by itself."""
         raise NotImplementedError(f"{type(self).__qualname__} must define start(launch)")
 
     def check(self, launch: AgentLaunch) -> None:
