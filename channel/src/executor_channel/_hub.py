@@ -572,8 +572,7 @@ class Hub:
         joined again (within ``timeout``; None if none did). ``check()`` runs about once a
         second meanwhile and raises if none can come. The member waits for its spec
         (:meth:`send_spec`); until then it is sent nothing else."""
-        deadline = time.monotonic() + timeout
-        next_check = 0.0
+        deadline, next_check = time.monotonic() + timeout, 0.0
         while (member := self._late.get(node_rank)) is None:
             now = time.monotonic()
             if now >= deadline or self._thread is None:
@@ -631,7 +630,8 @@ class Hub:
         member.ranks = tuple(ranks)
         self._send_now(member.peer, [Op.SPEC, spec])
         if self._late.get(member.node_rank) is member:
-            member.last_seen = time.monotonic()
+            # Starting its workers, it may be silent as long as at the start.
+            member.last_seen = time.monotonic() + max(0.0, STARTUP_SILENCE_S - self._timeout)
             at = next(i for i, n in enumerate(self.nodes) if n.node_rank == member.node_rank)
             self.nodes[at] = member
             del self._late[member.node_rank]
