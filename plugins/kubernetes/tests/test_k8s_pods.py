@@ -246,7 +246,8 @@ def test_bad_input_is_refused_before_anything_is_created(k8s: Cluster, tmp_path:
 
 
 def test_a_leaderworkerset_group_and_every_manifest_validates(k8s: Cluster) -> None:
-    """shape="lws": one group of num_nodes pods (leader node 0), each restarted alone; every
+    """shape="lws": one group of num_nodes pods (leader node 0), each restarted alone (a
+    killed worker pod costs its rank alone: the leader's worker keeps its process); every
     object the backend sent validates against Kubernetes 1.37's schemas, the LWS against
     its CRD's (and its pod templates against PodTemplateSpec)."""
     options = {
@@ -259,10 +260,22 @@ def test_a_leaderworkerset_group_and_every_manifest_validates(k8s: Cluster) -> N
     first = len(k8s.sent)
     with create_executor(_config(**options)) as ex:
         ex.collective_rpc("get_rank")
-    with create_executor(_config(shape="lws", **options)) as ex:
+    recovery = RecoveryPolicy(max_restarts=1, backoff_s=0.0)
+    with create_executor(
+        _config(shape="lws", recovery=recovery, node_timeout_s=5.0, **options)
+    ) as ex:
         nodes = [c.node_id for c in ex.collective_rpc("get_context")]
         assert nodes[0].endswith("-0"), nodes
         assert nodes[1].endswith("-0-1"), nodes
+        workers = ex.collective_rpc("get_pid")
+        k8s.kill(nodes[1])
+        _wait("the recovery", lambda: ex.last_recovery is not None, 30.0)
+        record = ex.last_recovery
+        assert record is not None
+        assert (record.kind, record.ranks) == ("replace", (1,)), record
+        pids = ex.collective_rpc("get_pid", timeout=30)
+        assert pids[0] == workers[0]
+        assert pids[1] != workers[1]
     sent = k8s.sent[first:]
     kinds = sorted(body["kind"] for body in sent)
     assert kinds == ["LeaderWorkerSet", "Pod", "Pod", "Secret", "Secret", "Service"], kinds
