@@ -119,7 +119,7 @@ def test_kit_fails_the_broken_backend(table: str, name: str, tmp_path: Path) -> 
 def test_kit_passes_the_correct_process_backend(tmp_path: Path) -> None:
     """The kit passes a correct backend of worker processes that replaces ranks (its group
     restart is checked too, with replacement off), with no flag saying what it is; the
-    correct backends that only restart are the cluster example and ``slurm``."""
+    correct backend that only restarts is the cluster example."""
     module = (
         "from broken_backends import _ReplacingProcessExecutor\n"
         "from executor_core.testing import HangTests, LifecycleTests, RecoveryTests\n\n\n"

@@ -147,9 +147,9 @@ def test_within_sbatch_the_driver_runs_node_0s_ranks(slurm: SlurmCluster, tmp_pa
 
 
 def test_a_lost_agent_comes_back_in_a_new_step_of_the_same_job(slurm: SlurmCluster) -> None:
-    """n2's agent killed (its step ends), with a recovery policy: every rank restarts in new
-    steps of the same job (no second salloc), n2's rank on n2 again; the job is released
-    once, at shutdown."""
+    """n2's agent killed (its step ends), with a recovery policy: n2's rank is replaced in a
+    new step of the same job (no second salloc), on n2 again, while n1's worker keeps its
+    process; the job is released once, at shutdown."""
     config = attrs.evolve(_config(), recovery=RecoveryPolicy(backoff_s=0.0))
     with create_executor(config) as ex:
         job = _job(slurm)
@@ -167,12 +167,14 @@ def test_a_lost_agent_comes_back_in_a_new_step_of_the_same_job(slurm: SlurmClust
             60.0,
         )
         assert ex.last_recovery is not None
-        assert ex.last_recovery.kind == "restart"
+        assert (ex.last_recovery.kind, ex.last_recovery.ranks) == ("replace", (1,))
         assert [node for node, _ in _where(ex)] == ["n1", "n2"]
-        assert ex.collective_rpc(lambda w: os.getpid())[1] != pids[1]
+        after = ex.collective_rpc(lambda w: os.getpid())
+        assert after[0] == pids[0]
+        assert after[1] != pids[1]
         assert _job(slurm) == job  # the same allocation, and no other
         steps = slurm.run("squeue", "--noheader", "--steps", f"--jobs={job}", "--format=%i")
-        assert sorted(steps.split()) == [f"{job}.2", f"{job}.3"]  # the restart's steps
+        assert sorted(steps.split()) == [f"{job}.0", f"{job}.2"]  # n1's, and n2's new one
     assert not [line for line in slurm.jobs() if "RUNNING" in line]  # released
 
 

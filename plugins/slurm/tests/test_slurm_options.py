@@ -23,7 +23,7 @@ def test_the_backend_is_declared_with_what_it_needs() -> None:
     assert "srun" in spec.description
     assert "salloc" in spec.description
     assert spec.capabilities.multi_node
-    assert spec.capabilities.recovery == "restart"
+    assert spec.capabilities.recovery == "replace"
 
 
 def test_salloc_gets_the_options_slurm_users_know() -> None:

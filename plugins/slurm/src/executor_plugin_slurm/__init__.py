@@ -43,7 +43,7 @@ def executor_register_backends() -> list[BackendSpec]:
                 pipeline_parallel=True,
                 multi_node=True,
                 devices=("cpu", "cuda"),
-                recovery="restart",
+                recovery="replace",
                 liveness_probe=True,
             ),
         )

@@ -161,7 +161,7 @@ class SlurmPlacement(Placement):
 
     def start(self, launch: AgentLaunch) -> None:
         if self.allocation is not None and self.allocation.ended() is not None:
-            # A group restart after Slurm ended the job (cancelled, preempted, timed out):
+            # A recovery's new step after Slurm ended the job (cancelled, preempted, timed out):
             # whoever ended it meant the executor to end, not to queue again.
             raise ExecutorError(
                 f"Slurm job {self.allocation.job_id} has ended{self._job_said()}: the "
