@@ -645,8 +645,7 @@ class Hub:
         rendezvous hosted on its machine); 0 if it did not answer within ``timeout``."""
         token, messages = self._probes.ask([member], [], timeout, port=True)
         self._link.send_later(messages)
-        answer = self._probes.answers(token, 1, timeout).get(member.node_rank, {})
-        port = answer.get("port")
+        port = self._probes.answers(token, 1, timeout).get(member.node_rank, {}).get("port")
         return port if type(port) is int else 0
 
     def _send_now(self, peer: PeerId, parts: Sequence[bytes]) -> None:
@@ -845,7 +844,8 @@ class Hub:
             node.last_seen = time.monotonic()
             if op == Op.DIED:
                 info = Op.read(message.parts)
-                self._on_failure(died_on(node, info))
+                if not info.get("ended"):  # ended by END: its calls failed already
+                    self._on_failure(died_on(node, info))
             elif op == Op.FAILED:
                 info = Op.read(message.parts)
                 reason = str(info.get("reason", "?"))

@@ -73,7 +73,7 @@ class Op:
     PROBED = b"q"
     #: Hub to member: end these ranks' processes now (JSON: ``ranks``), declared hung.
     END = b"E"
-    #: Member to hub: a worker of its node died (JSON: its rank and exit code).
+    #: Member to hub: a worker of its node died (JSON: rank, exit code, ``ended`` if by END).
     DIED = b"D"
     #: Hub to every member, in order with the calls (a rank replacement): start new processes
     #: for these of its ranks (JSON: ``ranks``; then the backend's bytes for them). The calls

@@ -186,6 +186,36 @@ class TestNodes:
             assert "start an agent for node rank 1" in str(failure)
             assert took < 10 + 8, f"more than one attempt: failed {took:.1f} s after the loss"
 
+    def test_a_frozen_remote_rank_is_replaced_alone(self, agents: Agents) -> None:
+        """A rank on another node frozen (SIGSTOP) in a call, with a recovery policy: the
+        caller gets the hang as a death, the agent ends the process on the driver's order,
+        and that ending is no second death: the rank is replaced, and the driver's rank
+        keeps its process."""
+        port = find_free_port()
+        agents.start(port)
+        config = conformance_config(
+            "mp",
+            world_size=2,
+            num_nodes=2,
+            recovery=RecoveryPolicy(backoff_s=0.0),
+            hang_timeout_s=2.0,
+            backend_options={"node_port": port, "shutdown_grace_s": 1.0},
+        )
+        with create_executor(config) as executor:
+            pids = executor.collective_rpc("get_pid", timeout=30)
+            call = executor.collective_rpc("slow", args=(1.0,), non_block=True)
+            os.kill(pids[1], signal.SIGSTOP)
+            with pytest.raises(WorkerDiedError, match="hung"):
+                call.result(timeout=30)
+            deadline = time.monotonic() + 30
+            while executor.last_recovery is None or executor.state is not ExecutorState.RUNNING:
+                assert time.monotonic() < deadline, f"not back: {executor.state}"
+                time.sleep(0.05)
+            assert (executor.last_recovery.kind, executor.last_recovery.ranks) == ("replace", (1,))
+            after = executor.collective_rpc("get_pid", timeout=30)
+            assert after[0] == pids[0]
+            assert after[1] != pids[1]
+
     def test_agent_stopped_with_sigterm(self, agents: Agents) -> None:
         executor = _two_nodes(agents)
         try:

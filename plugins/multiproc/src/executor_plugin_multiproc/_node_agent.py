@@ -154,6 +154,8 @@ class NodeAgent:
         self._lost_worker = False
         #: Indices of workers that died and are not replaced yet: they do not hold the ring.
         self._dead: set[int] = set()
+        #: Indices of workers the driver ended (``END``) whose death is not reported yet.
+        self._ended: set[int] = set()
         #: Call frames received and not yet written into the ring (it was full), and the
         #: driver's rank replacements (dicts), in their order.
         self._pending: collections.deque[tuple[memoryview, ...] | dict[str, Any]] = (
@@ -347,8 +349,9 @@ class NodeAgent:
                 if info.get("port"):  # a new rendezvous on this machine (a replacement)
                     answer["port"] = self._free_port()
                 self._send(Op.frame(Op.PROBED, answer))
-            elif op == Op.END:  # declared hung: their deaths are reported as any other
-                group.kill(self._indices(Op.read(parts)))
+            elif op == Op.END:  # declared hung: their deaths are reported as the driver's doing
+                self._ended.update(ended := self._indices(Op.read(parts)))
+                group.kill(ended)
             elif op == Op.REPLACE and len(parts) == 3:
                 # In order with the calls: the calls before it are for the dead processes.
                 self._pending.append(Op.read(parts) | {"launches": bytes(parts[2])})
@@ -395,6 +398,9 @@ class NodeAgent:
         wanted = {self._first_rank + index for index in self._indices(order)}
         mine = [launch for launch in launches if launch.rank in wanted]
         failed = self._group.replace(mine, self._first_rank)
+        # The old processes' deaths seen by now (an ended one's as such); no later one is.
+        self._report_deaths()
+        self._ended.difference_update(launch.rank - self._first_rank for launch in mine)
         for rank, exc in failed:
             logger.error("rank %d could not be replaced: %s", rank, exc)
             self._deaths.append((rank - self._first_rank, -1))
@@ -445,7 +451,9 @@ class NodeAgent:
             self._dead.add(index)
             self._forward_replies()  # what it answered before it died comes first
             info = {"rank": self._first_rank + index, "exitcode": exitcode}
-            self._send(Op.frame(Op.DIED, info | {"parent_died": exitcode == PARENT_DIED_EXIT}))
+            info |= {"parent_died": exitcode == PARENT_DIED_EXIT, "ended": index in self._ended}
+            self._ended.discard(index)
+            self._send(Op.frame(Op.DIED, info))
 
     def _send(self, parts: Sequence[Any]) -> None:
         self._link.send(parts, timeout=self._timeout)
