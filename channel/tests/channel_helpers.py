@@ -11,10 +11,10 @@ from typing import Any
 import zmq
 
 from executor_channel import ChannelTimeoutError, Connection, Doorbell, Listener
-from executor_channel._link import Message
-from executor_channel._ring import Ring, RingLayout
-from executor_channel._segment import SharedSegment
-from executor_channel._slot_views import SlotViews
+from executor_channel._net.link import Message
+from executor_channel._shm.ring import Ring, RingLayout
+from executor_channel._shm.segment import SharedSegment
+from executor_channel._shm.slot_views import SlotViews
 
 # Every wait in these tests is bounded by this (a hung test fails instead of blocking CI).
 WAIT = 10.0

@@ -17,13 +17,13 @@ import pytest
 from channel_helpers import WAIT, Server, raw_dealers, wire_tap
 
 from executor_channel import Connection, Listener, Secret
-from executor_channel._frames import MAC_BYTES, VERSION, Direction, tag
-from executor_channel._link import Message
+from executor_channel._net.frames import MAC_BYTES, VERSION, Direction, tag
+from executor_channel._net.link import Message
 from executor_channel.testing import gate_token
 
 FRAMES = 10_000
 DEALERS = 4
-# The fixed header layout of executor_channel._frames (big-endian): magic, version, kind,
+# The fixed header layout of executor_channel._net.frames (big-endian): magic, version, kind,
 # padding, session, epoch, sequence, part count.
 FIXED = struct.Struct("!4sBBxx16s16sQI")
 

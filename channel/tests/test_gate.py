@@ -18,7 +18,7 @@ from channel_helpers import WAIT, Server
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from executor_channel import Connection, DropReason, Limits, Listener, Secret
-from executor_channel._frames import (
+from executor_channel._net.frames import (
     VERSION,
     Direction,
     FrameError,
@@ -31,7 +31,7 @@ from executor_channel._frames import (
     seal,
     verify,
 )
-from executor_channel._link import Message
+from executor_channel._net.link import Message
 
 KEY = bytes(range(32))
 

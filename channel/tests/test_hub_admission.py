@@ -14,7 +14,7 @@ import pytest
 from channel_helpers import WAIT
 
 from executor_channel import ChannelTimeoutError, Connection, Hub, Listener, Op, Refusal, Secret
-from executor_channel._doorbell import Doorbell
+from executor_channel._shm.doorbell import Doorbell
 from executor_core import ExecutorFailedError
 
 VERSION = "9.9.9"

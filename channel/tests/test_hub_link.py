@@ -7,8 +7,8 @@ import threading
 import time
 
 from executor_channel import Listener, Secret
-from executor_channel._doorbell import Doorbell
-from executor_channel._hub import CALLER_HOLD_S, SharedListener
+from executor_channel._net.hub import CALLER_HOLD_S, SharedListener
+from executor_channel._shm.doorbell import Doorbell
 
 
 def _rung(bell: Doorbell) -> bool:

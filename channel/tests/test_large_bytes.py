@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
-from executor_channel import Doorbell, Received, _buffers, _heap, encode
+from executor_channel import Doorbell, Received, encode
 from executor_channel._codec import OOB_BYTES_THRESHOLD, copied_whole, decode, plan_assembly
-from executor_channel._ring import STREAM_CHUNK, Ring, RingLayout
-from executor_channel._segment import SharedSegment
+from executor_channel._memory import buffers as _buffers
+from executor_channel._memory import heap as _heap
+from executor_channel._shm.ring import STREAM_CHUNK, Ring, RingLayout
+from executor_channel._shm.segment import SharedSegment
 
 MIB = 1 << 20
 WAIT = 10.0  # every wait in these tests is bounded by this
@@ -157,7 +159,8 @@ def test_large_bytes_reuse_warm_heap_memory_until_released() -> None:
     script = textwrap.dedent(
         """
         import resource
-        from executor_channel import _buffers, _heap
+        from executor_channel._memory import buffers as _buffers
+        from executor_channel._memory import heap as _heap
 
         MIB = 1 << 20
         source = bytearray(48 * MIB)
@@ -201,7 +204,7 @@ def test_a_large_bytes_freed_after_the_idle_trim_still_goes_back() -> None:
     script = textwrap.dedent(
         """
         import time
-        from executor_channel import _buffers
+        from executor_channel._memory import buffers as _buffers
 
         MIB = 1 << 20
         cache = _buffers.BufferCache(idle_s=0.1)

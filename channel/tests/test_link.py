@@ -26,9 +26,9 @@ from executor_channel import (
     Listener,
     Secret,
 )
-from executor_channel._frames import MAC_BYTES, Direction, read_frame, verify
-from executor_channel._link import Message, PeerId
-from executor_channel._listener import LOOPBACK
+from executor_channel._net.frames import MAC_BYTES, Direction, read_frame, verify
+from executor_channel._net.link import Message, PeerId
+from executor_channel._net.listener import LOOPBACK
 from executor_channel.testing import gate_token
 
 ROOT = Path(__file__).resolve().parents[2]

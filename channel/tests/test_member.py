@@ -18,10 +18,10 @@ from channel_helpers import WAIT
 
 from executor_channel import ChannelError, Listener, Secret
 from executor_channel._codec import KIND_READY, KIND_REPLY, KIND_STOP, encode, encode_call
-from executor_channel._doorbell import Doorbell
-from executor_channel._hub import Hub
-from executor_channel._member import MemberServer
-from executor_channel._node_rings import Reply
+from executor_channel._net.hub import Hub
+from executor_channel._net.member import MemberServer
+from executor_channel._shm.doorbell import Doorbell
+from executor_channel._shm.node_rings import Reply
 from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
 from executor_core.backend import RemoteFailure
 

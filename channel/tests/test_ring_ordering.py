@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from executor_channel import Doorbell, _fence, _ring
-from executor_channel._ring import Ring, RingLayout
-from executor_channel._segment import SharedSegment
+from executor_channel import Doorbell
+from executor_channel._shm import fence as _fence
+from executor_channel._shm import ring as _ring
+from executor_channel._shm.ring import Ring, RingLayout
+from executor_channel._shm.segment import SharedSegment
 
 WAIT = 10.0  # every wait in these tests is bounded by this
 
@@ -117,7 +119,7 @@ def test_segment_closes_after_counter_access() -> None:
 _MONOTONIC_READER = textwrap.dedent(
     """
     import mmap, sys
-    from executor_channel import _fence
+    from executor_channel._shm import fence as _fence
     fd, n = int(sys.argv[1]), int(sys.argv[2])
     buf = memoryview(mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED))
     last = reads = 0

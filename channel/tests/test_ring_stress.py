@@ -15,7 +15,7 @@ Run it for longer, on an aarch64 machine say, as a script or through pytest::
     .venv/bin/python channel/tests/test_ring_stress.py --messages 100000000 --readers 4
     EXECUTOR_RING_STRESS_MESSAGES=20000000 .venv/bin/pytest channel/tests/test_ring_stress.py
 
-``EXECUTOR_CHANNEL_FENCE`` chooses the fences (see ``executor_channel._fence``).
+``EXECUTOR_CHANNEL_FENCE`` chooses the fences (see ``executor_channel._shm.fence``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from typing import Any
 
 import pytest
 
-from executor_channel import Doorbell, Received, _fence
-from executor_channel._ring import Ring, RingLayout
-from executor_channel._segment import SharedSegment
+from executor_channel import Doorbell, Received
+from executor_channel._shm import fence as _fence
+from executor_channel._shm.ring import Ring, RingLayout
+from executor_channel._shm.segment import SharedSegment
 
 #: Messages in the test's main run (the default takes about 20 s on 2 cores shared by the
 #: writer and three readers, and twice that on a busy machine: over 4,000 rounds of every

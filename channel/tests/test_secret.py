@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from executor_channel import Secret, SecretError
-from executor_channel._secret import MIN_SECRET_BYTES
+from executor_channel._net.secret import MIN_SECRET_BYTES
 
 GOOD_HEX = secrets.token_hex(MIN_SECRET_BYTES)
 

@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 from channel_helpers import RingEnds
 
-from executor_channel import Received, _buffers, _slot_views, encode
+from executor_channel import Received, encode
 from executor_channel._codec import decode
-from executor_channel._ring import IN_PLACE_MIN, RingLayout
-from executor_channel._segment import SharedSegment
-from executor_channel._slot_views import SlotViews
+from executor_channel._memory import buffers as _buffers
+from executor_channel._shm import slot_views as _slot_views
+from executor_channel._shm.ring import IN_PLACE_MIN, RingLayout
+from executor_channel._shm.segment import SharedSegment
+from executor_channel._shm.slot_views import SlotViews
 
 torch = pytest.importorskip("torch")
 

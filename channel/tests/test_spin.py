@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from executor_channel import ChannelTransport, _spin
-from executor_channel._spin import Spinner
+from executor_channel import ChannelTransport
+from executor_channel._shm import spin as _spin
+from executor_channel._shm.spin import Spinner
 
 
 def test_zero_spin_never_spins() -> None:
@@ -101,7 +102,7 @@ def lose_next_yield(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], Non
 def node_rings(spin_s: float, worker_spin_s: float = 0.0) -> Iterator[tuple[Any, Any]]:
     """A driver's rings for one worker (4 slots of 4 KiB each way) and that worker's end."""
     from executor_channel import NodeRings, WorkerRings
-    from executor_channel._node_rings import RingSizes
+    from executor_channel._shm.node_rings import RingSizes
 
     sizes = RingSizes(slots=4, slot_bytes=4096, reply_slots=4, reply_slot_bytes=4096, spin_s=spin_s)
     cleanups: list[Callable[[], None]] = []
@@ -124,8 +125,8 @@ class _Pair:
 
     def __init__(self, spinner: Spinner, *, ends_bulk: bool = True) -> None:
         from executor_channel import Doorbell
-        from executor_channel._ring import Ring, RingLayout
-        from executor_channel._segment import SharedSegment
+        from executor_channel._shm.ring import Ring, RingLayout
+        from executor_channel._shm.segment import SharedSegment
 
         layout = RingLayout(0, 1, 4, 4096)
         self.segment = SharedSegment.create(layout.nbytes)
@@ -224,7 +225,7 @@ def test_small_waiting_tells_a_short_answer_from_a_large_transfer() -> None:
 
 def test_a_worker_waits_for_calls_with_the_longer_of_its_budgets() -> None:
     from executor_channel import NodeRings, WorkerRings
-    from executor_channel._node_rings import RingSizes
+    from executor_channel._shm.node_rings import RingSizes
 
     sizes = RingSizes(slots=2, slot_bytes=4096, reply_slots=1, reply_slot_bytes=4096, spin_s=0)
     for spin_s, idle_spin_s, expected in ((1e-4, 0.005, 0.005), (1e-4, 0.0, 1e-4)):

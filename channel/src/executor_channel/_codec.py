@@ -24,8 +24,8 @@ import sys
 import threading
 from typing import Any
 
-from . import _buffers
-from ._ring import STREAM_CHUNK, Assembled
+from ._memory import buffers as _buffers
+from ._shm.ring import STREAM_CHUNK, Assembled
 
 __all__ = [
     "BYTES",
@@ -434,8 +434,8 @@ def copied_whole(first: Any, nbytes: int) -> bool:
     than those): true when none of its
     out-of-band buffers rebuilds a tensor or an array, which a worker builds in place (each
     rebuilds ``bytes``, which owns a copy of its data, or there are none). The ring may then
-    stream it (:meth:`Ring.write <._ring.Ring.write>`'s ``copied``); a
-    frame of at most :data:`~._ring.STREAM_CHUNK` is written whole either way, and is
+    stream it (:meth:`Ring.write <._shm.ring.Ring.write>`'s ``copied``); a
+    frame of at most :data:`~._shm.ring.STREAM_CHUNK` is written whole either way, and is
     not looked at."""
     if nbytes <= STREAM_CHUNK or len(first) < _HEADER.size:
         return False
@@ -457,7 +457,7 @@ class DecodeError(Exception):
 
 def plan_assembly(first: memoryview, nbytes: int) -> tuple[list[memoryview], Assembled] | None:
     """Where a reader copies a frame of ``nbytes`` that spans several ring slots, given its
-    first chunk (``assemble`` of :meth:`Ring.read <._ring.Ring.read>`): the header and pickle
+    first chunk (``assemble`` of :meth:`Ring.read <._shm.ring.Ring.read>`): the header and pickle
     into a ``bytearray``, each large ``bytes`` buffer straight into the ``bytes`` object it
     becomes (one copy instead of two), other buffers into blocks of the buffer cache. None (one
     block for the whole frame) unless the frame carries a large ``bytes``, or if the first
@@ -517,10 +517,10 @@ def decode(buf: memoryview | pickle.PickleBuffer | Assembled) -> tuple[int, bool
     out-of-band buffer once, into memory the object it rebuilds owns. A frame in a
     :class:`pickle.PickleBuffer` is memory the receiver may keep (the ring hands a message
     that spanned several slots that way, after copying it out once, and a worker's call of
-    one slot as its private view of the slot, :meth:`~._ring.Ring.read_held`):
+    one slot as its private view of the slot, :meth:`~._shm.ring.Ring.read_held`):
     its buffers are used in place, so a large payload is not copied twice; so are the pieces
     of an
-    :class:`~._ring.Assembled` frame (see :func:`plan_assembly`).
+    :class:`~._shm.ring.Assembled` frame (see :func:`plan_assembly`).
     """
     if isinstance(buf, Assembled):
         return _decode_assembled(buf.parts)

@@ -20,15 +20,15 @@ from executor_core import ExecutorClosedError, ExecutorError, ExecutorFailedErro
 from executor_core.backend import Call, RemoteFailure, Transport, TransportHost
 
 from ._codec import KIND_READY, KIND_STOP, encode, encode_call, plan_assembly
-from ._doorbell import Doorbell
-from ._node_rings import NodeRings, Reply, decode_reply
-from ._ring import Ring, RingAbortedError
-from ._spin import Spinner
+from ._shm.doorbell import Doorbell
+from ._shm.node_rings import NodeRings, Reply, decode_reply
+from ._shm.ring import Ring, RingAbortedError
+from ._shm.spin import Spinner
 
 # Not typing.TYPE_CHECKING's import cost; type checkers treat any constant of this name as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ._hub import Hub  # zmq: imported by multi-node executors only
+    from ._net.hub import Hub  # zmq: imported by multi-node executors only
 
 __all__ = ["ChannelTransport"]
 
@@ -168,7 +168,7 @@ class ChannelTransport(Transport):
         False (the core raises :class:`~executor_core.RPCTimeoutError`) if the deadline passed
         first, even part-way through a call that streams through several slots while a rank
         is busy: the call is then withdrawn, on every rank (see :meth:`Ring.write
-        <._ring.Ring.write>`), and the next send goes out once the busy rank
+        <._shm.ring.Ring.write>`), and the next send goes out once the busy rank
         frees slots. An exception part-way through (Ctrl-C) withdraws it the same way."""
         method = call.method
         reply_rank = call.reply_rank
@@ -273,7 +273,7 @@ class ChannelTransport(Transport):
 
     def _deliver_remote(self) -> bool:
         """Hand the replies that came from other machines to the core (reading those that
-        wait, see :meth:`Hub.read_replies <._hub.Hub.read_replies>`); True if any came."""
+        wait, see :meth:`Hub.read_replies <._net.hub.Hub.read_replies>`); True if any came."""
         assert self.hub is not None
         self.hub.read_replies()
         inbox = self.hub.inbox

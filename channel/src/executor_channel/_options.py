@@ -13,7 +13,7 @@ import attrs
 
 from executor_core.options import integer, number, option, optional, parse_backend_options
 
-from ._node_rings import RingSizes
+from ._shm.node_rings import RingSizes
 
 __all__ = ["ChannelOptions"]
 
@@ -62,17 +62,12 @@ class ChannelOptions:
         return parse_backend_options(cls, options, backend or cls.__qualname__)
 
     @property
-    def reply_bytes(self) -> int:
-        """Effective bytes per reply slot."""
-        return self.reply_slot_bytes if self.reply_slot_bytes is not None else self.slot_bytes
-
-    @property
     def ring_sizes(self) -> RingSizes:
         """The sizes of a node's rings."""
         return RingSizes(
             slots=self.slots,
             slot_bytes=self.slot_bytes,
             reply_slots=self.reply_slots,
-            reply_slot_bytes=self.reply_bytes,
+            reply_slot_bytes=self.reply_slot_bytes or self.slot_bytes,
             spin_s=self.spin_s,
         )

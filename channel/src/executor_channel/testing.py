@@ -21,11 +21,11 @@ import struct
 import threading
 import time
 
-from ._secret import Secret
+from ._net.secret import Secret
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
-    from ._listener import Listener
+    from ._net.listener import Listener
 
 __all__ = ["flood_unauthenticated", "gate_token", "throw_garbage"]
 
@@ -34,7 +34,7 @@ def gate_token(source: Secret | Listener) -> tuple[bytes, bytes]:
     """A token that passes the gate of a listener holding ``source`` (its secret, or the
     listener itself): zmq PLAIN ``(username, password)``, as a dialer presents it in the
     clear, so what an observer of the network could capture."""
-    from ._gate import dialer_token
+    from ._net.gate import dialer_token
 
     return dialer_token(source.key if isinstance(source, Secret) else source._key)
 

@@ -21,10 +21,10 @@ LIMIT = 30
 #: Modules whose functions are how a hop waits or signals, not hops (a fence, a doorbell, the
 #: spinner, the receive buffer cache's trim): which of them run depends on timing.
 _MECHANICS = (
-    "executor_channel._fence",
-    "executor_channel._doorbell",
-    "executor_channel._spin",
-    "executor_channel._buffer_cache",
+    "executor_channel._shm.fence",
+    "executor_channel._shm.doorbell",
+    "executor_channel._shm.spin",
+    "executor_channel._memory.buffer_cache",
 )
 _PACKAGES = ("executor_core", "executor_channel", "executor_plugin_multiproc")
 #: Comprehensions are functions of their own before Python 3.12 only.

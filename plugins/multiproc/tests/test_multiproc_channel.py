@@ -20,8 +20,8 @@ from mp_test_helpers import our_shm_names, shm_unchanged
 
 from executor_channel import Doorbell, encode
 from executor_channel._codec import decode
-from executor_channel._ring import Ring, RingLayout
-from executor_channel._segment import SharedSegment
+from executor_channel._shm.ring import Ring, RingLayout
+from executor_channel._shm.segment import SharedSegment
 from executor_core import Executor, WorkerError, create_executor
 from executor_core.testing import conformance_config
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from executor_channel import _buffers
+from executor_channel._memory import buffers as _buffers
 
 pytestmark = [
     pytest.mark.slow,

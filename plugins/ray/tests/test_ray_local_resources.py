@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from executor_channel import _buffers
+from executor_channel._memory import buffers as _buffers
 from executor_core import create_executor
 from executor_core.testing import conformance_config
 

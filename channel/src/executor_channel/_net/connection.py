@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from ._frames import (
+from .frames import (
     NONCE_BYTES,
     ZERO_NONCE,
     Direction,
@@ -25,8 +25,8 @@ from ._frames import (
     read_frame,
     seal,
 )
-from ._gate import dialer_token
-from ._link import (
+from .gate import dialer_token
+from .link import (
     BytesLike,
     ChannelError,
     ChannelTimeoutError,
@@ -36,7 +36,7 @@ from ._link import (
     as_views,
     deadline_after,
 )
-from ._secret import Secret
+from .secret import Secret
 
 __all__ = ["Connection"]
 

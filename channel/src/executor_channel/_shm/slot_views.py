@@ -40,7 +40,7 @@ import struct
 import sys
 import threading
 
-from ._ring import RingLayout
+from .ring import RingLayout
 
 __all__ = ["SlotViews"]
 

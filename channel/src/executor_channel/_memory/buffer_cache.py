@@ -28,10 +28,10 @@ gives back everything free: it unmaps every free block and returns the free page
 to the kernel (``malloc_trim``); while messages keep coming, a trim unmaps a block seen free
 for ``IDLE_S``. Blocks still in use are tracked only up to :data:`MAX_BLOCKS`; beyond that the
 oldest are forgotten, and their memory goes back to the kernel when their objects are freed,
-as without a cache. When the trims run is for the cache's users to say (see :mod:`._buffers`,
+as without a cache. When the trims run is for the cache's users to say (see :mod:`.buffers`,
 which holds the process's cache).
 
-The rows that keep it (and the warm heap of :mod:`._heap`): ``executor bench``'s payloads on
+The rows that keep it (and the warm heap of :mod:`.heap`): ``executor bench``'s payloads on
 ``mp`` at default options. Without them (a fresh mapping per large message, ``bytes(view)``
 for large ``bytes``) ``bytes 16 MiB`` took 14 times as long (41.7 ms against 3.0 ms),
 ``bytes 4 MiB`` 13 times, and ``tensor 64 MiB`` 12 times, behind vLLM's MessageQueue (1.1-1.35x
@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _heap
+from . import heap as _heap
 
 __all__ = [
     "IDLE_S",
@@ -193,7 +193,7 @@ class BufferCache:
     def take_bytes(self, view: Any) -> bytes:
         """``bytes(view)``, warm: one of :data:`_heap.MMAP_CEILING` or more comes from the
         process's heap, which keeps it after it is freed, up to :attr:`max_idle_bytes` and until
-        the process has gone :attr:`idle_s` without a large message (see :mod:`._heap`)."""
+        the process has gone :attr:`idle_s` without a large message (see :mod:`.heap`)."""
         if memoryview(view).nbytes < _heap.MMAP_CEILING:
             return bytes(view)
         with self._lock:
@@ -204,7 +204,7 @@ class BufferCache:
 
     def new_bytes(self, nbytes: int) -> tuple[bytes, memoryview] | None:
         """A new ``bytes`` of ``nbytes`` to fill through the returned view, warm as
-        :meth:`take_bytes` makes it (see :func:`._heap.new_bytes`); None if not possible here."""
+        :meth:`take_bytes` makes it (see :func:`.heap.new_bytes`); None if not possible here."""
         if nbytes >= _heap.MMAP_CEILING:
             with self._lock:
                 self._let_go()

@@ -22,7 +22,7 @@ import attrs
 from executor_core import WorkerError
 from executor_core.backend import RemoteFailure, method_name
 
-from ._codec import (
+from .._codec import (
     KIND_REPLY,
     KIND_STOP,
     DecodeError,
@@ -32,11 +32,11 @@ from ._codec import (
     encode,
     plan_assembly,
 )
-from ._doorbell import Doorbell
-from ._ring import STREAM_CHUNK, Received, Ring, RingLayout
-from ._segment import SharedSegment
-from ._slot_views import SlotViews
-from ._spin import Spinner
+from .doorbell import Doorbell
+from .ring import STREAM_CHUNK, Received, Ring, RingLayout
+from .segment import SharedSegment
+from .slot_views import SlotViews
+from .spin import Spinner
 
 __all__ = [
     "Handler",
@@ -100,7 +100,7 @@ def serve_rings(handle: Handler, calls: Ring, replies: Ring, rank: int) -> None:
     function with its signature: it knows which ranks answer).
 
     A call is read in place where the ring allows it (:meth:`Ring.read_held
-    <._ring.Ring.read_held>`): its slot is freed once the call has been answered
+    <.ring.Ring.read_held>`): its slot is freed once the call has been answered
     and its arguments dropped."""
     read, write, release = calls.read_held, replies.write, calls.release_held
     while True:
@@ -277,8 +277,9 @@ class NodeRings:
         finish_by: float | None = None,
     ) -> bool:
         """Write a call's frame (``nbytes`` in ``parts``) to every worker, as
-        :meth:`Ring.write <._ring.Ring.write>` does; one whose workers copy every byte of it
-        anyway (no tensor or array built in place: see :func:`~._codec.copied_whole`) streams
+        :meth:`Ring.write <.ring.Ring.write>` does; one whose workers copy every byte of it
+        anyway (no tensor or array built in place: see
+        :func:`~.._codec.copied_whole`) streams
         even if it fits one slot."""
         copied = nbytes > STREAM_CHUNK and copied_whole(parts[0], nbytes)
         return self.calls.write(parts, nbytes, deadline, abort, finish_by=finish_by, copied=copied)

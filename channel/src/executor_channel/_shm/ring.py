@@ -11,7 +11,7 @@ freed slots), so no payload is too big and none is truncated; one the writer sto
 is withdrawn by a mark in its next slot (see ``Ring.write``): every reader drops it.
 Readers copy out what they read before releasing its slots; a message of several chunks goes
 into memory the reader owns, warm from the receive buffer cache (``_buffers``) when large. A
-reader with private views of the slots (:mod:`._slot_views`: a worker reading its calls)
+reader with private views of the slots (:mod:`.slot_views`: a worker reading its calls)
 decodes a message of one chunk in place instead, and frees its slot once the call returned.
 
 The counter protocol, per message (a message of ``n`` chunks; reader ``i``):
@@ -40,7 +40,7 @@ The writer's rows are :class:`Ring`'s ``_free_slots`` and ``_wait_for_space``, t
 ``try_read``, ``read`` and ``_release``.
 
 Memory order (the argument is in docs/memory-ordering.md): every access to ``written``,
-``consumed[i]`` and ``writer_waiting`` goes through :mod:`._fence`. The writer stores a
+``consumed[i]`` and ``writer_waiting`` goes through :mod:`.fence`. The writer stores a
 slot, then publishes ``written`` with release order; a reader loads ``written`` with acquire
 order, then reads the slot. A reader reads a slot, then publishes its ``consumed`` with
 release order; the writer loads every ``consumed`` with acquire order, then refills the
@@ -82,9 +82,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
-from . import _buffers
-from ._doorbell import Doorbell
-from ._fence import (
+from .._memory import buffers as _buffers
+from .doorbell import Doorbell
+from .fence import (
     WEAK_ORDER,
     acquire_fence,
     fence_seq_cst,
@@ -93,10 +93,10 @@ from ._fence import (
     store_fence_load,
     store_release,
 )
-from ._spin import Spinner
+from .spin import Spinner
 
 if TYPE_CHECKING:
-    from ._slot_views import SlotViews
+    from .slot_views import SlotViews
 
 __all__ = [
     "CHUNK",
@@ -158,7 +158,7 @@ IN_PLACE_MIN = 64 << 10
 class Assembled:
     """A message of several slots that the reader copied into several pieces of memory it
     owns, as the ``assemble`` function given to :meth:`Ring.read` placed them; ``parts`` is
-    what that function made of them (see :func:`._codec.plan_assembly`)."""
+    what that function made of them (see :func:`executor_channel._codec.plan_assembly`)."""
 
     __slots__ = ("parts",)
 
@@ -334,7 +334,7 @@ class Ring:
                 if not waiting:
                     waiting = True
                     store_release(self._buf, self._waiting_off, 1)
-                    # Store, then load (see :mod:`._ring`'s docstring): either this check sees the
+                    # Store, then load (see :mod:`.ring`'s docstring): either this check sees the
                     # reader's release, or that reader sees the flag and rings.
                     fence_seq_cst()
                     if self._free_slots() >= needed:
@@ -657,7 +657,7 @@ class Ring:
         """Wait for the next message and return ``decode`` of it, as :meth:`read` without a
         deadline, except that a message of one slot is handed to ``decode`` as a
         :class:`pickle.PickleBuffer` over this reader's private view of the slot
-        (:class:`~._slot_views.SlotViews`): what ``decode`` rebuilds may use it in place, and
+        (:class:`~.slot_views.SlotViews`): what ``decode`` rebuilds may use it in place, and
         then the slot stays held until :meth:`release_held`, which must come before the next
         read (if nothing ``decode`` returned uses the slot, it is freed at once). A message
         smaller than :data:`IN_PLACE_MIN` is copied, as :meth:`read` does.
@@ -694,7 +694,7 @@ class Ring:
     def release_held(self) -> None:
         """Free the slot :meth:`read_held` holds, once its call is over and the caller has
         dropped what it decoded: what is still referenced is frozen, what the reader wrote
-        is dropped (see :class:`~._slot_views.SlotViews`). Nothing if no slot is held."""
+        is dropped (see :class:`~.slot_views.SlotViews`). Nothing if no slot is held."""
         held, self._held = self._held, None
         if held is None:
             return

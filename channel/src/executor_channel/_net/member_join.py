@@ -2,7 +2,7 @@
 (the ``SPEC``, whose content a member ignores, or why it refuses), the owner's ``prepare``,
 then the ready frame of the member's rank (or its failure to prepare).
 
-:class:`~._member.MemberServer`'s constructor runs it on the link it has just dialed: its
+:class:`~.member.MemberServer`'s constructor runs it on the link it has just dialed: its
 thread owns the link until serving starts.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 from executor_core.backend import RemoteFailure
 
-from ._codec import KIND_READY, encode
-from ._connection import Connection
-from ._hub_protocol import Op
-from ._link import ChannelError, ChannelTimeoutError
+from .._codec import KIND_READY, encode
+from .connection import Connection
+from .hub_protocol import Op
+from .link import ChannelError, ChannelTimeoutError
 
 __all__ = ["join_hub"]
 
@@ -31,10 +31,10 @@ def join_hub(
 ) -> None:
     """Join the hub over ``link`` as node rank ``rank`` saying ``version``, wait up to
     ``join_timeout`` for its spec, run ``prepare`` (if given), and announce ``rank`` ready, or
-    its failure to prepare (then raise :class:`~._link.ChannelError`).
+    its failure to prepare (then raise :class:`~.link.ChannelError`).
 
-    Raises :class:`~._link.ChannelTimeoutError` if no spec comes in time, and
-    :class:`~._link.ChannelError` if the hub refuses this member or gives up (``KILL``)."""
+    Raises :class:`~.link.ChannelTimeoutError` if no spec comes in time, and
+    :class:`~.link.ChannelError` if the hub refuses this member or gives up (``KILL``)."""
     link.send(
         Op.frame(
             Op.JOIN,

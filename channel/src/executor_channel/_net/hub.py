@@ -16,7 +16,7 @@ ranks it was asked about as silent.
 The listener is shared by the pump and the callers (:class:`SharedListener`): a call to a
 rank on another machine crosses no thread of the driver's. A zmq socket is not thread-safe,
 so every use holds one lock, and no thread sleeps in a zmq poll of the socket: each sleeps on
-zmq's signal descriptor (:meth:`~._link.LinkEnd.wait_shared`), which fires on a change, not
+zmq's signal descriptor (:meth:`~.link.LinkEnd.wait_shared`), which fires on a change, not
 while frames wait; so whoever sends checks afterwards whether a frame waits, and if so wakes
 both the pump and a waiting caller. While callers use the link (one did within
 :data:`CALLER_HOLD_S`), the pump leaves its signal to them and looks only that often: two
@@ -40,11 +40,11 @@ import attrs
 
 from executor_core import ExecutorError, ExecutorFailedError, WorkerDiedError
 
-from ._doorbell import Doorbell
-from ._hub_protocol import Op, Refusal, call_message
-from ._link import ChannelError, ChannelTimeoutError, Message, PeerId
-from ._listener import Listener
-from ._node_rings import Reply, decode_reply
+from .._shm.doorbell import Doorbell
+from .._shm.node_rings import Reply, decode_reply
+from .hub_protocol import Op, Refusal, call_message
+from .link import ChannelError, ChannelTimeoutError, Message, PeerId
+from .listener import Listener
 
 __all__ = [
     "CALLER_HOLD_S",
@@ -527,7 +527,7 @@ class Hub:
         Whether a member is admitted depends only on the admission state: the job's node
         ranks, those awaited now (:attr:`awaited`) and the members that hold the others. A
         member that cannot be admitted is answered ``REFUSED`` at once, with the reason (a
-        :class:`~._hub_protocol.Refusal`): during this wait, and afterwards by the pump.
+        :class:`~.hub_protocol.Refusal`): during this wait, and afterwards by the pump.
 
         ``check(awaited)`` runs about once a second while members are awaited and raises if
         one of them can no longer come (the backend saw its process end, say). Returns the

@@ -49,7 +49,7 @@ zmq parts between the header and the MAC add up, in order, to exactly the declar
 its ``count`` payload parts (a part of length 0 is one empty zmq part), no declared length
 exceeds the :class:`Limits`, and its MAC matches under the shared secret (compared in constant
 time with :func:`hmac.compare_digest`). Every check on sizes runs before a payload byte is
-read. Freshness (the sequence and the epoch) is the link's job: see :mod:`._link`.
+read. Freshness (the sequence and the epoch) is the link's job: see :mod:`.link`.
 
 Here too: a frame's tag (:func:`tag`, GMAC under a key of its session and direction, as
 constructed above) and a link's :class:`Limits` (bounds on what it accepts and queues).
@@ -181,7 +181,7 @@ def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value
 class Limits:
     """Bounds on what a link accepts and queues; a frame beyond them is dropped unread.
 
-    Before a peer has passed the gate (:mod:`._gate`: zmq's handshake, in which it proves it
+    Before a peer has passed the gate (:mod:`.gate`: zmq's handshake, in which it proves it
     holds the secret), zmq accepts no message from it: a connection can make this side hold
     at most one zmq part of at most ``chunk_bytes``, for at most ``handshake_s``, and at most
     ``max_pending`` connections are kept in that state at once. After the gate, zmq refuses
@@ -269,7 +269,7 @@ class DropReason(enum.StrEnum):
     #: Authentic in form but out of place (a WELCOME sent to a listener, for instance).
     UNEXPECTED = "unexpected"
     #: A connection refused in zmq's own handshake, before it could send a message: its gate
-    #: token is missing or not made with the secret (see :mod:`._gate`).
+    #: token is missing or not made with the secret (see :mod:`.gate`).
     GATE = "gate"
     #: A connection cut while still in zmq's handshake: more than ``Limits.max_pending``
     #: connections were in it at once.

@@ -3,7 +3,7 @@ ROUTER) and its dialers.
 
 A :class:`Connection` (zmq DEALER) opens a session with a handshake, then both sides exchange
 messages, each a sequence of bytes-like parts. The link never unpickles anything: it hands
-the caller only parts whose frame passed every check of :mod:`._frames` and the freshness
+the caller only parts whose frame passed every check of :mod:`.frames` and the freshness
 checks below. Frames that fail are dropped, counted per :class:`DropReason` (``drops``), and
 logged through ``logging.getLogger("executor_channel")``: one warning for the first drop from
 each peer (a zmq connection), debug records after that. A peer's bytes never raise out of
@@ -11,9 +11,9 @@ each peer (a zmq connection), debug records after that. A peer's bytes never rai
 
 Here: the link's vocabulary (:data:`PeerId`, :data:`BytesLike`, :class:`Message`, the
 errors), what both ends share (:class:`LinkEnd`) and the drop account (:class:`Drops`); the
-two ends are :mod:`._listener` and :mod:`._connection`.
+two ends are :mod:`.listener` and :mod:`.connection`.
 
-Handshake (all frames signed, see :mod:`._frames`)::
+Handshake (all frames signed, see :mod:`.frames`)::
 
     dialer                                         listener (epoch id L, random per bind)
       HELLO   session=S epoch=0 seq=1 [C]  ---->   new session S; picks nonce N (random)
@@ -65,9 +65,9 @@ from typing import Any, NewType, TypeVar, cast
 import attrs
 import zmq
 
-from ._frames import HEADER_FIXED, DropReason, Limits, Pieces, joined
-from ._gate import Gate
-from ._secret import Secret
+from .frames import HEADER_FIXED, DropReason, Limits, Pieces, joined
+from .gate import Gate
+from .secret import Secret
 
 __all__ = [
     "BytesLike",
@@ -214,7 +214,7 @@ def deadline_after(timeout: float) -> float:
 
 
 def as_views(parts: Sequence[BytesLike]) -> list[memoryview]:
-    """A message's parts as flat byte views, as :func:`._frames.seal` takes them."""
+    """A message's parts as flat byte views, as :func:`.frames.seal` takes them."""
     if isinstance(parts, (bytes, bytearray, memoryview)):
         raise TypeError("parts is a sequence of bytes-like parts: wrap a single buffer in a list")
     views = []

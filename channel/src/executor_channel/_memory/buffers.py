@@ -1,4 +1,4 @@
-"""The process's receive memory: the one :class:`~._buffer_cache.BufferCache` that every ring
+"""The process's receive memory: the one :class:`~.buffer_cache.BufferCache` that every ring
 reader and the codec share (:data:`cache`), given back by the trims the process's threads run.
 
 Trims run on every :meth:`~BufferCache.take`, on a ring read once every :data:`IDLE_S`
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ._buffer_cache import IDLE_S, MAX_IDLE_BYTES, BufferCache
+from .buffer_cache import IDLE_S, MAX_IDLE_BYTES, BufferCache
 
 __all__ = [
     "IDLE_S",
@@ -39,7 +39,7 @@ class IdleTrim:
     """
 
     def __init__(self, watched: BufferCache | None = None) -> None:
-        from ._doorbell import Doorbell  # os and select only
+        from .._shm.doorbell import Doorbell  # os and select only
 
         self._cache = cache if watched is None else watched
         self._bell = Doorbell()

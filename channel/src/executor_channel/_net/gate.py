@@ -1,4 +1,4 @@
-"""The gate of a :class:`~._link.Listener`: zmq takes no message from a peer until it proved
+"""The gate of a :class:`~.link.Listener`: zmq takes no message from a peer until it proved
 it holds the secret.
 
 zmq reads a whole multipart message, every part of it, before the link can check a byte; the
@@ -14,7 +14,7 @@ part (at most ``Limits.chunk_bytes``, zmq's ``MAXMSGSIZE``) for at most
 
 The token proves the secret without revealing it, but it is sent in the clear and a dialer
 keeps it for its reconnections: someone who can observe the network can present a token it
-saw, pass the gate, and then meet the frame checks of :mod:`._link` like anyone else (it can
+saw, pass the gate, and then meet the frame checks of :mod:`.link` like anyone else (it can
 also drop or delay traffic; see docs/security.md).
 
 Connections are counted from zmq's monitor events. zmq names a connection (its descriptor)
@@ -47,7 +47,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ._frames import NONCE_BYTES, DropReason, Limits
+from .frames import NONCE_BYTES, DropReason, Limits
 
 __all__ = ["Gate", "dialer_token"]
 

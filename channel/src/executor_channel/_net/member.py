@@ -1,18 +1,19 @@
-"""A member that serves one rank itself: it dials the driver's :class:`~._hub.Hub` and runs
+"""A member that serves one rank itself: it dials the driver's :class:`~.hub.Hub` and runs
 the calls in its own process (a Ray actor on another machine, say), with no workers of its own.
 
-It speaks the hub's protocol (:mod:`._hub_protocol`) as a node agent does: ``JOIN``, the
-``SPEC`` (its content ignored), a ready frame for its rank (:mod:`._member_join`), replies.
+It speaks the hub's protocol (:mod:`.hub_protocol`) as a node agent does: ``JOIN``, the
+``SPEC`` (its content ignored), a ready frame for its rank (:mod:`.member_join`), replies.
 
 - The *call thread* runs the calls through the handler, one at a time, in order
-  (:func:`~._node_rings.answer_call`: the only unpickling, of frames the link has authenticated).
+  (:func:`~.._shm.node_rings.answer_call`: the only unpickling, of frames the link has
+  authenticated).
   With no call queued it waits on the link and reads it itself, and it sends each reply
   itself: a call crosses no other thread. What else it reads goes to the link thread.
 - The *link thread* keeps the rest: heartbeats both ways (a ``PING`` after a quarter of
   ``node_timeout_s`` unsent; serving ends after ``node_timeout_s`` of the hub's silence,
-  :data:`~._hub.STARTUP_SILENCE_S` at least until its ``READY``), ``KILL``, and replies that
+  :data:`~.hub.STARTUP_SILENCE_S` at least until its ``READY``), ``KILL``, and replies that
   could not go at once. While the call thread read the link within
-  :data:`~._hub.CALLER_HOLD_S` it only looks that often; a longer call leaves the link
+  :data:`~.hub.CALLER_HOLD_S` it only looks that often; a longer call leaves the link
   to it, so the heartbeats go on.
 
 A zmq socket is not thread-safe: every use of the link holds one lock, and each thread sleeps
@@ -32,15 +33,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._codec import KIND_STOP
-from ._connection import Connection
-from ._doorbell import Doorbell
-from ._hub import CALLER_HOLD_S, STARTUP_SILENCE_S
-from ._hub_protocol import Op
-from ._link import ChannelError, Message
-from ._member_join import join_hub
-from ._node_rings import Handler, answer_call
-from ._secret import Secret
+from .._codec import KIND_STOP
+from .._shm.doorbell import Doorbell
+from .._shm.node_rings import Handler, answer_call
+from .connection import Connection
+from .hub import CALLER_HOLD_S, STARTUP_SILENCE_S
+from .hub_protocol import Op
+from .link import ChannelError, Message
+from .member_join import join_hub
+from .secret import Secret
 
 __all__ = ["Handler", "MemberServer"]
 

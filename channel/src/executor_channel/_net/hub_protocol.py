@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ._codec import OOB_BYTES_THRESHOLD
+from .._codec import OOB_BYTES_THRESHOLD
 
 __all__ = ["Op", "Refusal", "call_message"]
 

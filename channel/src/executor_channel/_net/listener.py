@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from ._frames import (
+from .frames import (
     NONCE_BYTES,
     ZERO_NONCE,
     Direction,
@@ -26,8 +26,8 @@ from ._frames import (
     seal,
     verify,
 )
-from ._link import BytesLike, ChannelError, LinkEnd, Message, PeerId, as_views
-from ._secret import Secret
+from .link import BytesLike, ChannelError, LinkEnd, Message, PeerId, as_views
+from .secret import Secret
 
 __all__ = ["LOOPBACK", "Listener"]
 

@@ -1,0 +1,1 @@
+"""Receive memory: warm buffers that ring readers and the codec copy large messages into."""

@@ -1,0 +1,1 @@
+"""Between nodes: the authenticated zmq link, the driver's hub and a member's server."""

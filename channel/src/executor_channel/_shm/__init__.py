@@ -1,0 +1,1 @@
+"""Within a node: shared-memory rings, their doorbells, fences and spinning, a worker's loop."""
