@@ -4,23 +4,21 @@ the calls in its own process (a Ray actor on another machine, say), with no work
 It speaks the hub's protocol (:mod:`.hub_protocol`) as a node agent does: ``JOIN``, the
 ``SPEC`` (its content ignored), a ready frame for its rank (:mod:`.member_join`), replies.
 
+- The *link thread* reads the link: calls go to the call thread's queue, in order; it keeps
+  the heartbeats both ways (a ``PING`` after a quarter of ``node_timeout_s`` unsent; serving
+  ends after ``node_timeout_s`` of the hub's silence, :data:`~.hub.STARTUP_SILENCE_S` at
+  least until its ``READY``), ``KILL``, and replies that could not go at once.
 - The *call thread* runs the calls through the handler, one at a time, in order
   (:func:`~.._shm.node_rings.answer_call`: the only unpickling, of frames the link has
-  authenticated).
-  With no call queued it waits on the link and reads it itself, and it sends each reply
-  itself: a call crosses no other thread. What else it reads goes to the link thread.
-- The *link thread* keeps the rest: heartbeats both ways (a ``PING`` after a quarter of
-  ``node_timeout_s`` unsent; serving ends after ``node_timeout_s`` of the hub's silence,
-  :data:`~.hub.STARTUP_SILENCE_S` at least until its ``READY``), ``KILL``, and replies that
-  could not go at once. While the call thread read the link within
-  :data:`~.hub.CALLER_HOLD_S` it only looks that often; a longer call leaves the link
-  to it, so the heartbeats go on.
+  authenticated), and sends each reply itself when it can go at once.
 
-A zmq socket is not thread-safe: every use of the link holds one lock, and each thread sleeps
-on the link's signal descriptor, not in a zmq poll (as the hub's listener does). The stop frame
-(a call frame of kind ``KIND_STOP``) waits behind the calls before it; once they are answered
-the link thread sends ``BYE`` and serving ends. ``KILL`` ends it at once (queued calls are
-dropped).
+A zmq socket is not thread-safe: every use of the link holds one lock, and the link thread
+sleeps on the link's signal descriptor, not in a zmq poll (as the hub's listener does). The stop
+frame (a call frame of kind ``KIND_STOP``) waits behind the calls before it; once they are
+answered the link thread sends ``BYE`` and serving ends. ``KILL`` ends it at once (queued
+calls are dropped). A call crosses one thread hop here (the link thread hands it on): no
+bench row at default options runs a member (``ray``'s ranks on other nodes), and Ray's own
+actor call costs several times that hop.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from .._codec import KIND_STOP
 from .._shm.doorbell import Doorbell
 from .._shm.node_rings import Handler, answer_call
 from .connection import Connection
-from .hub import CALLER_HOLD_S, STARTUP_SILENCE_S
+from .hub import STARTUP_SILENCE_S
 from .hub_protocol import Op
 from .link import ChannelError, Message
 from .member_join import join_hub
@@ -108,12 +106,9 @@ class MemberServer:
         self._stop_frame_seen = False
         #: Calls for the call thread, in order: ``(kind, frame)``.
         self._calls: collections.deque[tuple[int, memoryview]] = collections.deque()
-        #: Messages the call thread read that are the link thread's to handle.
-        self._handed: collections.deque[Message] = collections.deque()
         #: Replies for the link thread to send; None: the stop frame's turn came, say BYE.
         self._outbox: collections.deque[list[bytes] | None] = collections.deque()
         self._link_lock = threading.Lock()  # held by every use of the link
-        self._reader_at = 0.0  # when the call thread last read the link
         self._bell = Doorbell()  # wakes the link thread
         self._call_bell = Doorbell()  # wakes the call thread
         # The bells are rung by either thread and closed by whichever ends last: a ring after
@@ -202,6 +197,7 @@ class MemberServer:
         link = self._link
         fds = [self._bell.fd]
         looked = time.monotonic()
+        pending = False
         while True:
             now = time.monotonic()
             if now - looked > 2 * self._interval:
@@ -209,12 +205,9 @@ class MemberServer:
                 # meanwhile is read below, so its silence only counts from here.
                 self._last_seen = max(self._last_seen, now - self._interval)
             wait = max(0.0, min(self._interval, self._last_sent + self._interval - now))
-            # The call thread reads the link while calls come: look only now and then.
-            held = now - self._reader_at < CALLER_HOLD_S
-            woken = link.wait_shared(min(wait, CALLER_HOLD_S) if held else wait, fds, not held)
-            looked = time.monotonic()
-            if woken:
+            if link.wait_shared(0.0 if pending else wait, fds):
                 self._bell.clear()
+            looked = time.monotonic()
             why = self._stop_requested
             if why:
                 self._tell_stopped(why)
@@ -223,17 +216,14 @@ class MemberServer:
                 if self._flush():
                     logger.info("rank %d: the driver stopped this rank", self._rank)
                     return "the driver's stop frame"
-                handed = self._handed
-                messages = [handed.popleft() for _ in range(len(handed))]
-                reason = self._receive(messages + self._read_locked())
+                reason = self._receive(self._read_locked())
                 if reason:
                     return reason
                 now = time.monotonic()
                 if now >= self._last_sent + self._interval:
                     self._send([Op.PING])
-                # The call thread may sleep through calls read here, or a signal sends took.
-                if self._calls or link.has_input():
-                    self._ring(self._call_bell)
+                # A send may take the signal of frames that wait: read them without sleeping.
+                pending = link.has_input()
             # As the hub does: until every rank is ready, silence is waited out longer.
             limit = self._timeout if self._hub_ready else max(self._timeout, STARTUP_SILENCE_S)
             silent = now - self._last_seen
@@ -281,11 +271,9 @@ class MemberServer:
         self._link.send(parts, timeout=self._timeout)
         self._last_sent = time.monotonic()
 
-    # --- both readers, under the link's lock ---------------------------------------------------
-
     def _read_locked(self) -> list[Message]:
-        """Read what waits on the link: calls go to the call thread's queue, in order; the
-        rest is returned."""
+        """Read what waits on the link (under its lock): calls go to the call thread's queue,
+        in order, and wake it; the rest is returned."""
         rest: list[Message] = []
         recv_now = self._link.recv_now
         while (message := recv_now()) is not None:
@@ -301,6 +289,7 @@ class MemberServer:
                 kind = KIND_STOP if frame.nbytes and frame[0] == KIND_STOP else 0
                 self._stop_frame_seen = kind == KIND_STOP
                 self._calls.append((kind, frame))  # decoded by the call thread
+                self._ring(self._call_bell)
         return rest
 
     # --- the call thread --------------------------------------------------------------------
@@ -329,33 +318,14 @@ class MemberServer:
                 self._reply([Op.FRAME, b"".join(reply[0])])
 
     def _next_call(self) -> tuple[int, memoryview] | None:
-        """The next call: queued already, or read off the link here (sleeping on its signal
-        and this thread's bell meanwhile); :data:`_QUIT` once serving was abandoned
-        (killed, silent or stopped: the calls still queued are dropped)."""
-        calls = self._calls
-        link = self._link
-        fds = [self._call_bell.fd]
+        """The next call, waiting for it; :data:`_QUIT` once serving was abandoned (killed,
+        silent or stopped: the calls still queued are dropped)."""
         while True:
             if self._abandoned:
                 return _QUIT
-            if calls:
-                return calls.popleft()
-            with self._link_lock:
-                if link.closed:
-                    return _QUIT
-                self._reader_at = time.monotonic()
-                others = self._read_locked()
-                if others:  # not calls: the link thread's
-                    self._handed.extend(others)
-                    self._ring(self._bell)
-            if calls:
-                continue
-            try:
-                woken = link.wait_shared(self._interval, fds)
-            except ChannelError:  # closed meanwhile: serving has ended
-                return _QUIT
-            if woken:
-                self._call_bell.clear()
+            if self._calls:
+                return self._calls.popleft()
+            self._call_bell.wait(self._interval)
 
     def _reply(self, message: list[bytes]) -> None:
         """Send a reply now if it can go at once and nothing is queued before it, else queue
@@ -368,6 +338,8 @@ class MemberServer:
                     pass
                 else:
                     self._last_sent = time.monotonic()
+                    if self._link.has_input():  # the send may have taken their signal
+                        self._ring(self._bell)
                     return
         self._queue(message)
 
