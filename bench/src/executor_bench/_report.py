@@ -57,26 +57,14 @@ TARGETS = (
 )
 
 
-def _cpu_model() -> str:
+def _proc(path: str, key: str) -> str | None:
+    """The value of ``key`` in a ``/proc`` file of ``key: value`` lines (None off Linux)."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(path, encoding="utf-8") as lines:
+            found = [line.split(":", 1)[1].strip() for line in lines if line.startswith(key)]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _memory() -> str:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return f"{int(line.split()[1]) / (1 << 20):.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return "unknown"
+        return None
+    return found[0] if found else None
 
 
 def _version(distribution: str) -> str | None:
@@ -96,8 +84,10 @@ def describe_machine() -> dict[str, Any]:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cores": os.cpu_count(),
         "usable_cores": usable,
-        "cpu": _cpu_model(),
-        "memory": _memory(),
+        "cpu": _proc("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+        "memory": f"{int(kib.split()[0]) / (1 << 20):.0f} GiB"
+        if (kib := _proc("/proc/meminfo", "MemTotal:")) is not None
+        else "unknown",
         "os": platform.platform(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "versions": {name: v for name in _VERSIONED if (v := _version(name)) is not None},
@@ -264,16 +254,19 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{machine['cpu']}, {machine['memory']} memory, {machine['os']}",
         f"- Software: {machine['python']}" + (f", {versions}" if versions else ""),
         f"- Load average (1, 5, 15 min), start → end: {load}",
-        "- Default options: every backend runs at its default options (no backend_options); "
-        "a tuned option would be named in its side's row.",
-        f"- {options['workers']} workers per side (fewer where a backend runs fewer); "
-        f"{count(plan['rounds'], 'interleaved round')}, each with "
-        f"{count(plan['hot_calls'], 'back-to-back no-op')}, "
-        f"{count(plan['cold_calls'], 'no-op')} after {options['idle_s'] * 1e3:g} ms idle and "
-        f"{_payload_calls(plan)} per payload size per side; "
-        f"{count(plan['startup_samples'], 'start-up')} per side"
-        + (" (--quick)" if options["quick"] else ""),
     ]
+    if document["sides"]:
+        lines += [
+            "- Default options: every backend runs at its default options (no backend_options); "
+            "a tuned option would be named in its side's row.",
+            f"- {options['workers']} workers per side (fewer where a backend runs fewer); "
+            f"{count(plan['rounds'], 'interleaved round')}, each with "
+            f"{count(plan['hot_calls'], 'back-to-back no-op')}, "
+            f"{count(plan['cold_calls'], 'no-op')} after {options['idle_s'] * 1e3:g} ms idle and "
+            f"{_payload_calls(plan)} per payload size per side; "
+            f"{count(plan['startup_samples'], 'start-up')} per side"
+            + (" (--quick)" if options["quick"] else ""),
+        ]
     if "nodes" in options["workloads"]:
         lines.append(
             f"- Across nodes: 2 ranks a side, rank 1 on a second node behind {NODES_ADDRESS}; "

@@ -92,7 +92,7 @@ class Skipped:
 class BackendSide:
     """A backend's executor running :class:`~executor_bench._worker.BenchWorker`.
 
-    ``options``: backend options (``None``: the defaults; a script that tunes one says so);
+    ``options``: backend options (``None``: the defaults; a side that tunes one says so);
     ``config``: other :class:`~executor_core.ExecutorConfig` fields (``num_nodes``, ...).
     """
 

@@ -182,8 +182,8 @@ def interleave(
 ) -> dict[str, list[float]]:
     """Seconds per call of each side: ``warmup`` untimed calls each, then ``rounds`` rounds
     in which every side makes ``calls`` timed calls, which side goes first rotating, so that
-    the machine's noise falls on all of them alike (the scripts' loop; ``executor bench``'s
-    is :mod:`executor_bench._timing`)."""
+    the machine's noise falls on all of them alike (the loop of a workload measured apart;
+    the sides' is :mod:`executor_bench._timing`)."""
     for call in sides.values():
         for _ in range(warmup):
             call()
