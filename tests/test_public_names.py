@@ -5,10 +5,10 @@ starts with an underscore) of a distribution in this repository (a directory wit
 ``pyproject.toml`` and a ``src``; test fixtures aside). Each must be
 
 - used by the Python source of another distribution (its ``src``), of ``examples/``, or of
-  the repository's own tools that drive the distributions from outside (``benchmarks/``,
-  ``scripts/``, such as the GPU check): imported from the module (``from module import
-  name``), reached as an attribute of it (``module.name``), or named in a string
-  (``"module:name"``, as in ``worker_cls``); or
+  the repository's own tools that drive the distributions from outside (``scripts/``, such
+  as the GPU check): imported from the module (``from module import name``), reached as an
+  attribute of it (``module.name``), or named in a string (``"module:name"``, as in
+  ``worker_cls``); or
 - documented for third parties: written as code (in backticks or a fenced block) in a
   hand-written page of ``docs/`` (not a ``:::`` directive, which renders whatever ``__all__``
   holds), in README.md or in a distribution's README.
@@ -132,7 +132,7 @@ def _source_uses() -> dict[tuple[str, str], set[Path]]:
     """(module, name) -> the distributions (or folders) whose source uses it."""
     owners = _distributions()
     trees = [distribution / "src" for distribution in owners]
-    trees += [ROOT / "examples", ROOT / "benchmarks", ROOT / "scripts"]
+    trees += [ROOT / "examples", ROOT / "scripts"]
     found: dict[tuple[str, str], set[Path]] = {}
     for tree in trees:
         for path in sorted(tree.rglob("*.py")):

@@ -37,12 +37,14 @@ run here, and report each row's median and p99 with the ratio to each baseline.
 Rows: import times in fresh interpreters ("imports"), the core's cost per call on uni
 ("overhead"), a no-op collective_rpc back to back ("hot"), the same after --idle-ms of idle
 ("cold"), one argument of each --sizes and --kinds ("payload"), and start-up (create to
-first call returned) and shutdown ("startup"). Baselines: a multiprocessing.Pipe round trip
-to N processes ("pipe"), raw Ray actors with ray.put once + refs ("ray", if ray imports),
-vLLM's shared-memory MessageQueue ("vllm", if vllm imports or --vllm-path points at it;
-readers reply through a Pipe), the same with a MessageQueue back from each reader, as
-vLLM's executor has it ("vllm-own"), or with its executor's 16 MiB chunk ("vllm-16m"), and
-a pyzmq PAIR socket to each of N processes ("zmq"; the last two only when asked for).
+first call returned) and shutdown ("startup"); when named, the workloads after those in
+--workloads' list (their rounds: --repeats, else each one's own; --quick: 1). Baselines:
+a multiprocessing.Pipe round trip to N processes ("pipe"), raw Ray actors with ray.put once
++ refs ("ray", if ray imports), vLLM's shared-memory MessageQueue ("vllm", if vllm imports
+or --vllm-path points at it; readers reply through a Pipe), the same with a MessageQueue
+back from each reader, as vLLM's executor has it ("vllm-own"), or with its executor's 16 MiB
+chunk ("vllm-16m"), and a pyzmq PAIR socket to each of N processes ("zmq"; the last two
+only when asked for).
 Writes results.md, results.json and latency.png to --output-dir and prints the table.
 """
 
@@ -147,16 +149,21 @@ def add_bench_command(commands: argparse._SubParsersAction[Any]) -> None:
         type=_csv(WORKLOADS),
         default=list(DEFAULT_WORKLOADS),
         metavar="NAMES",
-        help=f"workloads, comma-separated, of {','.join(WORKLOADS)} (default: all but "
-        "nodes, which starts a node agent on 127.0.0.2 and measures mp across two nodes "
-        "against raw pyzmq over TCP and vLLM's remote readers)",
+        help=f"workloads, comma-separated, of {','.join(WORKLOADS)} (default: "
+        f"{','.join(DEFAULT_WORKLOADS)}; the others only when named: nodes, mp across two "
+        "nodes against raw pyzmq over TCP and vLLM's remote readers; slurm, slurm across two "
+        "Slurm nodes against the same topology without Slurm (root, Slurm); recovery, back "
+        "after a SIGKILL against a new executor; reference, the reference model's tokens/s "
+        "per layout; engine, vLLM's engine on the adapter against its own executors; otel, "
+        "the otel plugin's cost per call; each skipped, with the reason, where it cannot run)",
     )
     parser.add_argument(
         "--repeats",
         type=_positive(int),
         metavar="N",
         help="interleaved rounds: each measures every side on every row (default 10, "
-        "--quick 2); start-up is sampled min(N, 3) times (--quick: once)",
+        "--quick 2); start-up is sampled min(N, 3) times (--quick: once); recovery, "
+        "reference, engine and otel default to 5, 2, 5 and 7 rounds (--quick: 1)",
     )
     parser.add_argument(
         "--workers",
@@ -278,7 +285,7 @@ def _bench_main(args: argparse.Namespace) -> int:
         names = ", ".join(entry.name for entry in result.failed)
         print(f"executor bench: failed while measured: {names} (see above)", file=sys.stderr)
         return 1
-    if not result.sides:
-        print("executor bench: nothing was measured: every side was skipped", file=sys.stderr)
+    if not (result.sides or result.tables or result.imports or result.overhead):
+        print("executor bench: nothing was measured: everything was skipped", file=sys.stderr)
         return 1
     return 0

@@ -15,6 +15,7 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ._workloads import percentile
 
@@ -26,7 +27,9 @@ __all__ = [
     "Estimate",
     "blocks",
     "bootstrap",
+    "count",
     "difference_estimate",
+    "judged",
     "ratio_estimate",
 ]
 
@@ -129,3 +132,29 @@ def difference_estimate(mine: Sequence[float], theirs: Sequence[float]) -> Estim
     median and its interval."""
     differences = [a - b for a, b in zip(mine, theirs, strict=True)]
     return Estimate(*bootstrap(differences), len(differences))
+
+
+def count(n: int, thing: str) -> str:
+    """``n`` things, in words: ``1 round``, ``3 rounds``."""
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+def judged(estimate: Estimate, limit: float, unit: str, what: str) -> dict[str, Any]:
+    """A target's verdict, interval and note (how it was judged), for the JSON document."""
+    verdict = estimate.verdict(limit)
+    notes = [f"median of {count(estimate.units, what)}"]
+    if estimate.blocked:
+        notes[0] = (
+            f"median of {count(estimate.units, 'block')} of adjacent rounds (up to "
+            f"{estimate.rounds_per_block} a block: a round has fewer than {MIN_P99_CALLS} "
+            "calls for a p99), block bootstrap"
+        )
+    if estimate.units < MIN_UNITS:
+        notes.append(f"too few for a verdict ({MIN_UNITS} needed)")
+    return {
+        "interval": [estimate.low, estimate.high],
+        "verdict": verdict,
+        "met": verdict == "met",
+        "units": estimate.units,
+        "note": "; ".join(notes) + f"; {CONFIDENCE:.0%} bootstrap interval ({unit})",
+    }

@@ -29,7 +29,7 @@ from unittest import mock
 from ._baseline_vllm import VllmQueueSide, describe_vllm, import_vllm
 from ._baseline_zmq import ZmqSide
 from ._options import NODE_SIDES, NODES_ADDRESS
-from ._sides import BackendSide, SideSpec, Skipped
+from ._sides import BackendSide, SideSpec, Skipped, plugins_env
 
 __all__ = ["TwoNodeSide", "select_node_sides"]
 
@@ -43,10 +43,11 @@ class TwoNodeSide:
 
     Default options but ``node_port``, a free port this side picks (the default, 29550,
     could be taken by another run). The agent and the driver share a secret made for the
-    side; closing the side shuts the executor down, which stops the agent.
+    side; closing the side shuts the executor down, which stops the agent. ``session``: the
+    agent runs in a session of its own (as a scheduler's step does).
     """
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, session: bool = False) -> None:
         from executor_channel import Secret
         from executor_core.backend import find_free_port
 
@@ -64,6 +65,7 @@ class TwoNodeSide:
             env={**os.environ, **secret, "PYTHONPATH": path},
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            start_new_session=session,
         )
         try:
             # The driver reads its node agents' secret from this process's environment when
@@ -130,7 +132,7 @@ def select_node_sides(
                 2,
                 f"default options but node_port (a free port); rank 1 under an `executor node` "
                 f"agent on {NODES_ADDRESS}; authenticated",
-                _start_two_nodes,
+                lambda: TwoNodeSide(plugins_env()),
                 workloads=only,
                 plugin=mp.plugin,
                 version=mp.version,
@@ -178,10 +180,3 @@ def select_node_sides(
 def _node_id(worker: Any) -> str:
     """Where a rank runs (called on each worker)."""
     return str(worker.context.node_id)
-
-
-def _start_two_nodes() -> TwoNodeSide:
-    from executor_core.backend import PLUGINS_ENV_VAR
-
-    allowed = os.environ.get(PLUGINS_ENV_VAR)
-    return TwoNodeSide(None if allowed is None else {PLUGINS_ENV_VAR: allowed})

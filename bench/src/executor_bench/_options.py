@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
+    "APART",
     "BASELINES",
     "DEFAULT_BASELINES",
     "DEFAULT_SIZES",
@@ -25,13 +26,22 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 
+#: The workloads measured apart from the sides, each reported as a table of its own, by name:
+#: the module that measures it (only when asked for).
+APART = {
+    "recovery": "._recovery",
+    "reference": "._reference",
+    "engine": "._engine",
+    "otel": "._otel",
+}
 #: The workloads, in the order they are reported (``imports``: import times in fresh
 #: interpreters; ``overhead``: the core's own cost per call, in one process, on ``uni``;
-#: ``nodes``: calls to ranks on a second node of this machine, against the wire, ``_nodes``).
-WORKLOADS = ("imports", "overhead", "hot", "cold", "payload", "startup", "nodes")
-#: The workloads of a run that names none: ``nodes`` starts a node agent and sides of its
-#: own, and only when asked for.
-DEFAULT_WORKLOADS = WORKLOADS[:-1]
+#: ``nodes``: calls to ranks on a second node of this machine, against the wire, ``_nodes``;
+#: ``slurm``: ``slurm`` across two Slurm nodes of this machine, ``_slurm``; then :data:`APART`).
+WORKLOADS = ("imports", "overhead", "hot", "cold", "payload", "startup", "nodes", "slurm", *APART)
+#: The workloads of a run that names none: the others start agents, clusters, models or
+#: engines of their own, and run only when asked for.
+DEFAULT_WORKLOADS = WORKLOADS[:6]
 #: The ``nodes`` workload's argument sizes: a no-op, and one ``bytes`` argument of this size.
 NODES_SIZE = MIB
 #: The ``nodes`` workload's second node: another loopback address, so that its traffic

@@ -9,11 +9,12 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ._intervals import CONFIDENCE, MIN_P99_CALLS, MIN_UNITS, Estimate, ratio_estimate
+from ._intervals import CONFIDENCE, count, judged, ratio_estimate
 from ._options import NODE_SIDES, NODES_ADDRESS, NODES_SIZE, format_size
 from ._overhead import OVERHEAD_LIMITS
 from ._result import BenchResult
-from ._workloads import PAYLOAD_CALLS_MAX, Row, Summary, format_time
+from ._slurm import SLURM_SIDES
+from ._workloads import PAYLOAD_CALLS_MAX, Row, Summary, format_time, markdown_table
 
 __all__ = ["TARGETS", "Target", "describe_machine", "to_json", "to_markdown"]
 
@@ -38,7 +39,8 @@ class Target:
 
 #: The SDK's performance goals against vLLM's MessageQueue (the project's issue 15): the
 #: cold call after 2 ms idle, and the tail of back-to-back no-op calls; across two nodes
-#: (issue 30), near the wire and ahead of vLLM's remote readers, authentication on.
+#: (issue 30), near the wire and ahead of vLLM's remote readers, authentication on; on
+#: Slurm, within 1.1x of the same topology without it.
 TARGETS = (
     Target("mp", "vLLM MQ", "cold", "median", 0.8),
     Target("mp", "vLLM MQ", "hot", "p99", 0.6),
@@ -47,29 +49,22 @@ TARGETS = (
         for row in ("nodes", f"nodes/bytes/{NODES_SIZE}")
         for baseline, limit in (("zmq", 1.5), ("vllm", 0.8))
     ),
+    *(
+        Target(SLURM_SIDES[mine], SLURM_SIDES[theirs], row, "median", 1.1)
+        for row in ("slurm", f"slurm/bytes/{NODES_SIZE}")
+        for mine, theirs in (("near", "mp"), ("far", "cluster"))
+    ),
 )
 
 
-def _cpu_model() -> str:
+def _proc(path: str, key: str) -> str | None:
+    """The value of ``key`` in a ``/proc`` file of ``key: value`` lines (None off Linux)."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(path, encoding="utf-8") as lines:
+            found = [line.split(":", 1)[1].strip() for line in lines if line.startswith(key)]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _memory() -> str:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return f"{int(line.split()[1]) / (1 << 20):.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return "unknown"
+        return None
+    return found[0] if found else None
 
 
 def _version(distribution: str) -> str | None:
@@ -89,8 +84,10 @@ def describe_machine() -> dict[str, Any]:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cores": os.cpu_count(),
         "usable_cores": usable,
-        "cpu": _cpu_model(),
-        "memory": _memory(),
+        "cpu": _proc("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+        "memory": f"{int(kib.split()[0]) / (1 << 20):.0f} GiB"
+        if (kib := _proc("/proc/meminfo", "MemTotal:")) is not None
+        else "unknown",
         "os": platform.platform(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "versions": {name: v for name in _VERSIONED if (v := _version(name)) is not None},
@@ -101,12 +98,8 @@ def describe_machine() -> dict[str, Any]:
 def _payload_calls(plan: dict[str, Any]) -> str:
     least, budget = plan["payload_calls"], plan["payload_bytes"]
     if not budget or least >= PAYLOAD_CALLS_MAX:
-        return _count(least, "call")
+        return count(least, "call")
     return f"{least} to {PAYLOAD_CALLS_MAX} calls (as many as carry {format_size(budget)})"
-
-
-def _count(n: int, thing: str) -> str:
-    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def _ratios(
@@ -132,27 +125,6 @@ def _summaries(result: BenchResult) -> dict[tuple[str, str], Summary]:
     }
 
 
-def _judged(estimate: Estimate, limit: float, unit: str, what: str) -> dict[str, Any]:
-    """A target's verdict, interval and note (how it was judged), for the JSON document."""
-    verdict = estimate.verdict(limit)
-    notes = [f"median of {_count(estimate.units, what)}"]
-    if estimate.blocked:
-        notes[0] = (
-            f"median of {_count(estimate.units, 'block')} of adjacent rounds (up to "
-            f"{estimate.rounds_per_block} a block: a round has fewer than {MIN_P99_CALLS} "
-            "calls for a p99), block bootstrap"
-        )
-    if estimate.units < MIN_UNITS:
-        notes.append(f"too few for a verdict ({MIN_UNITS} needed)")
-    return {
-        "interval": [estimate.low, estimate.high],
-        "verdict": verdict,
-        "met": verdict == "met",
-        "units": estimate.units,
-        "note": "; ".join(notes) + f"; {CONFIDENCE:.0%} bootstrap interval ({unit})",
-    }
-
-
 def _targets(result: BenchResult) -> list[dict[str, Any]]:
     out = []
     for target in TARGETS:
@@ -163,14 +135,14 @@ def _targets(result: BenchResult) -> list[dict[str, Any]]:
         estimate = ratio_estimate(mine, theirs, target.statistic)
         row = Row.from_key(target.row)
         title = f"{target.backend} {row.title(result.plan.idle_s)}"
-        if row.workload == "nodes":  # the side's name says where its ranks are
+        if row.workload in ("nodes", "slurm"):  # the side's name says where its ranks are
             title = f"{target.backend}: {row.title(result.plan.idle_s).partition(': ')[2]}"
         out.append(
             {
                 **asdict(target),
                 "title": f"{title}, {target.statistic}",
                 "ratio": estimate.point,
-                **_judged(estimate, target.limit, "ratio", "per-round ratio"),
+                **judged(estimate, target.limit, "ratio", "per-round ratio"),
             }
         )
     return out
@@ -228,6 +200,7 @@ def to_json(result: BenchResult, machine: dict[str, Any], command: str) -> dict[
         "targets": _targets(result),
         "overhead": _overhead(result),
         "imports": result.imports,
+        "tables": [asdict(table) for table in result.tables],
     }
 
 
@@ -246,7 +219,7 @@ def _overhead(result: BenchResult) -> dict[str, Any] | None:
                 "way": way,
                 "us_over_direct": (estimate := overhead.over_direct_estimate(way)).point,
                 "limit_us": limit,
-                **_judged(estimate, limit, "µs", "per-round difference"),
+                **judged(estimate, limit, "µs", "per-round difference"),
             }
             for way, limit in OVERHEAD_LIMITS.items()
         ],
@@ -281,20 +254,23 @@ def to_markdown(document: dict[str, Any]) -> str:
         f"{machine['cpu']}, {machine['memory']} memory, {machine['os']}",
         f"- Software: {machine['python']}" + (f", {versions}" if versions else ""),
         f"- Load average (1, 5, 15 min), start → end: {load}",
-        "- Default options: every backend runs at its default options (no backend_options); "
-        "a tuned option would be named in its side's row.",
-        f"- {options['workers']} workers per side (fewer where a backend runs fewer); "
-        f"{_count(plan['rounds'], 'interleaved round')}, each with "
-        f"{_count(plan['hot_calls'], 'back-to-back no-op')}, "
-        f"{_count(plan['cold_calls'], 'no-op')} after {options['idle_s'] * 1e3:g} ms idle and "
-        f"{_payload_calls(plan)} per payload size per side; "
-        f"{_count(plan['startup_samples'], 'start-up')} per side"
-        + (" (--quick)" if options["quick"] else ""),
     ]
+    if document["sides"]:
+        lines += [
+            "- Default options: every backend runs at its default options (no backend_options); "
+            "a tuned option would be named in its side's row.",
+            f"- {options['workers']} workers per side (fewer where a backend runs fewer); "
+            f"{count(plan['rounds'], 'interleaved round')}, each with "
+            f"{count(plan['hot_calls'], 'back-to-back no-op')}, "
+            f"{count(plan['cold_calls'], 'no-op')} after {options['idle_s'] * 1e3:g} ms idle and "
+            f"{_payload_calls(plan)} per payload size per side; "
+            f"{count(plan['startup_samples'], 'start-up')} per side"
+            + (" (--quick)" if options["quick"] else ""),
+        ]
     if "nodes" in options["workloads"]:
         lines.append(
             f"- Across nodes: 2 ranks a side, rank 1 on a second node behind {NODES_ADDRESS}; "
-            f"{_count(plan['nodes_calls'], 'call')} per row and round"
+            f"{count(plan['nodes_calls'], 'call')} per row and round"
         )
     lines += [
         f"- {key.replace('_', ' ').capitalize()}: {v}" for key, v in document["facts"].items()
@@ -367,9 +343,21 @@ def to_markdown(document: dict[str, Any]) -> str:
             )
         notes = {t["note"] for t in overhead["targets"]}
         lines += ["", "Targets: " + " / ".join(sorted(notes)) + "."]
+    for table in document["tables"]:
+        lines += ["", f"## {table['workload']}", "", table["about"], ""]
+        lines.append(markdown_table(table["header"], table["rows"]))
+        if table["targets"]:
+            lines.append("")
+        for t in table["targets"]:
+            low, high = t["interval"]
+            lines.append(
+                f"- {t['title']}: {t['ratio']:.2f} ({low:.2f}-{high:.2f}) ≤ {t['limit']:.3g}: "
+                f"{_verdict(t)} ({t['note']})"
+            )
     baselines = [s["name"] for s in document["sides"] if s["role"] == "baseline"]
     if not document["results"]:
-        return "\n".join([*lines, "", "## Results", "", "Nothing was measured."]) + "\n"
+        nothing = [] if document["tables"] else ["", "## Results", "", "Nothing was measured."]
+        return "\n".join([*lines, *nothing]) + "\n"
     lines += [
         "",
         "## Results",

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._config import BenchConfig
+from ._intervals import Estimate, bootstrap, judged
 from ._overhead import Overhead
 from ._sides import SideSpec, Skipped
 from ._workloads import Plan, Row
 
-__all__ = ["BenchResult"]
+__all__ = ["BenchResult", "Table"]
+
+
+@dataclass
+class Table:
+    """A workload measured apart from the sides (``_options.APART``): its table, as written,
+    and its targets."""
+
+    workload: str
+    #: What the table shows, in a sentence or two: what is timed, how often, the setting.
+    about: str
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+
+    def judge(self, title: str, ratios: Sequence[float], limit: float) -> None:
+        """Add the target ``title``: ``ratios`` (one a round: ours over the baseline's) at
+        most ``limit``, judged as the run's other targets are."""
+        estimate = Estimate(*bootstrap(ratios), len(ratios))
+        verdict = judged(estimate, limit, "ratio", "per-round ratio")
+        self.targets.append({"title": title, "ratio": estimate.point, "limit": limit, **verdict})
 
 
 @dataclass
@@ -38,6 +61,8 @@ class BenchResult:
     overhead: Overhead | None = None
     #: The ``imports`` workload's ms per import, by label (None if not measured).
     imports: dict[str, float] | None = None
+    #: The workloads measured apart, each a table.
+    tables: list[Table] = field(default_factory=list)
 
     def summary_rows(self) -> list[tuple[Row, SideSpec, list[float]]]:
         """Each (row, side) that has samples, in report order."""

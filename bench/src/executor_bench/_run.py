@@ -11,17 +11,21 @@ sides of different phases compares each side in the conditions it brings.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import time
 
 from ._baselines import select_baselines
 from ._config import BenchConfig
 from ._nodes import select_node_sides
+from ._options import APART
 from ._overhead import Overhead, measure_imports, measure_overhead
 from ._ray_session import RaySession
-from ._result import BenchResult
+from ._result import BenchResult, Table
 from ._selection import build_rows, payload_kinds, restrict_plugins
-from ._sides import SideSpec, select_backends
-from ._timing import TimingLoop
+from ._sides import SideSpec, Skipped, select_backends
+from ._slurm import select_slurm_sides, slurm_job
+from ._timing import TimingLoop, describe
 from ._workloads import Plan, make_payload
 
 __all__ = ["Bench"]
@@ -43,7 +47,6 @@ class Bench(TimingLoop):
         backends, skipped = select_backends(config.backends, config.workers)
         self.skipped += skipped
         kinds = payload_kinds(config, self.notes)
-        restrict_plugins(backends, config, self.facts)
         baselines, skipped = select_baselines(
             list(config.baselines), config.workers, config.vllm_path
         )
@@ -53,10 +56,24 @@ class Bench(TimingLoop):
             nodes, skipped = select_node_sides(backends, config.vllm_path)
             self.sides += nodes
             self.skipped += skipped
+        if "slurm" in config.workloads:
+            slurm, skipped = select_slurm_sides(backends)
+            self.sides += slurm
+            self.skipped += skipped
+        restrict_plugins(self.sides, config, self.facts)
         # A side takes part in some workloads only: one with none of this run's is not started.
         self.sides = [side for side in self.sides if side.workloads & set(config.workloads)]
         self.plan = Plan.create(quick=config.quick, repeats=config.repeats, idle_s=config.idle_s)
         self.rows = build_rows(config, kinds)
+        self.backends = [side.name for side in backends]
+        #: The workloads measured apart that can run here (the others are skipped).
+        self.apart: list[str] = []
+        for name in (name for name in config.workloads if name in APART):
+            reason = importlib.import_module(APART[name], __package__).missing()
+            if reason:
+                self.skipped.append(Skipped(name, "workload", reason))
+            else:
+                self.apart.append(name)
 
     # --- the phases ----------------------------------------------------------------------
 
@@ -83,13 +100,18 @@ class Bench(TimingLoop):
         if "overhead" in config.workloads:
             overhead = self._overhead()
         ray = RaySession()
-        with tqdm(
-            total=total, unit="step", disable=not config.progress, dynamic_ncols=True
-        ) as self.bar:
+        with (
+            tqdm(
+                total=total, unit="step", disable=not config.progress, dynamic_ncols=True
+            ) as self.bar,
+            contextlib.ExitStack() as stack,
+        ):
             try:
                 phases = []
                 for with_ray in (False, True):
                     sides = [side for side in self.sides if side.needs_ray == with_ray]
+                    if not with_ray:
+                        sides = self._start_slurm(stack, sides)
                     if not sides:
                         continue
                     if with_ray and not self._start_ray(ray, sides):
@@ -106,10 +128,13 @@ class Bench(TimingLoop):
                     names = ", ".join(side.name for side in sides)
                     where = "with Ray running" if with_ray else "no Ray process running"
                     phases.append(f"{names} ({where}): {', '.join(steps)}")
-                self.facts["phases"] = "; then ".join(phases)
+                if phases:
+                    self.facts["phases"] = "; then ".join(phases)
             finally:
                 self._close_all()
                 ray.close()
+                stack.close()  # the Slurm job and cluster, if any
+        tables = [table for name in self.apart for table in self._apart(name)]
         measured = [side for side in self.sides if side.name not in self.out]
         if self.notes:
             self.facts["notes"] = "; ".join(self.notes)
@@ -126,6 +151,7 @@ class Bench(TimingLoop):
             wall_s=time.perf_counter() - self.began,
             overhead=overhead,
             imports=imports,
+            tables=tables,
         )
 
     def _start_ray(self, ray: RaySession, sides: list[SideSpec]) -> bool:
@@ -141,6 +167,21 @@ class Bench(TimingLoop):
         self.facts["ray_start"] = f"{ray.start_s:.1f} s (not part of any row)"
         return True
 
+    def _start_slurm(self, stack: contextlib.ExitStack, sides: list[SideSpec]) -> list[SideSpec]:
+        """Start the Slurm cluster and job if any of ``sides`` needs them; ``sides`` without
+        those that need them if they cannot start (reported with each)."""
+        slurm = [side for side in sides if "slurm" in side.workloads]
+        if not slurm:
+            return sides
+        self.bar.set_description("starting a Slurm cluster and a job of 2 nodes")
+        try:
+            stack.enter_context(slurm_job())
+        except Exception as exc:  # noqa: BLE001  (reported with each Slurm side, the run goes on)
+            for side in slurm:
+                self._lost(side, "could not start", exc)
+            return [side for side in sides if side not in slurm]
+        return sides
+
     def _overhead(self) -> Overhead | None:
         """The ``overhead`` workload, first and alone (in this process, before any side)."""
         from executor_core.backend import Registry
@@ -153,3 +194,18 @@ class Bench(TimingLoop):
         result = measure_overhead(calls=2_000 if quick else 20_000, rounds=3 if quick else 7)
         self.facts["overhead"] = f"{time.perf_counter() - began:.0f} s, in this process"
         return result
+
+    def _apart(self, name: str) -> list[Table]:
+        """The workload ``name`` of :data:`APART`, in this process, after the sides: its
+        tables (none if it failed: it is reported with the failed sides)."""
+        module = importlib.import_module(APART[name], __package__)
+        quick = self.config.quick
+        rounds = self.config.repeats or (1 if quick else module.ROUNDS)
+        began = time.perf_counter()
+        try:
+            tables: list[Table] = module.measure(rounds, quick, self.backends)
+        except Exception as exc:  # noqa: BLE001  (reported with the workload, the run goes on)
+            self.failed.append(Skipped(name, "workload", describe("failed", exc)))
+            return []
+        self.facts[name] = f"{time.perf_counter() - began:.0f} s"
+        return tables

@@ -22,10 +22,11 @@ __all__ = [
     "Side",
     "SideSpec",
     "Skipped",
+    "plugins_env",
     "select_backends",
 ]
 
-Role = Literal["backend", "baseline"]
+Role = Literal["backend", "baseline", "workload"]
 #: Every workload a side can take part in.
 ALL_ROWS = frozenset({"hot", "cold", "payload", "startup"})
 
@@ -91,7 +92,7 @@ class Skipped:
 class BackendSide:
     """A backend's executor running :class:`~executor_bench._worker.BenchWorker`.
 
-    ``options``: backend options (``None``: the defaults; a script that tunes one says so);
+    ``options``: backend options (``None``: the defaults; a side that tunes one says so);
     ``config``: other :class:`~executor_core.ExecutorConfig` fields (``num_nodes``, ...).
     """
 
@@ -200,13 +201,17 @@ def _requirement_name(requirement: str) -> str:
     return Requirement(requirement).name.lower()
 
 
+def plugins_env() -> dict[str, str]:
+    """The plugin allow-list this run set (or the user's), for a side's config's env: so it
+    reaches every worker, Ray actors and node agents' included."""
+    from executor_core.backend import PLUGINS_ENV_VAR
+
+    allowed = os.environ.get(PLUGINS_ENV_VAR)
+    return {} if allowed is None else {PLUGINS_ENV_VAR: allowed}
+
+
 def _backend_starter(name: str, workers: int) -> Callable[[], Side]:
     def start() -> Side:
-        from executor_core.backend import PLUGINS_ENV_VAR
-
-        # The plugin allow-list this run set (or the user's) reaches every worker, Ray
-        # actors included, through the config's env.
-        allowed = os.environ.get(PLUGINS_ENV_VAR)
-        return BackendSide(name, workers, {} if allowed is None else {PLUGINS_ENV_VAR: allowed})
+        return BackendSide(name, workers, plugins_env())
 
     return start

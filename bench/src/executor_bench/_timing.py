@@ -19,7 +19,7 @@ from typing import Any
 from ._sides import Side, SideSpec, Skipped
 from ._workloads import Plan, Row
 
-__all__ = ["TimingLoop"]
+__all__ = ["TimingLoop", "describe"]
 
 #: Seconds to wait after a busy-waiting side's block: vLLM's readers spin for 1 s after
 #: their last read before they block, and two spinning readers fill a small machine.
@@ -41,6 +41,12 @@ def _is_unavailable(exc: BaseException) -> bool:
     from executor_core import BackendLoadError, ConfigError, UnknownBackendError
 
     return isinstance(exc, BackendLoadError | ConfigError | UnknownBackendError | ImportError)
+
+
+def describe(what: str, exc: BaseException) -> str:
+    """Why a side or workload is out of the run: ``what``, and the error's first line."""
+    lines = str(exc).strip().splitlines()
+    return f"{what}: {type(exc).__name__}" + (f": {lines[0]}" if lines else "")
 
 
 class TimingLoop:
@@ -183,12 +189,7 @@ class TimingLoop:
         if live is not None:
             with contextlib.suppress(Exception):
                 live.close()
-        lines = str(exc).strip().splitlines()
-        entry = Skipped(
-            side.name,
-            side.role,
-            f"{what}: {type(exc).__name__}" + (f": {lines[0]}" if lines else ""),
-        )
+        entry = Skipped(side.name, side.role, describe(what, exc))
         if what == "could not start" and _is_unavailable(exc):
             self.skipped.append(entry)
         else:

@@ -65,9 +65,9 @@ class Row:
             return "start-up: create to first call returned"
         if self.workload == "shutdown":
             return "shutdown"
-        if self.workload == "nodes":
+        if self.workload in ("nodes", "slurm"):
             what = "no-op" if self.size is None else f"{self.kind} {format_size(self.size)}"
-            return f"2 nodes: {what}"
+            return f"{'2 nodes' if self.workload == 'nodes' else 'Slurm, 2 nodes'}: {what}"
         assert self.size is not None
         return f"{self.kind} {format_size(self.size)}"
 
@@ -108,7 +108,7 @@ class Plan:
     #: least 2 and at most 12 calls. vLLM's ring has 10 chunks whose first write takes the
     #: page faults; the other sides' rings and allocators warm up alike.
     warmup_bytes: int
-    #: Timed calls per round of each ``nodes`` row (a no-op, a 1 MiB argument).
+    #: Timed calls per round of each ``nodes`` and ``slurm`` row (a no-op, a 1 MiB argument).
     nodes_calls: int = 25
     #: A payload row gets more than ``payload_calls`` calls a round, up to
     #: :data:`PAYLOAD_CALLS_MAX`, while they carry at most this many bytes: a median of a few
@@ -135,8 +135,9 @@ class Plan:
         if row.size is not None and row.workload == "payload":
             fit = min(PAYLOAD_CALLS_MAX, self.payload_bytes // row.size)
             return max(self.payload_calls, fit)
-        return {"hot": self.hot_calls, "cold": self.cold_calls, "nodes": self.nodes_calls}.get(
-            row.workload, self.payload_calls
+        calls = {"hot": self.hot_calls, "cold": self.cold_calls, "nodes": self.nodes_calls}
+        return calls.get(
+            row.workload, self.nodes_calls if row.workload == "slurm" else self.payload_calls
         )
 
     def warmup_calls(self, row: Row) -> int:
@@ -181,8 +182,8 @@ def interleave(
 ) -> dict[str, list[float]]:
     """Seconds per call of each side: ``warmup`` untimed calls each, then ``rounds`` rounds
     in which every side makes ``calls`` timed calls, which side goes first rotating, so that
-    the machine's noise falls on all of them alike (the scripts' loop; ``executor bench``'s
-    is :mod:`executor_bench._timing`)."""
+    the machine's noise falls on all of them alike (the loop of a workload measured apart;
+    the sides' is :mod:`executor_bench._timing`)."""
     for call in sides.values():
         for _ in range(warmup):
             call()

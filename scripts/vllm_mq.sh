@@ -3,7 +3,7 @@
 # vLLM baselines: vLLM's own shm_broadcast.py, from its wheel, beside stand-ins for the few
 # vllm modules it imports (settings at vLLM's defaults, a logger, address helpers). vLLM is
 # not a dependency of the SDK; nothing here installs it.
-# Usage: bash benchmarks/vllm_mq.sh [DIR (default /tmp/vllm-mq)] [VERSION (default 0.33.0)]
+# Usage: bash scripts/vllm_mq.sh [DIR (default /tmp/vllm-mq)] [VERSION (default 0.33.0)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-/tmp/vllm-mq}"

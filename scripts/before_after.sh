@@ -2,14 +2,14 @@
 # Before and after in one sitting: `executor bench` (this tree's harness) run on the code of
 # an earlier revision and on this tree's, alternating, so that the machine's noise hits both.
 #
-#   bash benchmarks/before_after.sh REV [OUT_DIR]
+#   bash scripts/before_after.sh REV [OUT_DIR]
 #
 # REV is checked out into a temporary git worktree; its sources are put first on PYTHONPATH
 # (the installed entry points name the same modules), after this tree's executor-bench: the
 # harness stays this tree's, the code under test is REV's. Results: OUT_DIR/<bench>-{old,new}.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rev=${1:?usage: bash benchmarks/before_after.sh REV [OUT_DIR]}
+rev=${1:?usage: bash scripts/before_after.sh REV [OUT_DIR]}
 out=${2:-bench-before-after}
 mkdir -p "$out"
 base=$(mktemp -d)
@@ -38,5 +38,8 @@ for order in "old new" "new old"; do
       --workloads imports,overhead,hot,cold,payload --output-dir "$out/bench-${order%% *}-first-$side"
   done
 done
-for side in old new; do run ref "$side" benchmarks/bench_reference.py --requests 16; done
+for side in old new; do
+  run ref "$side" -m executor_core bench --no-progress --backends uni,mp --workloads reference \
+    --output-dir "$out/ref-$side"
+done
 echo "results in $out/" >&2
