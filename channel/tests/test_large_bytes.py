@@ -17,10 +17,16 @@ from typing import Any
 import pytest
 
 from executor_channel import Doorbell, Received, encode
-from executor_channel._codec import OOB_BYTES_THRESHOLD, copied_whole, decode, plan_assembly
+from executor_channel._codec import (
+    OOB_BYTES_THRESHOLD,
+    STREAM_CHUNK,
+    copied_whole,
+    decode,
+    plan_assembly,
+)
 from executor_channel._memory import buffers as _buffers
 from executor_channel._memory import heap as _heap
-from executor_channel._shm.ring import STREAM_CHUNK, Ring, RingLayout
+from executor_channel._shm.ring import Ring, RingLayout
 from executor_channel._shm.segment import SharedSegment
 
 MIB = 1 << 20

@@ -14,10 +14,9 @@ import pytest
 from channel_helpers import RingEnds
 
 from executor_channel import Received, encode
-from executor_channel._codec import decode
+from executor_channel._codec import STREAM_CHUNK, decode
 from executor_channel._memory import buffer_cache as _buffer_cache
 from executor_channel._memory import buffers as _buffers
-from executor_channel._shm.ring import STREAM_CHUNK
 
 MIB = 1 << 20
 WAIT = 10.0  # every wait in these tests is bounded by this

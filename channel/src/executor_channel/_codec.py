@@ -25,7 +25,6 @@ import threading
 from typing import Any
 
 from ._memory import buffers as _buffers
-from ._shm.ring import STREAM_CHUNK, Assembled
 
 __all__ = [
     "BYTES",
@@ -36,6 +35,8 @@ __all__ = [
     "KIND_STOP",
     "OOB_BYTES_THRESHOLD",
     "SCALARS",
+    "STREAM_CHUNK",
+    "Assembled",
     "DecodeError",
     "Frame",
     "Kind",
@@ -47,6 +48,25 @@ __all__ = [
     "plan_assembly",
     "scan",
 ]
+
+#: A message that its readers copy out (one larger than a slot, or one the writer says is
+#: ``copied``) is streamed in chunks of at most this size: each reader copies one chunk
+#: while the next is written, instead of starting once the whole message is in. Smaller
+#: chunks overlap more and cost more wake-ups (figures: docs/benchmarks.md, "Calls read in
+#: place").
+STREAM_CHUNK = 4 << 20
+
+
+class Assembled:
+    """A message of several slots that the reader copied into several pieces of memory it
+    owns, as the ``assemble`` function given to :meth:`Ring.read <._shm.ring.Ring.read>`
+    placed them; ``parts`` is what that function made of them (see :func:`plan_assembly`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[object]) -> None:
+        self.parts = parts
+
 
 #: Set in a buffer's length word when a third-party reducer made it: such a buffer may be
 #: kept by the object it rebuilds, so the receiver hands it a private copy.
@@ -435,7 +455,7 @@ def copied_whole(first: Any, nbytes: int) -> bool:
     out-of-band buffers rebuilds a tensor or an array, which a worker builds in place (each
     rebuilds ``bytes``, which owns a copy of its data, or there are none). The ring may then
     stream it (:meth:`Ring.write <._shm.ring.Ring.write>`'s ``copied``); a
-    frame of at most :data:`~._shm.ring.STREAM_CHUNK` is written whole either way, and is
+    frame of at most :data:`STREAM_CHUNK` is written whole either way, and is
     not looked at."""
     if nbytes <= STREAM_CHUNK or len(first) < _HEADER.size:
         return False
@@ -520,7 +540,7 @@ def decode(buf: memoryview | pickle.PickleBuffer | Assembled) -> tuple[int, bool
     one slot as its private view of the slot, :meth:`~._shm.ring.Ring.read_held`):
     its buffers are used in place, so a large payload is not copied twice; so are the pieces
     of an
-    :class:`~._shm.ring.Assembled` frame (see :func:`plan_assembly`).
+    :class:`Assembled` frame (see :func:`plan_assembly`).
     """
     if isinstance(buf, Assembled):
         return _decode_assembled(buf.parts)

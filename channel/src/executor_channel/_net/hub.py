@@ -20,7 +20,9 @@ zmq's signal descriptor (:meth:`~.link.LinkEnd.wait_shared`), which fires on a c
 while frames wait; so whoever sends checks afterwards whether a frame waits, and if so wakes
 both the pump and a waiting caller. While callers use the link (one did within
 :data:`CALLER_HOLD_S`), the pump leaves its signal to them and looks only that often: two
-threads woken by every reply fight for the same two cores and interpreter lock.
+threads woken by every reply fight for the same two cores and interpreter lock. The row that
+keeps the callers' reads: ``executor bench --workloads nodes``, ``2 nodes: no-op`` (already
+about 2x vLLM's remote reader there; a hand-off through the pump adds a wake-up to it).
 """
 
 from __future__ import annotations

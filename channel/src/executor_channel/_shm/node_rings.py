@@ -25,6 +25,7 @@ from executor_core.backend import RemoteFailure, method_name
 from .._codec import (
     KIND_REPLY,
     KIND_STOP,
+    STREAM_CHUNK,
     DecodeError,
     Frame,
     copied_whole,
@@ -33,7 +34,7 @@ from .._codec import (
     plan_assembly,
 )
 from .doorbell import Doorbell
-from .ring import STREAM_CHUNK, Received, Ring, RingLayout
+from .ring import Received, Ring, RingLayout
 from .segment import SharedSegment
 from .slot_views import SlotViews
 from .spin import Spinner

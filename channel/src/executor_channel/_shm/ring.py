@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
+from .._codec import STREAM_CHUNK, Assembled
 from .._memory import buffers as _buffers
 from .doorbell import Doorbell
 from .fence import (
@@ -104,10 +105,8 @@ __all__ = [
     "LINE",
     "MAX_SLEEP_S",
     "SLOT_HEADER",
-    "STREAM_CHUNK",
     "WITHDRAWN",
     "Assemble",
-    "Assembled",
     "Received",
     "Ring",
     "RingAbortedError",
@@ -137,13 +136,6 @@ MAX_SLEEP_S = 0.1
 _CALLBACK_FIRST_S = 0.0005
 _CALLBACK_MAX_S = 0.05
 
-#: A message that its readers copy out (one larger than a slot, or one the writer says is
-#: ``copied``) is streamed in chunks of at most this size: each reader copies one chunk
-#: while the next is written, instead of starting once the whole message is in. Smaller
-#: chunks overlap more and cost more wake-ups (figures: docs/benchmarks.md, "Calls read in
-#: place").
-STREAM_CHUNK = 4 << 20
-
 
 def _never() -> None:
     return None
@@ -153,17 +145,6 @@ def _never() -> None:
 #: what the message carries costs less than holding its slot and checking its pages after
 #: the call (figures: docs/benchmarks.md, "Calls read in place").
 IN_PLACE_MIN = 64 << 10
-
-
-class Assembled:
-    """A message of several slots that the reader copied into several pieces of memory it
-    owns, as the ``assemble`` function given to :meth:`Ring.read` placed them; ``parts`` is
-    what that function made of them (see :func:`executor_channel._codec.plan_assembly`)."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: list[object]) -> None:
-        self.parts = parts
 
 
 #: What a reader's ``decode`` gets: a view of the slot for a message of one slot (valid only

@@ -39,8 +39,10 @@ import os
 import struct
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-from .ring import RingLayout
+if TYPE_CHECKING:
+    from .ring import RingLayout
 
 __all__ = ["SlotViews"]
 
