@@ -3,6 +3,7 @@
 # an earlier revision and on this tree's, alternating, so that the machine's noise hits both.
 #
 #   bash scripts/before_after.sh REV [OUT_DIR]
+#   WORKLOADS=nodes VLLM_MQ_PATH=DIR bash scripts/before_after.sh REV   # other workloads only
 #
 # REV is checked out into a temporary git worktree; its sources are put first on PYTHONPATH
 # (the installed entry points name the same modules), after this tree's executor-bench: the
@@ -32,14 +33,17 @@ run() { # name side args...
   fi
 }
 # `executor bench`'s call rows on mp and uni, twice (each order once), then the reference model.
+workloads=${WORKLOADS:-imports,overhead,hot,cold,payload}
 for order in "old new" "new old"; do
   for side in $order; do
     run "bench-${order%% *}-first" "$side" -m executor_core bench --no-progress --backends mp,uni \
-      --workloads imports,overhead,hot,cold,payload --output-dir "$out/bench-${order%% *}-first-$side"
+      --workloads "$workloads" --output-dir "$out/bench-${order%% *}-first-$side"
   done
 done
-for side in old new; do
-  run ref "$side" -m executor_core bench --no-progress --backends uni,mp --workloads reference \
-    --output-dir "$out/ref-$side"
-done
+if [ -z "${WORKLOADS:-}" ]; then # the reference model with the default rows only
+  for side in old new; do
+    run ref "$side" -m executor_core bench --no-progress --backends uni,mp --workloads reference \
+      --output-dir "$out/ref-$side"
+  done
+fi
 echo "results in $out/" >&2
