@@ -375,19 +375,20 @@ class SharedListener:
     # --- the pump, and the starting thread before it -----------------------------------------
 
     def flush(self, live: Callable[[], list[Member]]) -> list[tuple[Member, ChannelError]]:
-        """Send the queued messages (popped and sent under the lock: no caller's call
-        overtakes them), then those for one member each; the members whose link failed."""
+        """Send the messages for one member each (an ``END`` precedes the ``REPLACE`` of a
+        recovery that followed it), then the queued ones (popped and sent under the lock: no
+        caller's call overtakes them); the members whose link failed."""
         failed: list[tuple[Member, ChannelError]] = []
         with self._lock:
+            directed = self._directed
+            while directed:
+                node, message = directed.popleft()
+                self._send_locked(node, message, failed)
             outbox = self._outbox
             while outbox:
                 nodes, message = outbox.popleft()
                 for node in live() if nodes is None else nodes:
                     self._send_locked(node, message, failed)
-            directed = self._directed
-            while directed:
-                node, message = directed.popleft()
-                self._send_locked(node, message, failed)
             self._after_send()
         return failed
 

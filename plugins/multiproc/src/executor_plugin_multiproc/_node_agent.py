@@ -397,8 +397,9 @@ class NodeAgent:
         launches = pickle.loads(order["launches"])
         wanted = {self._first_rank + index for index in self._indices(order)}
         mine = [launch for launch in launches if launch.rank in wanted]
+        self._ended.update(launch.rank - self._first_rank for launch in mine)
         failed = self._group.replace(mine, self._first_rank)
-        # The old processes' deaths seen by now (an ended one's as such); no later one is.
+        # The old processes' deaths seen by now, as ended (an END may come after the REPLACE).
         self._report_deaths()
         self._ended.difference_update(launch.rank - self._first_rank for launch in mine)
         for rank, exc in failed:
@@ -416,8 +417,7 @@ class NodeAgent:
             self._channel.calls.resume_reader(index)
 
     def _while_writing(self) -> None:
-        """The node's call ring is full (its workers are busy): keep replies, heartbeats and
-        the driver's messages flowing meanwhile, so that a long call is no silence."""
+        """The call ring is full: replies, heartbeats and the driver's messages go on."""
         self._skip_dead()
         self._forward_replies()
         status = self._drain()
