@@ -79,7 +79,11 @@ class TestTwoNodePipelineConformance(_TwoNodes):
     pipeline_parallel_size = 2
 
 
-def _two_nodes(agents: Agents, world_size: int = 4, **options: Any) -> Executor:
+def _two_nodes(
+    agents: Agents, world_size: int = 4, config: dict[str, Any] | None = None, **options: Any
+) -> Executor:
+    """An executor across two nodes (``config``: more of its config; ``options``: more
+    backend options), an agent started for node 1."""
     port = find_free_port()
     agents.start(port)
     return create_executor(
@@ -88,6 +92,7 @@ def _two_nodes(agents: Agents, world_size: int = 4, **options: Any) -> Executor:
             world_size=world_size,
             num_nodes=2,
             backend_options={"node_port": port, "shutdown_grace_s": 1.0, **options},
+            **(config or {}),
         )
     )
 
@@ -191,17 +196,8 @@ class TestNodes:
         caller gets the hang as a death, the agent ends the process on the driver's order,
         and that ending is no second death: the rank is replaced, and the driver's rank
         keeps its process."""
-        port = find_free_port()
-        agents.start(port)
-        config = conformance_config(
-            "mp",
-            world_size=2,
-            num_nodes=2,
-            recovery=RecoveryPolicy(backoff_s=0.0),
-            hang_timeout_s=2.0,
-            backend_options={"node_port": port, "shutdown_grace_s": 1.0},
-        )
-        with create_executor(config) as executor:
+        config = {"recovery": RecoveryPolicy(backoff_s=0.0), "hang_timeout_s": 2.0}
+        with _two_nodes(agents, 2, config) as executor:
             pids = executor.collective_rpc("get_pid", timeout=30)
             call = executor.collective_rpc("slow", args=(1.0,), non_block=True)
             os.kill(pids[1], signal.SIGSTOP)
